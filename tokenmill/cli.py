@@ -1,0 +1,86 @@
+"""The `tokenmill` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "scheduling_policy": args.scheduling_policy,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.sampling_seed,
+    )
+    tokenizer = llm.get_tokenizer()
+    if args.raw or not tokenizer.has_chat_template:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is, without the model's chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

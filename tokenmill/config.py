@@ -1,0 +1,124 @@
+"""Frozen configuration objects.
+
+User options live in ModelConfig / CacheConfig / SchedulerConfig; values found
+at run time (the model's shape, the number of KV blocks, EOS ids) are returned
+by their producer (ModelSpec from the loader, the block count from the runner)
+and passed on, never written back here. Invalid values raise ValueError with a
+message that says what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how. `model` is a Hugging Face directory, a .gguf file,
+    a hub id, or None for the default model (SmolLM2-135M-Instruct, GGUF)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a loaded model (Llama family), as read from its checkpoint.
+
+    Produced by tokenmill.model.loader; everything downstream reads it, nothing
+    writes it."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None
+    # HF rope_scaling / rope_parameters without rope_theta, e.g. {"rope_type": "llama3", ...}
+    rope_scaling: Mapping[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. Its size comes from `kv_cache_memory_bytes` (default:
+    a share of free RAM) or from an explicit `num_blocks_override`."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The one token-budget rule: per step at most `max_num_batched_tokens`
+    tokens across at most `max_num_seqs` running requests."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.policy!r} is not supported; use one of {SCHEDULING_POLICIES}"
+            )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queued_requests: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)

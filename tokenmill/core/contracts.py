@@ -1,0 +1,68 @@
+"""Plain data passed between the scheduler, the model runner and the engine.
+
+Scheduler -> runner: SchedulerOutput. Runner -> scheduler: ModelRunnerOutput.
+Scheduler -> engine: EngineCoreOutput per request that produced something.
+No tensors here: lists of Python ints and floats only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    num_computed_tokens: int  # position of token_ids[0]; tokens before it are cached
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    sampling_params: SamplingParams
+    # True when this step reaches the request's last known token, so a new token
+    # is sampled from its logits; False for a chunk in the middle of a prefill.
+    do_sample: bool
+    output_token_ids: list[int] = field(default_factory=list)  # generated so far
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests finished since the last step: the runner drops their state.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per scheduled request with do_sample, in SchedulerOutput order.
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token under the raw model distribution
+    # Per sampled request, the top-k alternatives {token_id: logprob} when asked for.
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[dict[int, float] | None]
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

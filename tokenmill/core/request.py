@@ -1,0 +1,104 @@
+"""A request as the scheduler sees it: token counts, status, block hashes."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """`num_tokens` = prompt + generated; `num_computed_tokens` = those whose
+    K/V are in the cache. The scheduler's only job is to make the second catch
+    up with the first."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first (vLLM's convention)
+    max_model_len: int = 1 << 62
+
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    stop_reason: int | str | None = field(default=None, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=-1, init=False)  # prefix hits at first schedule
+    # Chained hashes of this request's full blocks of tokens (prefix caching).
+    block_hashes: list[int] = field(default_factory=list, init=False)
+    # Static batching only: the request's result is complete, but it keeps its
+    # slot and keeps being computed until its whole batch ends.
+    padding_only: bool = field(default=False, init=False)
+    padding_status: RequestStatus | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens this request may generate."""
+        limit = self.max_model_len - self.num_prompt_tokens
+        if self.sampling_params.max_tokens is not None:
+            limit = min(limit, self.sampling_params.max_tokens)
+        return max(limit, 1)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if not self.padding_only:
+            self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the newest token puts this request in, if any."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

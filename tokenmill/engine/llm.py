@@ -1,0 +1,163 @@
+"""The offline API, shaped as vLLM's: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.tokenizer import ChatMessage, Tokenizer
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        seed: int = 0,
+        block_size: int = 16,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        check_integrity: bool = False,
+        skip_tokenizer_init: bool = False,
+    ) -> None:
+        self.engine = LLMEngine(
+            ModelConfig(
+                model=model, tokenizer=tokenizer, dtype=dtype, device=device,
+                max_model_len=max_model_len, seed=seed,
+            ),
+            CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_blocks_override=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=scheduling_policy,
+            ),
+            check_integrity=check_integrity,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this LLM was created with skip_tokenizer_init=True")
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; results come
+        back in input order. All prompts are checked before any is queued, so a
+        bad one raises ValueError and nothing runs."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        # Offline, only the final result is wanted (as vLLM's LLM does).
+        params_list = [
+            dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in self._params_per_prompt(sampling_params, len(prompts))
+        ]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        engine = self.engine
+        for i, prompt in enumerate(prompts):
+            _, ids = engine.tokenize_prompt(prompt)
+            if len(ids) > engine.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens, more than max_model_len="
+                    f"{engine.max_model_len}; shorten it or raise max_model_len"
+                )
+        request_ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            request_id = engine.new_request_id()
+            engine.add_request(
+                request_id, prompt, params, priority=priority[i] if priority else 0
+            )
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = cast(
+            list[list[ChatMessage]],
+            [messages] if messages and isinstance(messages[0], dict) else messages,
+        )
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        bar: Any = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                        dynamic_ncols=True)
+        start = time.monotonic()
+        num_in = num_out = 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        final[out.request_id] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += len(out.outputs[0].token_ids)
+                        elapsed = max(time.monotonic() - start, 1e-9)
+                        bar.set_postfix_str(
+                            f"input: {num_in / elapsed:.1f} toks/s, output: {num_out / elapsed:.1f} toks/s"
+                        )
+                        bar.update(1)
+        finally:
+            bar.close()
+            if pending:  # interrupted: leave no request behind in the engine
+                engine.abort_request(sorted(pending))
+        return [final[i] for i in request_ids]
+
+
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams"]

@@ -1,0 +1,173 @@
+"""LLMEngine: the only place where the scheduler, the model runner and the
+tokenizer meet. One call to `step()` is one iteration of continuous batching:
+schedule, run the model, update requests, detokenize, hand out outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+
+from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler, SchedulerStats
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.model.loader import load_model
+from tokenmill.model.source import ModelSource, resolve_model_source
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.worker.cache_sizing import num_kv_blocks
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenmill")
+
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+PromptType: TypeAlias = str | dict[str, Any]
+
+
+@dataclass
+class StepStats:
+    num_scheduled_tokens: int
+    num_scheduled_reqs: int
+    num_preempted: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        check_integrity: bool = False,
+        skip_tokenizer_init: bool = False,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.check_integrity = check_integrity
+        if model_config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        self.device = torch.device(model_config.device)
+        torch.manual_seed(model_config.seed)
+
+        self.source: ModelSource = resolve_model_source(model_config.model)
+        model, spec = load_model(model_config, self.source)
+        self.spec: ModelSpec = spec
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        # Without a tokenizer (vLLM's skip_tokenizer_init) prompts must be token ids
+        # and outputs carry token ids only.
+        self.tokenizer: Tokenizer | None = None
+        if not skip_tokenizer_init:
+            self.tokenizer = Tokenizer.load(model_config.tokenizer or self.source.path)
+        eos = set(spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+        max_model_len = model_config.max_model_len or spec.max_position_embeddings
+        if spec.sliding_window is not None and spec.sliding_window < max_model_len:
+            logger.info("max_model_len capped at the sliding window, %d", spec.sliding_window)
+            max_model_len = spec.sliding_window
+        num_blocks = num_kv_blocks(spec, self.dtype, cache_config, self.device)
+        self.runner = ModelRunner(
+            model, spec, num_blocks, cache_config.block_size, self.dtype, self.device,
+            seed=model_config.seed,
+        )
+        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, max_model_len)
+        self.max_model_len = self.scheduler.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.last_step = StepStats(0, 0, 0)
+
+    # ---- requests ---------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this engine was started with skip_tokenizer_init; send "
+                    "{'prompt_token_ids': [...]} instead of text"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})"
+                )
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize_prompt(str(prompt["prompt"]))
+        raise ValueError(
+            "a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'); "
+            f"got {type(prompt).__name__}"
+        )
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; raises ValueError (with what to do) if it can never run."""
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival,
+            priority=priority,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request_id, text, prompt_ids, params, arrival)
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Abort requests (between steps); their blocks are freed at once."""
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        outputs = []
+        for request_id in request_ids:
+            out = self.output_processor.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- one iteration ----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.last_step = StepStats(
+            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
+            num_scheduled_reqs=len(scheduler_output.scheduled),
+            num_preempted=len(scheduler_output.preempted_req_ids),
+        )
+        if self.check_integrity:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

@@ -1,0 +1,40 @@
+"""Per-forward attention metadata: an explicit argument down to every layer.
+
+The batch is ragged: all scheduled tokens of all requests concatenated, no
+padding. Requests are ordered decodes first (query length 1), then prefills
+(query length > 1: a whole prompt, a chunk of one, or a recompute):
+
+    tokens:   [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]
+    req:        0  1  2    3            4
+    query_start_loc = [0, 1, 2, 3, 7, 9]   num_decodes = 3
+
+Cache slots: slot = block_id * block_size + offset_in_block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_decodes: int  # the first num_decodes requests each have exactly one query token
+    # Python ints, used for slicing without device syncs.
+    query_start_loc: list[int]  # [num_reqs + 1] cumulative query lengths
+    seq_lens: list[int]  # [num_reqs] context length after this step (computed + scheduled)
+    max_decode_seq_len: int  # max of seq_lens over the decodes (0 if none)
+    # Device tensors.
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot for each new token's K/V
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64, padded with 0
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64, seq_lens of the decodes
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]

@@ -1,0 +1,115 @@
+"""Tokenizer loading, chat templates, and incremental (streaming) detokenization.
+
+The tokenizer comes from a Hugging Face directory or from a GGUF file's
+metadata (transformers converts it), so a GGUF file is self-contained.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+# Chat messages as OpenAI and vLLM take them: {"role": ..., "content": ...}.
+ChatMessage = dict[str, Any]
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+        self.all_special_ids: set[int] = set(hf_tokenizer.all_special_ids)
+
+    @classmethod
+    def load(cls, path: str) -> Tokenizer:
+        """`path` is a Hugging Face directory or a .gguf file."""
+        from transformers import AutoTokenizer
+
+        if path.endswith(".gguf"):
+            directory, filename = os.path.split(os.path.abspath(path))
+            hf = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        else:
+            hf = AutoTokenizer.from_pretrained(path)
+        return cls(hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        if chat_template is None and not self.has_chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; send a plain prompt "
+                "(completions, or --raw) or pass chat_template"
+            )
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )
+        return str(text)
+
+    def encode_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
+        # The template writes the special tokens itself.
+        return self.encode(text, add_special_tokens=False)
+
+
+# How many prompt tokens to keep as left context when decoding the first output
+# tokens: enough for tokenizers whose decoding depends on the previous token.
+INITIAL_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    It decodes a short window [prefix_offset, end) and emits the text beyond
+    what [prefix_offset, read_offset) decodes to, so leading-space rules come
+    out right; a window ending inside a multi-byte UTF-8 character decodes to
+    U+FFFD and is held back until the character is complete.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def add_tokens(self, new_token_ids: Sequence[int], final: bool = False) -> str:
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
+        full_text = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+            delta = full_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return delta
+        return ""

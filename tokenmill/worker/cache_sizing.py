@@ -1,0 +1,52 @@
+"""How many KV blocks fit in the memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import CacheConfig, ModelSpec
+
+# vLLM's CPU backend defaults to 4 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); so do we,
+# unless free memory is scarcer.
+DEFAULT_CPU_KV_BYTES = 4 << 30
+CPU_FREE_MEMORY_SHARE = 0.3
+CUDA_FREE_MEMORY_SHARE = 0.5
+
+
+def available_cpu_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return DEFAULT_CPU_KV_BYTES  # unknown: assume the default fits
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_FREE_MEMORY_SHARE)
+    return min(DEFAULT_CPU_KV_BYTES, int(available_cpu_memory_bytes() * CPU_FREE_MEMORY_SHARE))
+
+
+def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return spec.kv_bytes_per_token * element_bytes * block_size
+
+
+def num_kv_blocks(
+    spec: ModelSpec, dtype: torch.dtype, cache_config: CacheConfig, device: torch.device
+) -> int:
+    if cache_config.num_blocks_override is not None:
+        return cache_config.num_blocks_override
+    per_block = bytes_per_block(spec, dtype, cache_config.block_size)
+    budget = cache_config.kv_cache_memory_bytes or default_kv_cache_bytes(device)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
+            f"{cache_config.block_size} tokens needs {per_block} bytes for this model"
+        )
+    return int(num_blocks)
