@@ -137,6 +137,12 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget a block's content (it was registered but will not be computed)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; only allowed when no block is in use."""
         if self.num_free_blocks != self.num_blocks:

@@ -22,7 +22,6 @@ class ScheduledRequest:
     # True when this step reaches the request's last known token, so a new token
     # is sampled from its logits; False for a chunk in the middle of a prefill.
     do_sample: bool
-    output_token_ids: list[int] = field(default_factory=list)  # generated so far
 
     @property
     def num_tokens(self) -> int:

@@ -99,8 +99,17 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so that its tail is evicted
-        before its head (the head is the likelier shared prefix)."""
+        before its head (the head is the likelier shared prefix).
+
+        Blocks are registered in the prefix cache when they are allocated, for
+        the tokens the step will compute; a request preempted within that same
+        step never computes them, so blocks past its computed tokens are
+        forgotten here. (No other request can have hit them yet: hits happen only
+        at admission, which a step with a preemption skips.)"""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.ref_cnt == 1:
+                self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:

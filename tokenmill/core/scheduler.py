@@ -185,7 +185,6 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request.request_id),
                     sampling_params=request.sampling_params,
                     do_sample=start + num_new == request.num_tokens,
-                    output_token_ids=request.output_token_ids,
                 )
             )
             request.num_computed_tokens += num_new

@@ -1,0 +1,1 @@
+"""Benchmarks: the batching study (throughput), serving latency, peers."""
