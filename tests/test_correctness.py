@@ -49,13 +49,14 @@ def arch_case(
     return {"arch": arch, "path": path, "refs": refs}
 
 
+# A pool of 512 blocks is ample for these prompts (and cheap to check every step).
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "budget8": {"max_num_batched_tokens": 8},
+    "default": {"num_kv_blocks": 512},
+    "budget8": {"max_num_batched_tokens": 8, "num_kv_blocks": 512},
     "preempt": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 64},
-    "prefix": {"block_size": 4},
-    "one-seq": {"max_num_seqs": 1},
-    "static": {"scheduling_policy": "static", "max_num_seqs": 8},
+    "prefix": {"block_size": 4, "num_kv_blocks": 1024},
+    "one-seq": {"max_num_seqs": 1, "num_kv_blocks": 512},
+    "static": {"scheduling_policy": "static", "max_num_seqs": 8, "num_kv_blocks": 512},
 }
 
 

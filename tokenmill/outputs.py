@@ -61,3 +61,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = field(default=None)  # set when the request was rejected
+
+
+@dataclass
+class GenerateStats:
+    """What one `LLM.generate` call cost, step by step."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model, recomputes and padding included
+    num_scheduled_reqs: int = 0  # summed over steps
+    num_preemptions: int = 0
+    wall_time_s: float = 0.0
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Requests per forward pass, on average."""
+        return self.num_scheduled_reqs / self.num_steps if self.num_steps else 0.0

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import GenerateStats, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import ChatMessage, Tokenizer
 
@@ -55,6 +55,7 @@ class LLM:
             check_integrity=check_integrity,
             skip_tokenizer_init=skip_tokenizer_init,
         )
+        self.last_generate_stats = GenerateStats()
 
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
@@ -140,9 +141,16 @@ class LLM:
                         dynamic_ncols=True)
         start = time.monotonic()
         num_in = num_out = 0
+        stats = self.last_generate_stats = GenerateStats()
         try:
             while pending:
-                for out in engine.step():
+                step_outputs = engine.step()
+                step = engine.last_step
+                stats.num_steps += 1
+                stats.num_computed_tokens += step.num_scheduled_tokens
+                stats.num_scheduled_reqs += step.num_scheduled_reqs
+                stats.num_preemptions += step.num_preempted
+                for out in step_outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         final[out.request_id] = out
@@ -154,6 +162,7 @@ class LLM:
                         )
                         bar.update(1)
         finally:
+            stats.wall_time_s = time.monotonic() - start
             bar.close()
             if pending:  # interrupted: leave no request behind in the engine
                 engine.abort_request(sorted(pending))
