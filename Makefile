@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "CUDA present: installing torch with CUDA"; $(PY) -m pip install -q 'torch>=2.4'; \
+		echo "CUDA present: installing torch with CUDA"; $(PY) -m pip install -q 'torch>=2.5'; \
 	else \
 		$(PY) -m pip install -q $(TORCH_CPU); \
 	fi

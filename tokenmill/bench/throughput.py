@@ -1,0 +1,184 @@
+"""`tokenmill bench throughput`: the static-vs-continuous batching study.
+
+Every (policy, cap) run happens in a fresh subprocess, so peak memory is its
+own and nothing (allocator state, caches) leaks between runs; the model load
+and a short warm-up are excluded from the timed part. All policies share the
+same max_num_seqs (default 32, the static baseline's batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.workloads import Workload, throughput_a
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "static": {"scheduling_policy": "static", "enable_prefix_caching": False},
+    "continuous": {"scheduling_policy": "fcfs", "enable_prefix_caching": False},
+    "continuous+prefix": {"scheduling_policy": "fcfs", "enable_prefix_caching": True},
+}
+
+
+@dataclass
+class ThroughputRow:
+    policy: str
+    cap: int
+    dtype: str
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    wall_s: float
+    generated_tok_s: float
+    total_tok_s: float
+    computed_tokens: int  # tokens run through the model (static padding, recomputes included)
+    mean_batch_size: float
+    num_steps: int
+    num_preemptions: int
+    peak_rss_mib: float
+    ratio_vs_static: float | None = None
+
+
+def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
+            max_num_batched_tokens: int) -> ThroughputRow:
+    """One timed run in this process."""
+    from tokenmill import LLM, SamplingParams
+
+    workload: Workload = throughput_a(cap)
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, **POLICIES[policy])
+    # Warm-up: first-call costs (thread pools, allocator) stay out of the timing.
+    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:4]],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in workload.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    wall = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if generated != workload.num_output_tokens:
+        raise RuntimeError(f"generated {generated} tokens, the workload asks {workload.num_output_tokens}")
+    stats = llm.last_generate_stats
+    return ThroughputRow(
+        policy=policy, cap=cap, dtype=dtype, num_requests=len(prompts),
+        prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=wall,
+        generated_tok_s=generated / wall,
+        total_tok_s=(generated + workload.num_prompt_tokens) / wall,
+        computed_tokens=stats.num_computed_tokens, mean_batch_size=stats.mean_batch_size,
+        num_steps=stats.num_steps, num_preemptions=stats.num_preemptions,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+
+
+def run_in_subprocess(args: argparse.Namespace, policy: str, cap: int) -> ThroughputRow:
+    cmd = [sys.executable, "-m", "tokenmill.bench.throughput", "--one",
+           "--policy", policy, "--cap", str(cap), "--dtype", args.dtype,
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.model:
+        cmd += ["--model", args.model]
+    print(f"== {policy}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the run {policy}/cap {cap} failed (exit {proc.returncode})")
+    return ThroughputRow(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def format_table(rows: list[ThroughputRow]) -> str:
+    head = ("| policy | cap | dtype | wall s | gen tok/s | total tok/s | vs static | "
+            "computed / delivered tokens | mean batch | preemptions | peak RSS MiB |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        ratio = f"{r.ratio_vs_static:.2f}x" if r.ratio_vs_static else "-"
+        delivered = r.prompt_tokens + r.generated_tokens
+        lines.append(
+            f"| {r.policy} | {r.cap} | {r.dtype} | {r.wall_s:.1f} | {r.generated_tok_s:.1f} | "
+            f"{r.total_tok_s:.1f} | {ratio} | {r.computed_tokens} / {delivered} | "
+            f"{r.mean_batch_size:.1f} | {r.num_preemptions} | {r.peak_rss_mib:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[ThroughputRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r.policy for r in rows):
+        pts = sorted((r.cap, r.generated_tok_s) for r in rows if r.policy == policy)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.set_xscale("log", base=2)
+    caps = sorted({r.cap for r in rows})
+    ax.set_xticks(caps, [str(c) for c in caps])
+    ax.set_xlabel("max output tokens (CAP): higher = more variance in output length")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"throughput-A, {rows[0].num_requests} requests, {rows[0].dtype}")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--workload", default="throughput-A", choices=["throughput-A"])
+    p.add_argument("--caps", default="32,128,512")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--output-dir", default="bench-results")
+
+
+def main_throughput(args: argparse.Namespace) -> int:
+    caps = [int(c) for c in args.caps.split(",")]
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    rows = [run_in_subprocess(args, policy, cap) for cap in caps for policy in policies]
+    for r in rows:
+        base = next((b for b in rows if b.policy == "static" and b.cap == r.cap), None)
+        if base is not None:
+            r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"throughput-{args.dtype}"
+    (out / f"{stem}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    plot(rows, out / f"{stem}.png")
+    print(format_table(rows))
+    print(f"\nwrote {out / stem}.json and .png")
+    return 0
+
+
+def _main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_args(p)
+    p.add_argument("--one", action="store_true", help="(internal) one timed run, JSON on stdout")
+    p.add_argument("--policy", default="continuous")
+    p.add_argument("--cap", type=int, default=128)
+    args = p.parse_args()
+    if args.one:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        row = run_one(args.model, args.policy, args.cap, args.dtype, args.max_num_seqs,
+                      args.max_num_batched_tokens)
+        print(json.dumps(asdict(row)))
+        return 0
+    return main_throughput(args)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,147 @@
+"""Paged attention, portable torch backend (CPU and CUDA).
+
+The KV cache of one layer is a single tensor
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0: K, 1: V)
+
+and a request's context lives in the blocks its block table lists, in order:
+
+    block_table = [7, 2, 5], block_size = 4, seq_len = 10
+    positions:  0 1 2 3 | 4 5 6 7 | 8 9 . .
+    blocks:        7    |    2    |    5      ('.' is unused)
+
+Each step first writes the new tokens' K/V at their slots, then every query
+attends to its request's whole context read back from the cache (earlier
+chunks and prefix-cache hits included), so both paths see the same data.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.attention_metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v: [num_tokens, num_kv_heads, head_dim] at their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kv_heads, head_dim]
+    flat_cache[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat_cache[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class TorchAttentionBackend:
+    """Decodes in one batched computation; prefills one request at a time with SDPA."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decodes
+        if num_decodes > 0:
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, scale, sliding_window)
+        for i in range(num_decodes, meta.num_reqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = self._prefill(
+                q[start:end],
+                kv_cache,
+                meta.block_tables[i],
+                meta.seq_lens[i],
+                scale,
+                sliding_window,
+            )
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        num_decodes, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        num_ctx_blocks = -(-meta.max_decode_seq_len // meta.block_size)
+        block_tables = meta.block_tables[:num_decodes, :num_ctx_blocks]  # [B, nb]
+        # [2, B, nb, block_size, kv_heads, head_dim] -> [2, B, kv_heads, L, head_dim]
+        kv = kv_cache[:, block_tables].flatten(2, 3).transpose(2, 3)
+        key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
+        ctx_len = key.shape[2]  # L = nb * block_size >= every decode's seq_len
+
+        # GQA without repeating K/V: the `group` query heads that share a KV head
+        # are one small matrix. Query head h reads KV head h // group, as in HF.
+        q = q.reshape(num_decodes, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, L]
+
+        key_pos = torch.arange(ctx_len, device=q.device)  # [L]
+        seq_lens = meta.decode_seq_lens[:, None]  # [B, 1]; the query sits at seq_len - 1
+        visible = key_pos[None, :] < seq_lens  # [B, L]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > seq_lens - 1 - sliding_window
+        scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        out = torch.matmul(probs, value)  # [B, kv_heads, group, head_dim]
+        return out.reshape(num_decodes, num_heads, head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [q_len, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,  # [max_num_blocks]
+        seq_len: int,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+        q_len = q.shape[0]
+        num_blocks = -(-seq_len // kv_cache.shape[2])
+        # [2, nb, block_size, kv_heads, head_dim] -> [2, kv_heads, seq_len, head_dim]
+        kv = kv_cache[:, block_table[:num_blocks]].flatten(1, 2)[:, :seq_len].transpose(1, 2)
+        key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
+
+        # The queries are the last q_len tokens of the context: query i sits at
+        # position seq_len - q_len + i and sees keys up to that position.
+        mask: torch.Tensor | None = None
+        if sliding_window is not None or q_len != seq_len:
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = key_pos <= query_pos  # [q_len, seq_len], True = attend
+            if sliding_window is not None:
+                mask &= key_pos > query_pos - sliding_window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
+            key[None],  # [1, kv_heads, seq_len, head_dim]
+            value[None],
+            attn_mask=mask,
+            is_causal=mask is None,  # q_len == seq_len: plain causal
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]

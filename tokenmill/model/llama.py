@@ -1,0 +1,262 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) as one nn.Module.
+
+Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn...`)
+except two fused projections, one matmul each instead of three and two:
+
+    qkv_proj.weight      = [q_proj; k_proj; v_proj]     rows: heads*hd | kv*hd | kv*hd
+    gate_up_proj.weight  = [gate_proj; up_proj]         rows: intermediate | intermediate
+
+The loader fills each shard through `MergedLinear.shard_slice`. The numerics
+follow transformers' order of operations, so fp32 results match it closely.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelSpec
+from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
+from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
+
+
+class Linear(nn.Linear):
+    """nn.Linear without random init: the loader fills every weight, and
+    initialising a large model would take longer than loading it."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class MergedLinear(Linear):
+    """A Linear whose output rows are several checkpoint tensors stacked (shards)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],  # shard id -> output rows, in order
+        bias: bool,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias, device=device, dtype=dtype)
+        self.shard_sizes = dict(shard_sizes)
+
+    def shard_slice(self, shard_id: str) -> slice:
+        """The output rows (of weight and bias) that hold shard `shard_id`."""
+        start = 0
+        for name, size in self.shard_sizes.items():
+            if name == shard_id:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(shard_id)
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self, hidden_size: int, eps: float, device: torch.device | str | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, then scale in the input dtype, exactly as HF.
+        input_dtype = x.dtype
+        x_fp32 = x.float()
+        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_fp32.to(input_dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        device: torch.device | str | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.sliding_window = spec.sliding_window
+        self.backend = backend
+        self.qkv_proj = MergedLinear(
+            spec.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=spec.attention_bias,
+            device=device,
+            dtype=dtype,
+        )
+        # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = spec.attention_bias and spec.architecture != "Qwen2ForCausalLM"
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=o_bias, device=device, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary_emb(q, cos, sin)
+        k = apply_rotary_emb(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, spec: ModelSpec, device: torch.device | str | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            spec.hidden_size,
+            {"gate": spec.intermediate_size, "up": spec.intermediate_size},
+            bias=False,
+            device=device,
+            dtype=dtype,
+        )
+        self.down_proj = Linear(
+            spec.intermediate_size,
+            spec.hidden_size,
+            bias=False,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        device: torch.device | str | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(spec, backend, device, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(spec, device, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        max_positions: int,
+        device: torch.device | str | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, backend, device, dtype) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # once for all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Weights are allocated uninitialised; `tokenmill.model.loader` fills them all."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        max_positions: int | None = None,  # RoPE table length; default max_position_embeddings
+        attn_backend: AttentionBackend | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        backend = attn_backend if attn_backend is not None else TorchAttentionBackend()
+        self.model = LlamaModel(
+            spec, backend, max_positions or spec.max_position_embeddings, device, dtype
+        )
+        if spec.tie_word_embeddings:
+            # One Parameter under two names; named_parameters() lists it once,
+            # as model.embed_tokens.weight.
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(
+                spec.hidden_size,
+                spec.vocab_size,
+                bias=False,
+                device=device,
+                dtype=dtype,
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,303 @@
+"""Weight loading: Hugging Face safetensors directories and GGUF files.
+
+Loading is declarative and strict. Every parameter of the model expects one
+checkpoint tensor per shard; the only renames are the fused projections:
+
+    checkpoint name                        our parameter (shard)
+    model.layers.N.self_attn.q_proj.W  ->  model.layers.N.self_attn.qkv_proj.W  (q)
+    model.layers.N.self_attn.k_proj.W  ->  model.layers.N.self_attn.qkv_proj.W  (k)
+    model.layers.N.self_attn.v_proj.W  ->  model.layers.N.self_attn.qkv_proj.W  (v)
+    model.layers.N.mlp.gate_proj.W     ->  model.layers.N.mlp.gate_up_proj.W    (gate)
+    model.layers.N.mlp.up_proj.W       ->  model.layers.N.mlp.gate_up_proj.W    (up)
+
+A checkpoint tensor that maps to nothing, or a parameter shard no tensor
+fills, is an error naming it. GGUF names are first renamed to HF names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.model.llama import LlamaForCausalLM, MergedLinear
+from tokenmill.model.source import ModelSource
+from tokenmill.model.spec import eos_token_ids, spec_from_gguf, spec_from_hf_config
+
+# Checkpoint name fragment -> (our parameter name fragment, shard id).
+FUSED_WEIGHTS: Mapping[str, tuple[str, str]] = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
+}
+
+# llama.cpp tensor names -> Hugging Face names.
+GGUF_NAMES: Mapping[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+GGUF_LAYER_NAMES: Mapping[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+TensorThunk = Callable[[], torch.Tensor]
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not fit the model: missing, unexpected or misshapen tensors."""
+
+
+def resolve_dtype(
+    dtype: str, source: ModelSource, hf_config_dtype: str | None, device: str = "cpu"
+) -> torch.dtype:
+    """The compute dtype. "auto": bfloat16 for GGUF (dequantized weights); for HF
+    directories the checkpoint's dtype, except float16 -> bfloat16 on CPU (CPU
+    float16 kernels are slow and overflow-prone); float32 if the config is silent."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if source.kind == "gguf":
+        return torch.bfloat16
+    if hf_config_dtype == "float16":
+        return torch.float16 if device.startswith("cuda") else torch.bfloat16
+    if hf_config_dtype == "bfloat16":
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(
+    model_config: ModelConfig, source: ModelSource
+) -> tuple[LlamaForCausalLM, ModelSpec]:
+    """Build the model on `model_config.device` and fill every weight from `source`."""
+    if source.kind == "gguf":
+        return _load_gguf(model_config, source)
+    return _load_hf(model_config, source)
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """Checkpoint tensor name -> (our parameter name, shard id or None), for every
+    tensor the model expects."""
+    targets: dict[str, tuple[str, str | None]] = {}
+    for param_name, _ in model.named_parameters():
+        fused = [
+            (ckpt_frag, our_frag, shard)
+            for ckpt_frag, (our_frag, shard) in FUSED_WEIGHTS.items()
+            if our_frag in param_name
+        ]
+        for ckpt_frag, our_frag, shard in fused:
+            targets[param_name.replace(our_frag, ckpt_frag)] = (param_name, shard)
+        if not fused:
+            targets[param_name] = (param_name, None)
+    return targets
+
+
+def load_weights(
+    model: nn.Module, tensors: Mapping[str, TensorThunk], ignored: Callable[[str], bool]
+) -> None:
+    """Copy each checkpoint tensor (name -> loader) into its parameter or shard.
+    Names are checked before any tensor is read."""
+    targets = checkpoint_targets(model)
+    unexpected = sorted(n for n in tensors if n not in targets and not ignored(n))
+    missing = sorted(n for n in targets if n not in tensors)
+    if unexpected or missing:
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {_short_list(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {_short_list(unexpected)}")
+        raise WeightLoadError(
+            f"checkpoint does not match the {type(model).__name__} built from its config; "
+            + "; ".join(problems)
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (param_name, shard) in targets.items():
+            dest = params[param_name].data
+            if shard is not None:
+                module = model.get_submodule(param_name.rpartition(".")[0])
+                assert isinstance(module, MergedLinear), param_name
+                dest = dest[module.shard_slice(shard)]
+            tensor = tensors[name]()
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise WeightLoadError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)  # casts to the model's dtype and moves to its device
+
+
+def _short_list(names: list[str], limit: int = 10) -> str:
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# --- Hugging Face directories ------------------------------------------------
+
+
+def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCausalLM, ModelSpec]:
+    cfg = _read_json(os.path.join(source.path, "config.json"))
+    spec = spec_from_hf_config(cfg)
+    generation_path = os.path.join(source.path, "generation_config.json")
+    if os.path.isfile(generation_path):
+        eos = _read_json(generation_path).get("eos_token_id")
+        if eos is not None:  # generation_config.json's EOS ids take precedence
+            spec = dataclasses.replace(spec, eos_token_ids=eos_token_ids(eos))
+    dtype = resolve_dtype(
+        model_config.dtype, source, cfg.get("dtype") or cfg.get("torch_dtype"), model_config.device
+    )
+    model = LlamaForCausalLM(
+        spec,
+        max_positions=model_config.max_model_len,
+        device=model_config.device,
+        dtype=dtype,
+    )
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        tensors: dict[str, TensorThunk] = {}
+        for file in _safetensors_files(source.path):
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name] = _thunk(handle.get_tensor, name)
+        load_weights(model, tensors, ignored=_hf_ignored(spec))
+    return _finish(model), spec
+
+
+def _hf_ignored(spec: ModelSpec) -> Callable[[str], bool]:
+    def ignored(name: str) -> bool:
+        if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved this buffer
+            return True
+        return spec.tie_word_embeddings and name == "lm_head.weight"
+
+    return ignored
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map: dict[str, str] = _read_json(index_path)["weight_map"]
+        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise WeightLoadError(
+        f"{path} has neither model.safetensors nor model.safetensors.index.json; "
+        "only safetensors checkpoints are supported"
+    )
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _thunk(get: Callable[[str], torch.Tensor], name: str) -> TensorThunk:
+    return lambda: get(name)
+
+
+# --- GGUF files --------------------------------------------------------------
+
+
+def _load_gguf(
+    model_config: ModelConfig, source: ModelSource
+) -> tuple[LlamaForCausalLM, ModelSpec]:
+    import gguf
+
+    reader = gguf.GGUFReader(source.path)
+    spec = spec_from_gguf(reader)
+    dtype = resolve_dtype(model_config.dtype, source, None, model_config.device)
+    model = LlamaForCausalLM(
+        spec,
+        max_positions=model_config.max_model_len,
+        device=model_config.device,
+        dtype=dtype,
+    )
+    tensors: dict[str, TensorThunk] = {}
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        # llama.cpp permutes Q/K rows for its interleaved RoPE; undo it.
+        num_heads = {".q_proj.": spec.num_heads, ".k_proj.": spec.num_kv_heads}
+        heads = next((n for frag, n in num_heads.items() if frag in name), None)
+        tensors[name] = _gguf_thunk(tensor, heads)
+    # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
+    load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight")
+    return _finish(model), spec
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """A llama.cpp tensor name as its Hugging Face name (unknown names unchanged)."""
+    stem, dot, suffix = name.rpartition(".")
+    if stem in GGUF_NAMES:
+        return f"{GGUF_NAMES[stem]}{dot}{suffix}"
+    match = _GGUF_LAYER_RE.match(name)
+    if match and match.group(2) in GGUF_LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+    return name
+
+
+def _gguf_thunk(tensor: Any, rope_heads: int | None) -> TensorThunk:
+    def load() -> torch.Tensor:
+        weight = dequantize_gguf_tensor(tensor)
+        return weight if rope_heads is None else unpermute_rope_rows(weight, rope_heads)
+
+    return load
+
+
+def dequantize_gguf_tensor(tensor: Any) -> torch.Tensor:
+    """A GGUF tensor as float32, in PyTorch's [out_features, in_features] layout."""
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise WeightLoadError(
+            f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
+            "package cannot dequantize; use a file with another quantization"
+        ) from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable:  # a view of the memory-mapped file
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation. Per head, HF orders the rotary pairs
+    as two halves [x0..x(d/2-1) | x(d/2)..x(d-1)]; llama.cpp interleaves them
+    [x0 x(d/2) x1 x(d/2+1) ...]. Works for weights [rows, in] and biases [rows]."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )

@@ -1,0 +1,114 @@
+"""Rotary position embedding (RoPE), Hugging Face's rotate_half convention.
+
+Each head vector is split in two halves (x1, x2), not interleaved pairs:
+
+    rotate_half(x) = [-x2, x1]
+    x' = x * cos(pos * inv_freq) + rotate_half(x) * sin(pos * inv_freq)
+
+cos/sin are computed once in float32 for every position up to `max_positions`
+and indexed by each token's position, so a ragged batch needs no padding.
+The frequencies follow `transformers.modeling_rope_utils` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+def compute_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: Mapping[str, Any] | None
+) -> torch.Tensor:
+    """Inverse frequencies, [head_dim // 2] float32, as transformers computes them."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_scaling is None or rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "freq_factors":
+        # llama.cpp's per-frequency divisors (a GGUF `rope_freqs` tensor).
+        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float)
+        return inv_freq / factors
+    raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, and
+    # the band between is interpolated smoothly.
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    # Same order of operations as transformers, for bit-identical frequencies.
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor
+    smoothed_inv_freq = smoothed_inv_freq + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim] in x's dtype."""
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: Mapping[str, Any] | None,
+        max_positions: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
+        # One half of the angles is enough: HF's cat((freqs, freqs)) repeats them.
+        positions = torch.arange(max_positions, dtype=torch.float, device=device)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        # Buffers, not parameters: they are not in checkpoints (persistent=False).
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] int64 -> cos, sin: [num_tokens, 1, head_dim] in `dtype`."""
+        # Cast after computing in float32, as HF does.
+        cos = self.cos_cache[positions].to(dtype)  # [num_tokens, head_dim // 2]
+        sin = self.sin_cache[positions].to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q: [num_tokens, num_heads, head_dim] and k: [num_tokens, num_kv_heads,
+        head_dim] for ragged `positions`: [num_tokens]. (The model itself computes cos/sin
+        once per step with `cos_sin` and calls `apply_rotary_emb` in every layer.)"""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
