@@ -1,0 +1,109 @@
+"""The engine keeps serving: bad requests are refused with a clear error, aborts
+free their blocks, and the default model answers a real question."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.hf_models import build_hf_model, save_hf_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.source import ModelNotFoundError, default_model_path
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    path = save_hf_model(build_hf_model("llama"), Path(tmp_path_factory.mktemp("llama")))
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+               block_size=4, max_model_len=200, check_integrity=True)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_to_end(llm: LLM) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    for _ in range(1000):
+        if not llm.engine.has_unfinished_requests():
+            break
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def test_a_request_that_cannot_run_is_refused_and_the_others_finish(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    for i in range(3):
+        engine.add_request(f"ok{i}", {"prompt_token_ids": [5 + i] * 10}, greedy(8))
+    engine.step()
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.add_request("long", {"prompt_token_ids": [7] * 201}, greedy(4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad-id", {"prompt_token_ids": [1, 10**6]}, greedy(4))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", {"prompt_token_ids": []}, greedy(4))
+    done = run_to_end(tiny_llm)
+    assert sorted(done) == ["ok0", "ok1", "ok2"]
+    assert all(len(t) == 8 for t in done.values())
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_generation_stops_at_max_model_len(tiny_llm: LLM) -> None:
+    # 64 blocks of 4 tokens hold 256 tokens, so max_model_len 200 stands.
+    assert tiny_llm.engine.max_model_len == 200
+    out = tiny_llm.generate({"prompt_token_ids": [9] * 195}, greedy(50), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5  # stopped at the context length
+    assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_generate_checks_every_prompt_before_running_any(tiny_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt 1 has 300 tokens"):
+        tiny_llm.generate([{"prompt_token_ids": [3] * 5}, {"prompt_token_ids": [3] * 300}],
+                          greedy(4), use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        tiny_llm.generate("text needs a tokenizer", greedy(4), use_tqdm=False)
+
+
+def test_abort_frees_blocks_at_once(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    engine.add_request("a", {"prompt_token_ids": [4] * 30}, greedy(50))
+    engine.add_request("b", {"prompt_token_ids": [6] * 30}, greedy(5))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.kv.block_ids("a")
+    outs = engine.abort_request(["a"])
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
+    assert engine.scheduler.kv.block_ids("a") == []
+    engine.scheduler.check_integrity()
+    assert sorted(run_to_end(tiny_llm)) == ["b"]
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_priority_policy_runs_urgent_requests_first(tmp_path: Path) -> None:
+    path = save_hf_model(build_hf_model("llama"), tmp_path)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+              max_num_seqs=1, scheduling_policy="priority")
+    outs = llm.generate([{"prompt_token_ids": [5] * 4}] * 3, greedy(3), use_tqdm=False,
+                        priority=[2, 0, 1])
+    first_token_times = [o.metrics.first_token_time for o in outs if o.metrics]
+    order = sorted(range(3), key=lambda i: first_token_times[i] or 0.0)
+    assert order == [1, 2, 0]
+
+
+def test_default_model_answers_paris() -> None:
+    try:
+        default_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    llm = LLM(kv_cache_memory_bytes=64 << 20)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"  # the model ended its answer with <|im_end|>
