@@ -7,8 +7,16 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
+    from tokenmill.model.source import default_model_path
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "default_model_path",
+]
 
 
 def __getattr__(name: str) -> object:
@@ -17,4 +25,8 @@ def __getattr__(name: str) -> object:
         from tokenmill.engine.llm import LLM
 
         return LLM
+    if name == "default_model_path":
+        from tokenmill.model.source import default_model_path
+
+        return default_model_path
     raise AttributeError(name)

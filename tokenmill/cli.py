@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_args(thr)
     thr.set_defaults(func=throughput.main_throughput)
+    from tokenmill.bench import peers
+
+    peers_parser = bench_sub.add_parser(
+        "peers", help="throughput-A on Hugging Face transformers beside tokenmill"
+    )
+    peers.add_args(peers_parser)
+    peers_parser.set_defaults(func=peers.main_peers)
     return parser
 
 

@@ -1,0 +1,158 @@
+"""`tokenmill bench peers`: throughput-A on Hugging Face transformers beside tokenmill.
+
+Peers, each in its own subprocess (as tokenmill's runs are):
+- hf-static: `model.generate` on batches of max_num_seqs prompts, each batch run
+  until its longest member's length (naive static batching, EOS ignored);
+- hf-continuous: transformers' own continuous batching manager
+  (`init_continuous_batching`), per-request max_new_tokens.
+The model is the same file tokenmill serves (the default GGUF, which
+transformers dequantizes), in the same dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.throughput import ThroughputRow, format_table, run_in_subprocess
+from tokenmill.bench.workloads import throughput_a
+
+PEERS = ("hf-static", "hf-continuous")
+
+
+def _load_hf(model: str | None, dtype: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill import default_model_path
+
+    path = model or default_model_path()
+    torch_dtype = getattr(torch, dtype)
+    if path.endswith(".gguf"):
+        directory, filename = os.path.split(os.path.abspath(path))
+        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch_dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # EOS ignored, as in the workload
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: int) -> ThroughputRow:
+    import torch
+
+    workload = throughput_a(cap)
+    hf = _load_hf(model, dtype)
+    prompts, lens = workload.prompts, workload.output_lens
+    computed = 0
+    with torch.inference_mode():
+        hf.generate(torch.tensor(prompts[:2]), max_new_tokens=2, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        if peer == "hf-static":
+            for i in range(0, len(prompts), max_num_seqs):
+                batch = torch.tensor(prompts[i : i + max_num_seqs])  # equal lengths: no padding
+                longest = max(lens[i : i + max_num_seqs])
+                hf.generate(batch, attention_mask=torch.ones_like(batch),
+                            max_new_tokens=longest, do_sample=False)
+                computed += batch.shape[0] * (batch.shape[1] + longest - 1)
+        elif peer == "hf-continuous":
+            from transformers import GenerationConfig
+
+            config = GenerationConfig(do_sample=False, max_new_tokens=max(lens),
+                                      eos_token_id=None, pad_token_id=0,
+                                      max_batch_tokens=2048)
+            manager = hf.init_continuous_batching(generation_config=config)
+            manager.start()
+            try:
+                ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lens, strict=True)]
+                done = 0
+                deadline = time.monotonic() + 3600
+                while done < len(ids) and time.monotonic() < deadline:
+                    result = manager.get_result(timeout=1)
+                    if result is not None and result.is_finished():
+                        done += 1
+                if done < len(ids):
+                    raise RuntimeError(f"transformers' CB finished {done} of {len(ids)} requests")
+            finally:
+                manager.stop(block=True)
+            computed = workload.num_prompt_tokens + workload.num_output_tokens - len(prompts)
+        else:
+            raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
+        wall = time.perf_counter() - start
+    generated = workload.num_output_tokens
+    return ThroughputRow(
+        policy=peer, cap=cap, dtype=dtype, num_requests=len(prompts),
+        prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=wall,
+        generated_tok_s=generated / wall,
+        total_tok_s=(generated + workload.num_prompt_tokens) / wall,
+        computed_tokens=computed, mean_batch_size=float("nan"), num_steps=0, num_preemptions=0,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--caps", default="32,128")
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--output-dir", default="bench-results")
+
+
+def main_peers(args: argparse.Namespace) -> int:
+    import subprocess
+
+    caps = [int(c) for c in args.caps.split(",")]
+    peers = args.peers.split(",")
+    rows: list[ThroughputRow] = []
+    for cap in caps:
+        rows.append(run_in_subprocess(args, "continuous", cap))
+        for peer in peers:
+            cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
+                   "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+            if args.model:
+                cmd += ["--model", args.model]
+            print(f"== {peer}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+            if proc.returncode != 0:
+                print(f"   {peer} failed (exit {proc.returncode}); see its output above",
+                      file=sys.stderr)
+                continue
+            rows.append(ThroughputRow(**json.loads(proc.stdout.strip().splitlines()[-1])))
+    for r in rows:
+        ours = next(t for t in rows if t.policy == "continuous" and t.cap == r.cap)
+        # Here the ratio is tokenmill's throughput over this row's.
+        r.ratio_vs_static = ours.generated_tok_s / r.generated_tok_s
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"peers-{args.dtype}.json"
+    path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    print(format_table(rows).replace("vs static", "tokenmill vs this"))
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_args(p)
+    p.add_argument("--one", default=None, help="(internal) one peer run, JSON on stdout")
+    p.add_argument("--cap", type=int, default=128)
+    args = p.parse_args()
+    if args.one:
+        row = run_peer(args.one, args.model, args.cap, args.dtype, args.max_num_seqs)
+        print(json.dumps(asdict(row)))
+        return 0
+    return main_peers(args)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
