@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peers.add_args(peers_parser)
     peers_parser.set_defaults(func=peers.main_peers)
+    from tokenmill.bench import serve as serve_bench
+
+    serve_parser = bench_sub.add_parser(
+        "serve", help="latency under Poisson load against an OpenAI-compatible server"
+    )
+    serve_bench.add_args(serve_parser)
+    serve_parser.set_defaults(func=serve_bench.main_serve)
     return parser
 
 

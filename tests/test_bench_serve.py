@@ -1,0 +1,124 @@
+"""The serving benchmark's client, against a fake OpenAI server on loopback.
+
+The fake exists only to test the client's arithmetic and parsing: it streams
+`max_tokens` chunks with known delays (a first-token delay, then a fixed gap),
+so the measured TTFT / ITL / TPOT must come out at those delays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tokenmill.bench.serve import (
+    RequestResult,
+    build_report,
+    format_table,
+    run_rate,
+    summarize,
+)
+
+FIRST_DELAY_S = 0.15
+GAP_S = 0.03
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # close-delimited body: simple streaming
+
+    def log_message(self, *args: object) -> None:  # keep test output quiet
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if request["max_tokens"] == 13:  # the test's way to ask for a failure
+            self.send_response(500)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "boom", "type": "internal_error"}}')
+            return
+        assert request["stream"] is True and request["ignore_eos"] is True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        time.sleep(FIRST_DELAY_S)
+        for i in range(request["max_tokens"]):
+            if i:
+                time.sleep(GAP_S)
+            chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"prompt_tokens": len(request["prompt"]),
+                                          "completion_tokens": request["max_tokens"]}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_percentiles_on_known_values() -> None:
+    stats = summarize([0.001 * i for i in range(1, 101)])  # 1..100 ms
+    assert stats["mean"] == pytest.approx(50.5)
+    assert stats["p50"] == pytest.approx(50.5)
+    assert stats["p90"] == pytest.approx(90.1)
+    assert stats["p99"] == pytest.approx(99.01)
+
+
+def test_report_arithmetic_and_goodput() -> None:
+    results = [
+        RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft_s=0.1, e2e_s=0.5,
+                      itl_s=[0.1] * 4),
+        RequestResult(ok=True, prompt_tokens=10, output_tokens=3, ttft_s=0.3, e2e_s=0.7,
+                      itl_s=[0.2, 0.2]),
+        RequestResult(ok=False, prompt_tokens=10, error="HTTP 500"),
+    ]
+    report = build_report(1.0, results, duration_s=2.0, slo_ttft_ms=200, slo_tpot_ms=150)
+    assert report.num_ok == 2 and report.errors == ["HTTP 500"]
+    assert report.request_throughput == pytest.approx(1.0)
+    assert report.output_throughput == pytest.approx(4.0)
+    assert report.total_token_throughput == pytest.approx(14.0)
+    # TPOT = (e2e - ttft) / (n - 1): 0.1 s and 0.2 s.
+    assert report.tpot_ms["mean"] == pytest.approx(150.0)
+    assert report.ttft_ms["p50"] == pytest.approx(200.0)
+    assert report.itl_ms["mean"] == pytest.approx(1000 * (0.4 + 0.4) / 6)
+    # Only the first request meets TTFT <= 200 ms and TPOT <= 150 ms.
+    assert report.goodput == pytest.approx(0.5)
+    assert "| 1 | 2/3 |" in format_table([report])
+
+
+def test_client_measures_a_fake_servers_known_timings(fake_server: str) -> None:
+    prompts = [[1, 2, 3]] * 6
+    lens = [4, 8, 1, 13, 6, 5]  # 13: the fake answers 500
+    results, duration = asyncio.run(
+        run_rate(fake_server, "fake-model", prompts, lens, rate=20.0, timeout_s=30))
+    ok = [r for r in results if r.ok]
+    assert len(ok) == 5
+    assert results[3].error.startswith("HTTP 500")
+    assert [r.output_tokens for r in ok] == [4, 8, 1, 6, 5]
+    for r in ok:
+        assert FIRST_DELAY_S <= r.ttft_s < FIRST_DELAY_S + 0.25
+        assert len(r.itl_s) == r.output_tokens - 1
+        assert all(GAP_S * 0.8 <= gap < GAP_S + 0.2 for gap in r.itl_s)
+    report = build_report(20.0, results, duration)
+    assert GAP_S * 1000 * 0.8 <= report.tpot_ms["p50"] < (GAP_S + 0.2) * 1000
+    assert report.num_requests == 6
+

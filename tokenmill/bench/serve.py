@@ -1,0 +1,272 @@
+"""`tokenmill bench serve`: latency under load against any OpenAI-compatible server.
+
+serve-B (WORKLOADS.md): the throughput-A requests with CAP 128, sent as
+streaming `/v1/completions` with prompt token ids, `max_tokens` = the drawn
+length, `ignore_eos`, temperature 0, with Poisson arrivals (default_rng(2) for
+the gaps) at each rate. Metrics are defined as `vllm bench serve` defines them:
+
+- TTFT: send -> first streamed token;
+- TPOT: (e2e - TTFT) / (output tokens - 1), per request with > 1 output token;
+- ITL: the gaps between successive streamed chunks, over all requests;
+- E2E: send -> last chunk;
+- goodput: requests per second that met every given SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill.bench.workloads import throughput_a
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class RateReport:
+    rate: float  # requests per second asked for (inf: all at once)
+    num_requests: int
+    num_ok: int
+    duration_s: float
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # generated tokens / s
+    total_token_throughput: float
+    goodput: float | None  # requests / s meeting every SLO given
+    # {"mean": ..., "p50": ..., "p90": ..., "p99": ...} in milliseconds
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    errors: list[str]
+
+
+def summarize(values_s: list[float]) -> dict[str, float]:
+    if not values_s:
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
+    arr = np.asarray(values_s) * 1000.0
+    return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def tpot_s(r: RequestResult) -> float | None:
+    if r.output_tokens <= 1:
+        return None
+    return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+
+
+def build_report(
+    rate: float,
+    results: list[RequestResult],
+    duration_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> RateReport:
+    ok = [r for r in results if r.ok]
+    tpots = [t for t in (tpot_s(r) for r in ok) if t is not None]
+    goodput = None
+    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+        good = 0
+        for r in ok:
+            t = tpot_s(r)
+            if slo_ttft_ms is not None and r.ttft_s * 1000 > slo_ttft_ms:
+                continue
+            if slo_tpot_ms is not None and t is not None and t * 1000 > slo_tpot_ms:
+                continue
+            good += 1
+        goodput = good / duration_s
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return RateReport(
+        rate=rate,
+        num_requests=len(results),
+        num_ok=len(ok),
+        duration_s=duration_s,
+        request_throughput=len(ok) / duration_s,
+        output_throughput=out_tokens / duration_s,
+        total_token_throughput=(out_tokens + in_tokens) / duration_s,
+        goodput=goodput,
+        ttft_ms=summarize([r.ttft_s for r in ok]),
+        tpot_ms=summarize(tpots),
+        itl_ms=summarize([x for r in ok for x in r.itl_s]),
+        e2e_ms=summarize([r.e2e_s for r in ok]),
+        errors=sorted({r.error for r in results if not r.ok})[:5],
+    )
+
+
+async def send_one(
+    client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
+    headers: dict[str, str], timeout_s: float,
+) -> RequestResult:
+    """One streaming completion; times each SSE chunk that carries text."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(ok=False, prompt_tokens=len(prompt))
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if payload.get("usage"):
+                    usage_tokens = payload["usage"].get("completion_tokens")
+                choices = payload.get("choices") or []
+                if not choices or not choices[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as e:  # a failed request is reported, never fatal to the run
+        result.error = f"{type(e).__name__}: {e}"[:200]
+        return result
+    result.e2e_s = last - start
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.ok = chunks > 0
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+async def run_rate(
+    base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rate: float,
+    seed: int = 2, api_key: str | None = None, timeout_s: float = 600.0,
+) -> tuple[list[RequestResult], float]:
+    """Send every request at its Poisson arrival time; wait for all."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=len(prompts)) if np.isfinite(rate) else np.zeros(len(prompts))
+    gaps[0] = 0.0
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n, gap in zip(prompts, output_lens, gaps, strict=True):
+            await asyncio.sleep(float(gap))
+            tasks.append(asyncio.create_task(
+                send_one(client, url, model, prompt, n, headers, timeout_s)))
+        results = list(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - start
+
+
+def format_table(reports: list[RateReport]) -> str:
+    lines = ["| rate req/s | ok | req/s | out tok/s | TTFT mean/p50/p90/p99 ms | "
+             "TPOT mean/p50/p90/p99 ms | ITL mean/p50/p90/p99 ms | E2E mean/p50/p90/p99 ms | goodput |",
+             "|" + "---|" * 9]
+
+    def q(d: dict[str, float]) -> str:
+        return "/".join(f"{d[k]:.0f}" for k in ("mean", "p50", "p90", "p99"))
+
+    for r in reports:
+        goodput = f"{r.goodput:.2f}" if r.goodput is not None else "-"
+        lines.append(
+            f"| {r.rate:g} | {r.num_ok}/{r.num_requests} | {r.request_throughput:.2f} | "
+            f"{r.output_throughput:.1f} | {q(r.ttft_ms)} | {q(r.tpot_ms)} | {q(r.itl_ms)} | "
+            f"{q(r.e2e_ms)} | {goodput} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(reports: list[RateReport], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r.rate for r in reports]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, label in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms"),
+                              ("time to first token", "time per output token", "end-to-end latency"),
+                              strict=True):
+        for p in ("p50", "p90", "p99"):
+            ax.plot(rates, [getattr(r, key)[p] for r in reports], marker="o", label=p)
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.set_title(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--rates", default="0.5,1,2,4")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--workload", default="serve-B", choices=["serve-B"])
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--label", default="tokenmill", help="name of the server, for the report")
+    p.add_argument("--output-dir", default="bench-results")
+
+
+def _first_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    workload = throughput_a(128)
+    n = args.num_requests
+    prompts, lens = workload.prompts[:n], workload.output_lens[:n]
+    model = args.model or _first_model(args.base_url, args.api_key)
+    reports = []
+    for rate_text in args.rates.split(","):
+        rate = float(rate_text)
+        print(f"== {args.label}: {n} requests at {rate:g} req/s", file=sys.stderr, flush=True)
+        results, duration = asyncio.run(
+            run_rate(args.base_url, model, prompts, lens, rate, api_key=args.api_key))
+        reports.append(build_report(rate, results, duration, args.slo_ttft_ms, args.slo_tpot_ms))
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"serve-{args.label}"
+    (out / f"{stem}.json").write_text(json.dumps([asdict(r) for r in reports], indent=2))
+    plot(reports, out / f"{stem}.png", f"serve-B against {args.label} ({model})")
+    print(format_table(reports))
+    print(f"\nwrote {out / stem}.json and .png")
+    return 0 if all(r.num_ok == r.num_requests for r in reports) else 1
