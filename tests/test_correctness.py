@@ -81,7 +81,7 @@ def test_greedy_matches_transformers(arch_case: dict[str, Any], scenario: str) -
         assert completion.token_ids == ref_tokens, f"prompt {i}"
         assert completion.finish_reason == "length"
         assert completion.logprobs is not None
-        ours = [entry[tok] for entry, tok in zip(completion.logprobs, ref_tokens, strict=True)]
+        ours = [entry[tok].logprob for entry, tok in zip(completion.logprobs, ref_tokens, strict=True)]
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
 
     scheduler = llm.engine.scheduler

@@ -6,14 +6,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's logprob under the raw model distribution, as vLLM's Logprob."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # the token's own text (None without a tokenizer)
+
+
+# Per position: {token_id: Logprob} for the chosen token and the top alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# The same for each prompt token; the first is None (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
-    index: int
+    index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # One entry per generated token: {token_id: logprob} for the chosen token (and
+    # One entry per generated token: {token_id: Logprob} for the chosen token (and
     # the top alternatives when asked for); None when logprobs were not requested.
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
@@ -61,6 +76,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = field(default=None)  # set when the request was rejected
+    prompt_logprobs: PromptLogprobs | None = None  # when asked for (SamplingParams.prompt_logprobs)
 
 
 @dataclass

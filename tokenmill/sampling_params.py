@@ -1,9 +1,22 @@
-"""User-facing request options, named and shaped as vLLM's SamplingParams."""
+"""User-facing request options, named and shaped as vLLM's SamplingParams.
+
+Every field keeps vLLM's name, default and meaning; a bad value raises
+ValueError naming the field and its allowed range. Checks that need the
+model (token ids inside the vocabulary, bad words as token ids) are done by
+the engine when the request is added.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+
+# Temperatures below this are greedy (as in vLLM); nonzero ones are clamped up to
+# MIN_TEMPERATURE so that logits / temperature cannot overflow.
+GREEDY_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(Enum):
@@ -14,54 +27,130 @@ class RequestOutputKind(Enum):
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # independent samples of the same prompt (they share its KV blocks)
+    presence_penalty: float = 0.0  # [-2, 2]: minus this for every token already generated
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count so far
+    repetition_penalty: float = 1.0  # > 0: divides (or multiplies) logits of prompt+output tokens
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
-    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
     logprobs: int | None = None  # top-k alternatives per generated token (the chosen one always)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words (token sequences) that are never completed
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # `bad_words` as token id sequences; filled in by the engine from its tokenizer.
+    bad_words_token_ids: list[list[int]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported yet; send n separate requests")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            # JSON sends token ids as strings: accept them, as vLLM does.
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"logit_bias must map token ids (int) to floats, got {self.logit_bias!r}"
+                ) from e
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        self._verify()
+        if GREEDY_EPS <= self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if self.greedy:
+            # Filtering cannot change an argmax (vLLM resets these too).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        def check(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        check(self.n >= 1, "n", ">= 1")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0 (1 disables it)")
+        check(self.temperature >= 0.0, "temperature", ">= 0 (0 is greedy)")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(self.top_k >= 0, "top_k", "0 or -1 (disabled) or >= 1")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(
+            self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1 (or None)"
+        )
+        check(self.min_tokens >= 0, "min_tokens", ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= MAX_LOGPROBS, name, f"None or in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True; use stop_token_ids instead")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            bad = {k: v for k, v in self.logit_bias.items()
+                   if k < 0 or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+            if bad:
+                raise ValueError(
+                    f"logit_bias must map token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bad!r}"
+                )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be None or a non-empty list of token ids >= 0, "
+                f"got {self.allowed_token_ids!r}"
+            )
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if self.n > 1 and self.greedy:
+            raise ValueError(
+                f"n must be 1 when temperature is 0 (greedy samples are identical), got {self.n}"
+            )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters held back from a stream so a stop string never leaks."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -21,6 +21,11 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
         self.all_special_ids: set[int] = set(hf_tokenizer.all_special_ids)
+        # Added tokens (special or not) decode as themselves, between text segments.
+        self.added_tokens: dict[int, str] = {
+            i: t for t, i in hf_tokenizer.get_added_vocab().items()
+        }
+        self._token_strings: dict[int, str] = {}
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
@@ -41,8 +46,53 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
+    ) -> str:
+        """With spaces_between_special_tokens, text runs and added tokens are
+        joined with a space, as transformers' slow tokenizers (and vLLM) do."""
+        if not spaces_between_special_tokens or self.added_tokens.keys().isdisjoint(token_ids):
+            return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in token_ids:
+            if token_id not in self.added_tokens:
+                run.append(token_id)
+                continue
+            if skip_special_tokens and token_id in self.all_special_ids:
+                continue
+            if run:
+                pieces.append(str(self.hf.decode(run)))
+                run = []
+            pieces.append(self.added_tokens[token_id])
+        if run:
+            pieces.append(str(self.hf.decode(run)))
+        return " ".join(pieces)
+
+    def token_string(self, token_id: int) -> str:
+        """One token's own text, as vLLM shows it in logprobs (a token holding
+        part of a UTF-8 character shows as U+FFFD)."""
+        text = self._token_strings.get(token_id)
+        if text is None:
+            token = self.hf.convert_ids_to_tokens(token_id)
+            text = str(self.hf.convert_tokens_to_string([token])) if token is not None else ""
+            self._token_strings[token_id] = text
+        return text
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space when that is a
+        different token sequence of the same length (vLLM's rule)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.encode(word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return [seq for seq in sequences if seq]
 
     def apply_chat_template(
         self,
@@ -85,7 +135,12 @@ class IncrementalDetokenizer:
     It decodes a short window [prefix_offset, end) and emits the text beyond
     what [prefix_offset, read_offset) decodes to, so leading-space rules come
     out right; a window ending inside a multi-byte UTF-8 character decodes to
-    U+FFFD and is held back until the character is complete.
+    U+FFFD and is held back until the character is complete:
+
+        tokens:  ... | 'Ġh' 'i' | 'ĠðŁĺ' 'Ģ'      (the emoji is split in two)
+        offsets:     prefix    read
+        add 'ĠðŁĺ' -> window decodes to "hi �": ends in U+FFFD, emit nothing
+        add 'Ģ'    -> window decodes to "hi 😀": emit " 😀", move both offsets
     """
 
     def __init__(
@@ -93,20 +148,25 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
 
-    def add_tokens(self, new_token_ids: Sequence[int], final: bool = False) -> str:
-        self.token_ids.extend(new_token_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(
-            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(
+            token_ids, self.skip_special_tokens, self.spaces_between_special_tokens
         )
-        full_text = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+
+    def add_tokens(self, new_token_ids: Sequence[int], final: bool = False) -> str:
+        """The text the new tokens complete; with `final`, also whatever is held back."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
             delta = full_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset

@@ -13,6 +13,16 @@ from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
+class TokenLogprobs:
+    """One position's logprobs under the raw model distribution."""
+
+    token_id: int  # the token at this position (sampled, or the prompt's)
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: dict[int, float]  # the top-k alternatives {token_id: logprob}, most likely first
+
+
+@dataclass
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
@@ -22,6 +32,10 @@ class ScheduledRequest:
     # True when this step reaches the request's last known token, so a new token
     # is sampled from its logits; False for a chunk in the middle of a prefill.
     do_sample: bool
+    # Set when the request is (re)admitted from the waiting queue, so the runner
+    # can build its per-request state (penalties see the whole prompt, prefix
+    # hits included); None on later steps.
+    prompt_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +63,11 @@ class ModelRunnerOutput:
     logprobs: list[float]  # logprob of each sampled token under the raw model distribution
     # Per sampled request, the top-k alternatives {token_id: logprob} when asked for.
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Per sampled request, the rank of its sampled token (1 = most likely).
+    sampled_token_ranks: list[int] = field(default_factory=list)
+    # Per sampled request, when it asked for prompt_logprobs and this step ends its
+    # prefill: one entry per prompt token after the first.
+    prompt_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +76,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     new_top_logprobs: list[dict[int, float] | None]
+    new_token_ranks: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

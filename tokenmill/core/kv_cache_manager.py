@@ -52,8 +52,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks that prefixes this request, and
         the number of tokens it covers. At least one token is always left to
-        compute, since the last position's logits are needed to sample."""
-        if not self.enable_caching:
+        compute, since the last position's logits are needed to sample. A request
+        that asked for prompt_logprobs gets no hits: every prompt position's
+        logits must be computed (as in vLLM)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -167,11 +167,13 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting requests, in policy order, unless we just had to preempt.
+        num_running_before = len(self.running)
         if not preempted:
             budget = self._admit_waiting(budget, num_new_by_req)
 
         # 3. Describe the step and advance the computed counts.
         scheduled = []
+        admitted = {r.request_id for r in self.running[num_running_before:]}
         for request in self.running:
             if request.request_id not in num_new_by_req:
                 continue
@@ -185,6 +187,9 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request.request_id),
                     sampling_params=request.sampling_params,
                     do_sample=start + num_new == request.num_tokens,
+                    prompt_token_ids=(
+                        request.prompt_token_ids if request.request_id in admitted else None
+                    ),
                 )
             )
             request.num_computed_tokens += num_new
@@ -255,11 +260,16 @@ class Scheduler:
                 continue
             request.append_token(token_id)
             top = runner_output.top_logprobs[k] if runner_output.top_logprobs else None
+            ranks = runner_output.sampled_token_ranks
             out = EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=[token_id],
                 new_logprobs=[runner_output.logprobs[k]],
                 new_top_logprobs=[top],
+                new_token_ranks=[ranks[k]] if ranks else [],
+                prompt_logprobs=(
+                    runner_output.prompt_logprobs[k] if runner_output.prompt_logprobs else None
+                ),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
             )

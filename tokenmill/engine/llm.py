@@ -155,7 +155,7 @@ class LLM:
                         pending.discard(out.request_id)
                         final[out.request_id] = out
                         num_in += len(out.prompt_token_ids)
-                        num_out += len(out.outputs[0].token_ids)
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = max(time.monotonic() - start, 1e-9)
                         bar.set_postfix_str(
                             f"input: {num_in / elapsed:.1f} toks/s, output: {num_out / elapsed:.1f} toks/s"

@@ -4,6 +4,7 @@ schedule, run the model, update requests, detokenize, hand out outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,9 +18,10 @@ from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfi
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
@@ -79,7 +81,7 @@ class LLMEngine:
         num_blocks = num_kv_blocks(spec, self.dtype, cache_config, self.device)
         self.runner = ModelRunner(
             model, spec, num_blocks, cache_config.block_size, self.dtype, self.device,
-            seed=model_config.seed,
+            seed=model_config.seed, eos_token_ids=self.eos_token_ids,
         )
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, max_model_len)
         self.max_model_len = self.scheduler.max_model_len
@@ -123,23 +125,67 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request; raises ValueError (with what to do) if it can never run."""
+        """Queue a request; raises ValueError (with what to do) if it can never run.
+        With params.n > 1 it runs as n child requests (see parallel_sampling.py)."""
         text, prompt_ids = self.tokenize_prompt(prompt)
+        params = self.resolve_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival,
-            priority=priority,
+
+        def request(core_id: str, core_params: SamplingParams) -> Request:
+            return Request(
+                request_id=core_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=core_params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                priority=priority,
+            )
+
+        if params.n == 1:
+            self.scheduler.add_request(request(request_id, params))
+            self.output_processor.add_request(request_id, text, prompt_ids, params, arrival)
+            return
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = [(child_request_id(request_id, i), child_params(params, i))
+                    for i in range(params.n)]
+        parent = ParentRequest(
+            request_id, text, prompt_ids, params, RequestMetrics(arrival_time=arrival),
+            [child_id for child_id, _ in children],
         )
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request_id, text, prompt_ids, params, arrival)
+        for i, (child_id, p) in enumerate(children):
+            # The children share one prompt: if the first is admitted, all are.
+            self.scheduler.add_request(request(child_id, p))
+            self.output_processor.add_request(
+                child_id, text, prompt_ids, p, arrival, parent=parent, index=i
+            )
+        self.output_processor.add_parent(parent)
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """Our own copy of the request's options, checked against the model's
+        vocabulary and tokenizer (ValueError naming the field otherwise)."""
+        params = dataclasses.replace(params)
+        vocab = self.spec.vocab_size
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = list(getattr(params, name) or [])
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"{name} holds token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+                )
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise ValueError(
+                "stop strings and bad_words need a tokenizer (this engine has "
+                "skip_tokenizer_init); use stop_token_ids / logit_bias instead"
+            )
+        if params.bad_words and self.tokenizer is not None:
+            params.bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
+        return params
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort requests (between steps); their blocks are freed at once."""
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        core_ids = [c for r in request_ids for c in self.output_processor.core_request_ids(r)]
+        self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
         outputs = []
         for request_id in request_ids:
             out = self.output_processor.abort(request_id)

@@ -1,9 +1,19 @@
-"""Per-request output state: detokenization, stop strings, RequestOutput building.
+"""Per-request output state: detokenization, stop strings, logprobs, RequestOutput building.
 
 Stop strings: the text is searched only where a match could newly end, cut
 exactly where the match starts (or after it with include_stop_str_in_output),
 and while a request runs the last len(longest stop) - 1 characters are held
-back, so a stop string split over several tokens never leaks into a delta.
+back, so a stop string split over several tokens never leaks into a delta:
+
+    text so far:  "Hello wor"  stop = "world"  -> shown: "Hello"  (held: " wor"... 4 chars)
+    next token:   "ld!"        -> "Hello world!" matches at 6 -> final text "Hello "
+
+Stop strings are looked for only once min_tokens tokens are out (as vLLM).
+A request stopped by EOS or a stop token id does not show that token's text,
+unless include_stop_str_in_output.
+
+Requests with n > 1 arrive here as n children (see parallel_sampling.py) and
+leave as one RequestOutput per step under the parent's id.
 """
 
 from __future__ import annotations
@@ -11,8 +21,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.core.contracts import EngineCoreOutput
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.core.contracts import EngineCoreOutput, TokenLogprobs
+from tokenmill.engine.parallel_sampling import ParentRequest
+from tokenmill.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -25,21 +43,19 @@ class RequestState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
+    parent: ParentRequest | None = None
+    index: int = 0  # which of the parent's n samples
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     sent_text_len: int = 0  # for DELTA outputs: what earlier outputs already carried
     sent_tokens: int = 0
-
-    @property
-    def stop_buffer_len(self) -> int:
-        if not self.params.stop or self.params.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in self.params.stop) - 1
+    sent_prompt_logprobs: bool = False
 
 
 def _find_stop(text: str, new_len: int, params: SamplingParams) -> tuple[str, int] | None:
@@ -60,6 +76,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
 
     def add_request(
         self,
@@ -68,11 +85,16 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        parent: ParentRequest | None = None,
+        index: int = 0,
     ) -> None:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
             )
         self.states[request_id] = RequestState(
             request_id=request_id,
@@ -81,7 +103,17 @@ class OutputProcessor:
             params=params,
             detokenizer=detok,
             metrics=RequestMetrics(arrival_time=arrival_time),
+            parent=parent,
+            index=index,
         )
+
+    def add_parent(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+
+    def core_request_ids(self, request_id: str) -> list[str]:
+        """The scheduler's ids for a request: its children's for n > 1."""
+        parent = self.parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else [request_id]
 
     def process(
         self, core_outputs: list[EngineCoreOutput], now: float | None = None
@@ -91,6 +123,7 @@ class OutputProcessor:
         now = time.monotonic() if now is None else now
         results: list[RequestOutput] = []
         stopped_by_string: list[str] = []
+        touched_parents: dict[str, ParentRequest] = {}
         for core in core_outputs:
             state = self.states.get(core.request_id)
             if state is None:
@@ -109,34 +142,53 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 del self.states[core.request_id]
             output = self._make_output(state)
+            if output is None:
+                continue
+            if state.parent is None:
+                results.append(output)
+            else:
+                state.parent.add_child_output(state.request_id, output, now)
+                touched_parents[state.parent.request_id] = state.parent
+        for parent in touched_parents.values():
+            output = parent.make_output()
             if output is not None:
                 results.append(output)
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
         return results, stopped_by_string
 
     def _apply(self, state: RequestState, core: EngineCoreOutput, now: float) -> bool:
         """Fold in new tokens; True when a stop string finished the request."""
+        params = state.params
         if core.new_token_ids:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
         state.num_cached_tokens = core.num_cached_tokens
         state.token_ids.extend(core.new_token_ids)
-        for token_id, lp, top in zip(
-            core.new_token_ids, core.new_logprobs, core.new_top_logprobs, strict=True
+        if core.prompt_logprobs is not None and params.prompt_logprobs is not None:
+            state.prompt_logprobs = [
+                None, *(self._position(e, params.detokenize) for e in core.prompt_logprobs)
+            ]
+        ranks = core.new_token_ranks or [0] * len(core.new_token_ids)
+        for token_id, lp, top, rank in zip(
+            core.new_token_ids, core.new_logprobs, core.new_top_logprobs, ranks, strict=True
         ):
             state.cumulative_logprob += lp
-            if state.params.logprobs is not None:
-                entry = {token_id: lp}
-                if top:
-                    entry.update(top)
-                state.logprobs.append(entry)
+            if params.logprobs is not None:
+                state.logprobs.append(
+                    self._position(TokenLogprobs(token_id, lp, rank, top or {}), params.detokenize)
+                )
         if state.detokenizer is None:
             return False
-        delta = state.detokenizer.add_tokens(core.new_token_ids, final=core.finished)
+        new_ids = core.new_token_ids
+        if core.finish_reason == "stop" and not params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # EOS or a stop token id: its text is not shown
+        delta = state.detokenizer.add_tokens(new_ids, final=core.finished)
         state.text += delta
-        if not delta or not state.params.stop:
+        if not delta or not params.stop or len(state.token_ids) <= params.min_tokens:
             return False
-        match = _find_stop(state.text, len(delta), state.params)
+        match = _find_stop(state.text, len(delta), params)
         if match is None:
             return False
         stop, cut = match
@@ -145,25 +197,46 @@ class OutputProcessor:
         state.stop_reason = stop
         return True
 
+    def _position(self, entry: TokenLogprobs, detokenize: bool) -> dict[int, Logprob]:
+        """{token: Logprob} for one position: the actual token first, then the top-k."""
+        def text(token_id: int) -> str | None:
+            if self.tokenizer is None or not detokenize:
+                return None
+            return self.tokenizer.token_string(token_id)
+
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank or None, text(entry.token_id))}
+        for rank, (token_id, lp) in enumerate(entry.top.items(), start=1):
+            if token_id not in out:
+                out[token_id] = Logprob(lp, rank, text(token_id))
+        return out
+
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finish_reason is not None
-        kind = state.params.output_kind
+        params = state.params
+        kind = params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        visible = len(state.text) if finished else len(state.text) - state.stop_buffer_len
+        visible = len(state.text) if finished else len(state.text) - params.output_text_buffer_length
         visible = max(visible, state.sent_text_len)
+        logprobs: SampleLogprobs | None = None
+        prompt_logprobs = state.prompt_logprobs
         if kind is RequestOutputKind.DELTA:
             text = state.text[state.sent_text_len : visible]
             token_ids = state.token_ids[state.sent_tokens :]
-            logprobs = state.logprobs[state.sent_tokens :] if state.params.logprobs is not None else None
+            if params.logprobs is not None:
+                logprobs = state.logprobs[state.sent_tokens :]
+            if state.sent_prompt_logprobs:
+                prompt_logprobs = None
+            state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
             state.sent_text_len = visible
             state.sent_tokens = len(state.token_ids)
         else:
             text = state.text[:visible]
             token_ids = list(state.token_ids)
-            logprobs = list(state.logprobs) if state.params.logprobs is not None else None
+            if params.logprobs is not None:
+                logprobs = list(state.logprobs)
         completion = CompletionOutput(
-            index=0,
+            index=state.index,
             text=text,
             token_ids=token_ids,
             cumulative_logprob=state.cumulative_logprob,
@@ -179,12 +252,27 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        state = self.states.pop(request_id, None)
-        if state is None:
-            return None
-        state.finish_reason = "abort"
-        state.metrics.finished_time = time.monotonic()
-        return self._make_output(state)
+        """Finish a request (or all of a parent's samples) as aborted."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            state = self.states.pop(request_id, None)
+            if state is None:
+                return None
+            state.finish_reason = "abort"
+            state.metrics.finished_time = time.monotonic()
+            return self._make_output(state)
+        now = time.monotonic()
+        for child_id in parent.child_ids:
+            state = self.states.pop(child_id, None)
+            if state is None:
+                continue
+            state.finish_reason = "abort"
+            state.metrics.finished_time = now
+            output = self._make_output(state)
+            if output is not None:
+                parent.add_child_output(child_id, output, now)
+        return parent.make_output()

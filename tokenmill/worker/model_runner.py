@@ -1,8 +1,10 @@
 """Runs one step: SchedulerOutput in, sampled tokens out.
 
-It owns the KV cache tensors and the sampler's per-request generators, builds
-the ragged batch (decodes first, then prefill chunks; no padding), runs the
-model, computes logits only for the rows that sample, and samples.
+It owns the KV cache tensors and each request's sampling state (history,
+generator: see request_state.py), builds the ragged batch (decodes first,
+then prefill chunks; no padding), runs the model, computes logits only for
+the rows that sample (and the prompt rows of requests that asked for
+prompt_logprobs), and samples.
 """
 
 from __future__ import annotations
@@ -13,10 +15,19 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelSpec
-from tokenmill.core.contracts import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.contracts import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
+
+# Prompt logprobs are computed this many positions at a time ([rows, vocab] floats).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,6 +51,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.spec = spec
@@ -50,33 +62,98 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [zeros(shape, dtype, device) for _ in range(spec.num_layers)]
         self.sampler = Sampler(device, seed)
+        # EOS ids found at load time: masked until a request reaches min_tokens.
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.requests: dict[str, CachedRequestState] = {}
 
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.sampler.drop(scheduler_output.finished_req_ids)
+        for request_id in scheduler_output.finished_req_ids:
+            self.requests.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
         # Decodes first: the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1)
+        states = [self._state(r) for r in reqs]
         input_ids, positions, meta = self._prepare_inputs(reqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
-        sample_reqs = [r for r in reqs if r.do_sample]
-        if not sample_reqs:
+        for j, (r, state) in enumerate(zip(reqs, states, strict=True)):
+            if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                self._gather_prompt_logprobs(r, state, hidden, meta.query_start_loc[j])
+
+        sample = [j for j, r in enumerate(reqs) if r.do_sample]
+        if not sample:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        last_rows = [meta.query_start_loc[j + 1] - 1 for j, r in enumerate(reqs) if r.do_sample]
-        rows = torch.tensor(last_rows, device=self.device)
+        rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
-        req_ids = [r.request_id for r in sample_reqs]
-        token_ids, logprobs, top = self.sampler(
-            logits, [r.sampling_params for r in sample_reqs], req_ids
-        )
+        sample_states = [states[j] for j in sample]
+        out = self.sampler(logits, sample_states, self.eos_token_ids)
+        prompt_logprobs: list[list[TokenLogprobs] | None] = []
+        for state, token_id in zip(sample_states, out.token_ids, strict=True):
+            state.append_output(token_id)
+            entries = None
+            if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                entries, state.prompt_logprobs_sent = state.prompt_logprobs, True
+                state.prompt_logprobs = []
+            prompt_logprobs.append(entries)
         return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=token_ids, logprobs=logprobs, top_logprobs=top
+            req_ids=[s.request_id for s in sample_states],
+            sampled_token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            top_logprobs=out.top_logprobs,
+            sampled_token_ranks=out.ranks,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _state(self, r: ScheduledRequest) -> CachedRequestState:
+        state = self.requests.get(r.request_id)
+        if state is None:
+            assert r.prompt_token_ids is not None, f"{r.request_id}: first scheduled without prompt"
+            state = CachedRequestState.create(
+                r.request_id, r.prompt_token_ids, r.sampling_params, self.spec.vocab_size,
+                self.device,
+            )
+            self.requests[r.request_id] = state
+        return state
+
+    def _gather_prompt_logprobs(
+        self, r: ScheduledRequest, state: CachedRequestState, hidden: torch.Tensor, first_row: int
+    ) -> None:
+        """Logprobs of prompt tokens 1.. from this chunk's rows (row at position p
+        predicts prompt token p + 1). Positions already gathered (before a
+        preemption) are skipped, so nothing is reported twice."""
+        start = r.num_computed_tokens
+        begin = max(start, len(state.prompt_logprobs))
+        end = min(start + r.num_tokens, state.num_prompt_tokens - 1)
+        assert begin == len(state.prompt_logprobs) or begin >= end, "prompt logprobs gap"
+        k = r.sampling_params.prompt_logprobs or 0
+        for lo in range(begin, end, PROMPT_LOGPROBS_CHUNK):
+            hi = min(lo + PROMPT_LOGPROBS_CHUNK, end)
+            rows = hidden[first_row + lo - start : first_row + hi - start]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)  # [n, vocab]
+            targets = torch.tensor(state.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
+            chosen = logprobs.gather(1, targets[:, None])  # [n, 1]
+            ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+            top_vals: list[list[float]] = [[] for _ in range(hi - lo)]
+            top_ids: list[list[int]] = [[] for _ in range(hi - lo)]
+            if k:
+                vals_t, ids_t = logprobs.topk(k, dim=-1)  # [n, k]
+                top_vals, top_ids = vals_t.tolist(), ids_t.tolist()
+            for i, (lp, rank, vals, ids) in enumerate(
+                zip(chosen[:, 0].tolist(), ranks, top_vals, top_ids, strict=True)
+            ):
+                state.prompt_logprobs.append(
+                    TokenLogprobs(
+                        token_id=state.prompt_token_ids[lo + i + 1],
+                        logprob=lp,
+                        rank=int(rank),
+                        top=dict(zip(ids, vals, strict=True)),
+                    )
+                )
 
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]

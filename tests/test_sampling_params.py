@@ -1,0 +1,78 @@
+"""SamplingParams: vLLM's fields and defaults; bad values are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+
+def test_defaults_are_vllms() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.max_tokens, p.min_tokens, p.seed) == (16, 0, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert not p.include_stop_str_in_output and not p.ignore_eos
+    assert p.logprobs is None and p.prompt_logprobs is None
+    assert p.logit_bias is None and p.allowed_token_ids is None and p.bad_words is None
+    assert p.detokenize and p.skip_special_tokens and p.spaces_between_special_tokens
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"n": 2, "temperature": 0.0}, "n"),
+        ({"stop": ["x"], "detokenize": False}, "stop"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_normalization() -> None:
+    p = SamplingParams(stop="x", top_k=-1, logit_bias={"5": 2})  # type: ignore[arg-type,dict-item]
+    assert p.stop == ["x"] and p.top_k == 0 and p.logit_bias == {5: 2.0}
+    assert p.output_text_buffer_length == 0
+    assert SamplingParams(stop=["abc", "de"]).output_text_buffer_length == 2
+    assert SamplingParams(stop=["abc"], include_stop_str_in_output=True).output_text_buffer_length == 0
+    # A tiny temperature is clamped (logits / t must not overflow); 0 is greedy and
+    # resets the filters, as vLLM does.
+    assert SamplingParams(temperature=1e-3).temperature == 1e-2
+    g = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)
+    assert g.greedy and (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert not SamplingParams().has_penalties
+
+
+def test_replace_keeps_validating() -> None:
+    p = SamplingParams(n=3, seed=1)
+    with pytest.raises(ValueError, match="top_p"):
+        dataclasses.replace(p, top_p=0.0)

@@ -1,0 +1,67 @@
+"""What the runner remembers about each request between steps.
+
+The scheduler sends only this step's tokens (and the prompt when it admits a
+request), so the runner keeps, per request: the prompt, the tokens it has
+sampled for it, the request's random generator (seeded requests), the
+penalty bookkeeping and the prompt logprobs gathered so far. The state
+survives preemption (a recomputed request is the same request: its history
+and generator go on where they were) and is dropped when the request finishes.
+
+Tokens are appended here only when the runner samples them, never from the
+scheduled token ids, so a recompute after preemption counts nothing twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.core.contracts import TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded requests only
+    output_token_ids: list[int] = field(default_factory=list)
+    # Penalties only: which tokens the prompt holds, and how often each was sampled.
+    prompt_mask: torch.Tensor | None = None  # [vocab] bool
+    output_counts: torch.Tensor | None = None  # [vocab] float32
+    # prompt_logprobs only: entries for prompt positions 1.. gathered so far (a
+    # chunked prefill delivers them a chunk at a time), and whether they were sent.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        vocab_size: int,
+        device: torch.device,
+    ) -> CachedRequestState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        state = cls(request_id, list(prompt_token_ids), params, generator)
+        if params.has_penalties:
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            state.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = torch.tensor(prompt_token_ids, dtype=torch.int64, device=device)
+            state.prompt_mask[ids[ids < vocab_size]] = True
+        return state
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
