@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -38,6 +38,7 @@ class StepStats:
     num_scheduled_tokens: int
     num_scheduled_reqs: int
     num_preempted: int
+    scheduled_req_ids: tuple[str, ...] = ()  # for queue-time metrics (AsyncEngine)
 
 
 class LLMEngine:
@@ -88,6 +89,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, 0)
+        # Called inside step() right after scheduling (AsyncEngine publishes its stats
+        # there, so a long step shows its requests as running, not waiting).
+        self.on_scheduled: Callable[[], None] | None = None
 
     # ---- requests ---------------------------------------------------------------
 
@@ -203,6 +207,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         runner_output = self.runner.execute(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs)
@@ -212,6 +218,7 @@ class LLMEngine:
             num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
             num_scheduled_reqs=len(scheduler_output.scheduled),
             num_preempted=len(scheduler_output.preempted_req_ids),
+            scheduled_req_ids=tuple(r.request_id for r in scheduler_output.scheduled),
         )
         if self.check_integrity:
             self.scheduler.check_integrity()

@@ -1,0 +1,426 @@
+"""AsyncEngine: LLMEngine's step loop in a background thread, for asyncio callers.
+
+    event loop (server)                      engine thread
+    -------------------                      -------------
+    add_request() --- _Add ----> inbox ----> drain at a step boundary:
+      awaits acceptance <-- ACCEPTED/error --   engine.add_request()
+    abort()  ------- _Abort ---> inbox ----> engine.abort_request()
+                                              engine.step()
+    async for out in stream <-- deltas ------ call_soon_threadsafe(queue.put)
+
+The event loop never waits on the engine: commands go through a thread-safe
+queue and outputs come back through `loop.call_soon_threadsafe`, so /health
+answers while a long prefill runs (torch releases the GIL inside its kernels).
+A thread and not a process: outputs need no pickling, and on a 2-core machine
+a second process would only add copies while competing for the same cores.
+
+A step that raises fails the requests in flight (their streams raise
+EngineError), frees their blocks, and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+
+from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.engine.iteration_stats import FinishedRequestStats, IterationStats
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenmill")
+
+StatLogger = Callable[[IterationStats], None]
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (an internal fault, not the
+    caller's): the request was aborted; the engine keeps serving others."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or broken beyond recovery)."""
+
+
+_ACCEPTED = object()  # first item on a stream once engine.add_request() succeeded
+_Item = object  # a RequestOutput, an exception to raise, or _ACCEPTED
+
+
+class _Stream:
+    """One request's outputs, written by the engine thread, read by the event loop."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def put(self, item: _Item) -> None:  # engine thread
+        # The event loop may be gone (server shutting down); nobody is listening then.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Tracker:
+    """Per-request timing, for IterationStats (engine thread only)."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class _Loop:
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    trackers: dict[str, _Tracker] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.5) -> None:
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self._inbox: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._lock = threading.Lock()
+        self._num_pending = 0  # adds in the inbox, not yet in the scheduler
+        self._stats: SchedulerStats = engine.stats()
+        self._stat_loggers: list[StatLogger] = []
+        self._dead_reason: str | None = None
+        self._state = _Loop()  # engine thread only
+        engine.on_scheduled = self._publish_stats
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    # ---- information (any thread) ---------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.source.name
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.source.path
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead_reason is None and self._thread.is_alive()
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's state as of the last step boundary."""
+        return self._stats
+
+    def num_waiting_requests(self) -> int:
+        """Requests not running yet: in the inbox or in the scheduler's waiting queue."""
+        with self._lock:
+            return self._num_pending + self._stats.num_waiting
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Called in the engine thread after every iteration; must be quick."""
+        self._stat_loggers.append(stat_logger)
+
+    # ---- tokenizer (pure functions of the tokenizer; safe from the event loop) -------
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this engine runs without a tokenizer; send token ids")
+        return self.engine.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, object]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        return self._tokenizer().apply_chat_template(
+            messages, add_generation_prompt, chat_template
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.spec.vocab_size
+
+    # ---- requests (event loop) ----------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a request; returns its stream of RequestOutput deltas once the
+        engine has taken it. Raises ValueError (the caller's fault, with what to
+        do) if the engine refuses it, EngineDeadError if the loop is down.
+
+        Closing the stream before it finishes (or cancelling its consumer)
+        aborts the request; its blocks are freed at the next step boundary."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            self._num_pending += 1
+        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), stream))
+        try:
+            first = await stream.queue.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(first, BaseException):
+            raise first
+        assert first is _ACCEPTED, first
+        return self._iterate(stream)
+
+    async def _iterate(self, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                assert isinstance(item, RequestOutput)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread); it applies at the next step boundary."""
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what runs and stop the loop."""
+        if self._thread.is_alive():
+            self._inbox.put(_Stop())
+            self._thread.join(timeout_s)
+        if self._dead_reason is None:
+            self._dead_reason = "the engine was shut down"
+
+    # ---- the loop (engine thread) ----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._iteration():
+                    break
+        except BaseException as e:  # a bug in the loop itself: never die silently
+            logger.exception("the engine loop crashed")
+            self._dead_reason = f"the engine loop crashed ({type(e).__name__})"
+            self._fail_all(EngineDeadError("the engine loop crashed; restart the server"))
+            return
+        self._abort_all()
+        self._dead_reason = "the engine was shut down"
+
+    def _drain(self) -> list[_Add | _Abort | _Stop]:
+        commands: list[_Add | _Abort | _Stop] = []
+        if not self.engine.has_unfinished_requests():
+            try:  # idle: sleep until a command comes
+                commands.append(self._inbox.get(timeout=self.idle_poll_s))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _iteration(self) -> bool:
+        """One step boundary and one step; False once told to stop."""
+        commands = self._drain()
+        num_adds = 0
+        stop = False
+        stats = IterationStats(scheduler_stats=self._stats)
+        for command in commands:
+            if isinstance(command, _Add):
+                num_adds += 1
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id, stats)
+            else:
+                stop = True
+        self._stats = self.engine.stats()
+        with self._lock:
+            self._num_pending -= num_adds
+        if stop:
+            return False
+        if self.engine.has_unfinished_requests():
+            self._step(stats)
+        stats.scheduler_stats = self._stats = self.engine.stats()
+        self._log(stats)
+        return True
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params,
+                arrival_time=command.arrival_time, priority=command.priority,
+            )
+        except ValueError as e:
+            command.stream.put(e)
+            return
+        except Exception:
+            logger.exception("adding request %s failed", command.request_id)
+            command.stream.put(EngineError("internal error while adding the request"))
+            return
+        state = self._state
+        state.streams[command.request_id] = command.stream
+        num_prompt = 0
+        prompt = command.prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            num_prompt = len(prompt["prompt_token_ids"])
+        state.trackers[command.request_id] = _Tracker(command.arrival_time, num_prompt)
+        command.stream.put(_ACCEPTED)
+
+    def _abort(self, request_id: str, stats: IterationStats) -> None:
+        stream = self._state.streams.pop(request_id, None)
+        tracker = self._state.trackers.pop(request_id, None)
+        if stream is None:
+            return  # finished already, or never accepted
+        outputs = self.engine.abort_request([request_id])
+        for out in outputs:
+            stream.put(out)
+        if not outputs:
+            stream.put(_aborted_output(request_id))
+        if tracker is not None:
+            stats.finished.append(_finished(tracker, "abort", time.monotonic()))
+
+    def _step(self, stats: IterationStats) -> None:
+        state = self._state
+        start = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            logger.exception(
+                "an engine step failed; failing the %d requests in flight", len(state.streams)
+            )
+            self._fail_all(EngineError("internal error in the engine; the request was aborted"))
+            return
+        now = time.monotonic()
+        for core_id in self.engine.last_step.scheduled_req_ids:
+            # The samples of an n > 1 request run as "{index}_{request_id}".
+            tracker = state.trackers.get(core_id) or state.trackers.get(core_id.partition("_")[2])
+            if tracker is not None and tracker.first_scheduled_time is None:
+                tracker.first_scheduled_time = start
+                stats.queue_times_s.append(start - tracker.arrival_time)
+        for out in outputs:
+            stream = state.streams.get(out.request_id)
+            tracker = state.trackers.get(out.request_id)
+            if stream is None or tracker is None:
+                continue
+            num_new = sum(len(c.token_ids) for c in out.outputs)
+            if num_new:
+                if tracker.last_token_time is None:
+                    stats.time_to_first_tokens_s.append(now - tracker.arrival_time)
+                    tracker.num_prompt_tokens = len(out.prompt_token_ids)
+                    stats.num_prompt_tokens += tracker.num_prompt_tokens
+                else:
+                    stats.inter_token_latencies_s.append(now - tracker.last_token_time)
+                tracker.last_token_time = now
+                tracker.num_generation_tokens += num_new
+                stats.num_generation_tokens += num_new
+            if out.finished:
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+                stats.finished.append(_finished(tracker, reason, now))
+                del state.streams[out.request_id], state.trackers[out.request_id]
+            stream.put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        state = self._state
+        request_ids = list(state.streams)
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("could not abort the failed requests; the engine is broken")
+            self._dead_reason = "the engine could not recover from an internal error"
+        for request_id in request_ids:
+            state.streams.pop(request_id).put(error)
+            state.trackers.pop(request_id, None)
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def _abort_all(self) -> None:
+        stats = IterationStats(scheduler_stats=self._stats)
+        for request_id in list(self._state.streams):
+            self._abort(request_id, stats)
+        # Commands that came after the stop: refuse the adds.
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                command.stream.put(EngineDeadError("the engine is shutting down"))
+        self._stats = self.engine.stats()
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+
+    def _log(self, stats: IterationStats) -> None:
+        for stat_logger in self._stat_loggers:
+            try:
+                stat_logger(stats)
+            except Exception:
+                logger.exception("a stat logger failed")
+
+
+def _finished(tracker: _Tracker, reason: str, now: float) -> FinishedRequestStats:
+    return FinishedRequestStats(
+        finish_reason=reason,
+        e2e_latency_s=now - tracker.arrival_time,
+        num_prompt_tokens=tracker.num_prompt_tokens,
+        num_generation_tokens=tracker.num_generation_tokens,
+    )
+
+
+def _aborted_output(request_id: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+        finished=True,
+    )
