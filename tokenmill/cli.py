@@ -56,6 +56,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenmill import LLM
+    from tokenmill.config import ServerConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.run import run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
+    )
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    return run_server(AsyncEngine(llm.engine), config, args.graceful_shutdown_timeout)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: the model's name)")
+    serve.add_argument("--max-queued-requests", type=int, default=None,
+                       help="answer 503 while this many requests wait to run")
+    serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as is, without the model's chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

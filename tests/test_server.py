@@ -1,0 +1,510 @@
+"""The OpenAI-compatible server through real HTTP: the official `openai` client
+and httpx against uvicorn on a loopback port, on the default model (float32).
+
+One engine serves two apps built by the factory: `main` (no limits) and
+`strict` (API key, served model name, max_queued_requests=2). Greedy outputs
+are checked against offline generation on the same engine, run before the
+server starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server_harness import ServerThread, metric_value
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server import build_app
+
+TIMEOUT_S = 60.0
+API_KEY = "test-key"
+MAX_QUEUED = 2
+CONCURRENT_PROMPTS = [
+    f"Write one sentence about the number {i} and the color {color}."
+    for i, color in enumerate(["red", "blue", "green", "gold"] * 8)
+]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+HELLO = "Hello, my name is"
+
+
+@dataclass
+class Served:
+    llm: LLM
+    engine: AsyncEngine
+    main: ServerThread
+    strict: ServerThread
+    expected: dict[str, Any]
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.main.url + "/v1", api_key="unused",
+                             timeout=TIMEOUT_S, max_retries=0, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.main.url + "/v1", api_key="unused",
+                                  timeout=TIMEOUT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    # The oracle: offline greedy generation on this engine, before the loop owns it.
+    expected = {
+        "concurrent": [o.outputs[0].text for o in llm.generate(CONCURRENT_PROMPTS, greedy, use_tqdm=False)],
+        "hello": llm.generate(HELLO, greedy, use_tqdm=False)[0],
+        "chat": llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0],
+    }
+    engine = AsyncEngine(llm.engine)
+    main = ServerThread(build_app(engine, ServerConfig())).start()
+    strict = ServerThread(build_app(engine, ServerConfig(
+        api_key=API_KEY, served_model_name="strict-model", max_queued_requests=MAX_QUEUED,
+    ))).start()
+    try:
+        yield Served(llm, engine, main, strict, expected)
+    finally:
+        main.stop()
+        strict.stop()
+        engine.shutdown()
+
+
+def long_prompt(seed: int, num_tokens: int = 1500) -> list[int]:
+    """A prompt no other test shares (so the prefix cache cannot shorten its prefill)."""
+    return [1000 + (seed * 7919 + i * 31) % 20000 for i in range(num_tokens)]
+
+
+def wait_until_idle(engine: AsyncEngine, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and engine.num_waiting_requests() == 0 and stats.kv_cache_usage == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not go idle: {engine.stats()}")
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param, error
+    return dict(error)
+
+
+# ---- happy paths -------------------------------------------------------------------
+
+
+def test_models_health_and_tokenize(served: Served) -> None:
+    models = served.client().models.list()
+    (card,) = models.data
+    assert card.id == "SmolLM2-135M-Instruct"
+    assert httpx.get(served.main.url + "/health", timeout=10).status_code == 200
+    with httpx.Client(base_url=served.main.url, timeout=10) as http:
+        tokens = http.post("/tokenize", json={"prompt": HELLO}).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 0
+        assert tokens["max_model_len"] == served.engine.max_model_len
+        text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+        assert text == HELLO
+        chat_tokens = http.post("/tokenize", json={"messages": CHAT}).json()
+        assert chat_tokens["tokens"] == served.expected["chat"].prompt_token_ids
+
+
+def test_completion_matches_offline_with_usage(served: Served) -> None:
+    hello = served.expected["hello"]
+    out = served.client().completions.create(
+        model="SmolLM2-135M-Instruct", prompt=HELLO, max_tokens=24, temperature=0
+    )
+    assert out.choices[0].text == hello.outputs[0].text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(hello.prompt_token_ids)
+    assert out.usage.completion_tokens == 24
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 24
+
+
+def test_chat_streaming_and_not_match_offline(served: Served) -> None:
+    chat = served.expected["chat"]
+    client = served.client()
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32, temperature=0  # type: ignore[arg-type]
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == chat.outputs[0].text
+    assert out.choices[0].finish_reason == chat.outputs[0].finish_reason
+    assert out.usage.prompt_tokens == len(chat.prompt_token_ids)
+    assert out.usage.completion_tokens == len(chat.outputs[0].token_ids)
+
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.outputs[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [chat.outputs[0].finish_reason]
+    assert not chunks[-1].choices and chunks[-1].usage is not None  # usage on a final chunk
+    assert chunks[-1].usage.completion_tokens == len(chat.outputs[0].token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_32_concurrent_streams_match_offline_greedy(served: Served) -> None:
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, list[str | None], int]:
+        stream = await client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )
+        text, finishes, usage = "", [], -1
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finishes.append(chunk.choices[0].finish_reason)
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return text, finishes, usage
+
+    async def all_of_them() -> list[tuple[str, list[str | None], int]]:
+        client = served.async_client()
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, p) for p in CONCURRENT_PROMPTS)), 150
+            )
+        finally:
+            await client.close()
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 32
+    for (text, finishes, usage), expected in zip(results, served.expected["concurrent"], strict=True):
+        assert text == expected
+        assert finishes[-1] in ("length", "stop") and all(f is None for f in finishes[:-1])
+        assert usage > 0
+
+
+def test_completion_logprobs(served: Served) -> None:
+    out = served.client().completions.create(
+        model="SmolLM2-135M-Instruct", prompt=HELLO, max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob is not None and logprob <= 0
+        assert 1 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen one is the top
+        assert top[token] == pytest.approx(logprob)
+    hello = served.expected["hello"]
+    assert out.choices[0].text == served.llm.get_tokenizer().decode(hello.outputs[0].token_ids[:6])
+
+
+def test_chat_logprobs_streamed(served: Served) -> None:
+    stream = served.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+        logprobs=True, top_logprobs=2, stream=True,
+    )
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs
+               for e in (c.choices[0].logprobs.content or [])]
+    assert len(entries) == 8
+    for entry in entries:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def test_stop_string(served: Served) -> None:
+    full = served.expected["hello"].outputs[0].text
+    assert "," in full
+    client = served.client()
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=HELLO, max_tokens=24, temperature=0, stop=[","]
+    )
+    assert out.choices[0].text == full.split(",")[0]
+    assert out.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=HELLO, max_tokens=24, temperature=0, stop=",",
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == full.split(",")[0]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n(served: Served) -> None:
+    try:
+        SamplingParams(n=2)
+    except ValueError:
+        supported = False
+    else:
+        supported = True
+    body = {"prompt": HELLO, "max_tokens": 8, "n": 2, "temperature": 0.8, "seed": 1}
+    response = httpx.post(served.main.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+    if not supported:  # the engine refuses n > 1: a clear 400 naming n
+        assert_error(response, 400, param="n")
+        return
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    assert response.json()["usage"]["completion_tokens"] == 16
+
+
+def test_prompt_forms_and_echo(served: Served) -> None:
+    client = served.client()
+    hello = served.expected["hello"]
+    ids = hello.prompt_token_ids
+    greedy: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "max_tokens": 5, "temperature": 0}
+    five = served.llm.get_tokenizer().decode(hello.outputs[0].token_ids[:5])
+    two = client.completions.create(prompt=[HELLO, HELLO], **greedy)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [five, five]
+    assert client.completions.create(prompt=ids, **greedy).choices[0].text == five
+    lists = client.completions.create(prompt=[ids, ids], **greedy)
+    assert [c.text for c in lists.choices] == [five, five]
+    echoed = client.completions.create(prompt=HELLO, echo=True, **greedy)
+    assert echoed.choices[0].text == HELLO + five
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+BAD_COMPLETIONS = [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),  # over the context length
+    ({"prompt": [10**9]}, None),  # a token id outside the vocabulary
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "hi", "model": "no-such-model"}, "model"),
+    ({"prompt": "hi", "suffix": "tail"}, "suffix"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=[str(b) for b, _ in BAD_COMPLETIONS])
+def test_bad_completion_requests_are_400(served: Served, body: dict[str, Any], param: str | None) -> None:
+    response = httpx.post(served.main.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+    assert_error(response, 400, param)
+
+
+def test_bad_chat_requests_are_400(served: Served) -> None:
+    url = served.main.url + "/v1/chat/completions"
+    assert_error(httpx.post(url, json={"messages": []}, timeout=TIMEOUT_S), 400, "messages")
+    assert_error(httpx.post(url, json={"messages": CHAT, "max_tokens": 10**6}, timeout=TIMEOUT_S), 400)
+    assert_error(httpx.post(url, json={"messages": CHAT, "top_logprobs": 2}, timeout=TIMEOUT_S), 400)
+    response = httpx.post(url, content=b"{not json", timeout=TIMEOUT_S,
+                          headers={"content-type": "application/json"})
+    assert_error(response, 400)
+    with pytest.raises(openai.BadRequestError):  # the client sees it as OpenAI's error
+        served.client().chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=CHAT, temperature=-2  # type: ignore[arg-type]
+        )
+
+
+def test_unknown_route_is_404(served: Served) -> None:
+    assert_error(httpx.get(served.main.url + "/v1/nothing-here", timeout=10), 404)
+    assert_error(httpx.post(served.main.url + "/nope", json={}, timeout=10), 404)
+
+
+def test_api_key(served: Served) -> None:
+    url = served.strict.url
+    body = {"model": "strict-model", "prompt": "hi", "max_tokens": 2}
+    assert_error(httpx.post(url + "/v1/completions", json=body, timeout=10), 401)
+    wrong = {"Authorization": "Bearer nope"}
+    assert_error(httpx.post(url + "/v1/completions", json=body, headers=wrong, timeout=10), 401)
+    assert_error(httpx.get(url + "/v1/models", headers=wrong, timeout=10), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0, timeout=10).models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
+    assert [m.id for m in client.models.list().data] == ["strict-model"]
+    assert client.completions.create(model="strict-model", prompt="hi", max_tokens=2).choices
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # no key for health
+
+
+def test_engine_fault_is_500_and_the_engine_keeps_serving(served: Served) -> None:
+    runner = served.llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault: secret internal detail")
+        return real_execute(*args, **kwargs)
+
+    runner.execute = fail_once  # type: ignore[method-assign]
+    try:
+        response = httpx.post(served.main.url + "/v1/completions", timeout=TIMEOUT_S,
+                              json={"prompt": HELLO, "max_tokens": 4})
+        error = assert_error(response, 500)
+        assert "secret" not in response.text
+        assert error["type"] == "internal_server_error"
+        calls["n"] = 0  # the next request's first step fails too, while streaming
+        with httpx.stream("POST", served.main.url + "/v1/completions", timeout=TIMEOUT_S,
+                          json={"prompt": HELLO, "max_tokens": 4, "stream": True}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert json.loads(lines[0].removeprefix("data: "))["error"]["type"] == "internal_server_error"
+        assert lines[-1] == "data: [DONE]"
+    finally:
+        runner.execute = real_execute  # type: ignore[method-assign]
+    wait_until_idle(served.engine)
+    out = served.client().completions.create(
+        model="SmolLM2-135M-Instruct", prompt=HELLO, max_tokens=24, temperature=0
+    )
+    assert out.choices[0].text == served.expected["hello"].outputs[0].text
+    assert httpx.get(served.main.url + "/health", timeout=10).status_code == 200
+
+
+def test_async_engine_refusal_surfaces_to_the_caller(served: Served) -> None:
+    async def refused() -> None:
+        with pytest.raises(ValueError, match="vocabulary"):
+            await served.engine.add_request(
+                "refused-1", {"prompt_token_ids": [10**9]}, SamplingParams(max_tokens=2)
+            )
+
+    asyncio.run(asyncio.wait_for(refused(), 30))
+
+
+# ---- load, cancellation, admission -------------------------------------------------------
+
+
+def test_health_and_metrics_answer_during_a_long_prefill(served: Served) -> None:
+    wait_until_idle(served.engine)
+    ttft_count = "tokenmill:time_to_first_token_seconds_count"
+    first_tokens_before = metric_value(httpx.get(served.main.url + "/metrics", timeout=10).text,
+                                       ttft_count)
+    body = {"prompt": long_prompt(1), "max_tokens": 2, "stream": True}
+    latencies: list[float] = []
+    probes: list[tuple[float | None, float | None]] = []
+    with httpx.Client(base_url=served.main.url, timeout=TIMEOUT_S) as http, http.stream(
+        "POST", "/v1/completions", json=body
+    ) as stream:
+        assert stream.status_code == 200  # accepted: its prefill step is under way
+        with httpx.Client(base_url=served.main.url, timeout=5) as probe:
+            for _ in range(5):
+                start = time.monotonic()
+                assert probe.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+                metrics = probe.get("/metrics").text
+                probes.append((metric_value(metrics, "tokenmill:num_requests_running"),
+                               metric_value(metrics, ttft_count)))
+                time.sleep(0.05)
+        data = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    # Every probe saw the request running and no first token yet: the prefill was on.
+    assert probes == [(1.0, first_tokens_before)] * 5, probes
+    assert max(latencies) < 1.0, latencies
+
+
+def test_abort_on_disconnect_frees_blocks(served: Served) -> None:
+    wait_until_idle(served.engine)
+    before = httpx.get(served.main.url + "/metrics", timeout=10).text
+    aborted_before = metric_value(before, "tokenmill:request_success_total", finished_reason="abort") or 0
+    body = {"prompt": HELLO, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=served.main.url, timeout=TIMEOUT_S) as http, http.stream(
+        "POST", "/v1/completions", json=body
+    ) as stream:
+        seen = 0
+        for line in stream.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        assert served.engine.stats().kv_cache_usage > 0
+    # The client is gone: the request is aborted at a step boundary, its blocks freed.
+    closed_at = time.monotonic()
+    wait_until_idle(served.engine, timeout_s=10)
+    assert time.monotonic() - closed_at < 5
+    # A non-streaming request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.main.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": HELLO + " Bob", "max_tokens": 1000, "ignore_eos": True})
+    wait_until_idle(served.engine, timeout_s=10)
+    after = httpx.get(served.main.url + "/metrics", timeout=10).text
+    assert metric_value(after, "tokenmill:request_success_total", finished_reason="abort") == aborted_before + 2
+    assert metric_value(after, "tokenmill:kv_cache_usage_perc") == 0.0
+    assert metric_value(after, "tokenmill:num_requests_running") == 0.0
+
+
+def test_queue_limit_is_503(served: Served) -> None:
+    wait_until_idle(served.engine)
+    strict = served.strict.url
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    short = {"model": "strict-model", "prompt": "hi", "max_tokens": 2}
+
+    async def scenario() -> tuple[list[int], int]:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+            # A long prefill keeps the engine busy; requests pile up behind its step.
+            async with http.stream("POST", served.main.url + "/v1/completions",
+                                   json={"prompt": long_prompt(2), "max_tokens": 1, "stream": True}) as busy:
+                assert busy.status_code == 200
+                queued = [asyncio.create_task(http.post(strict + "/v1/completions", json=short,
+                                                        headers=headers)) for _ in range(MAX_QUEUED)]
+                deadline = time.monotonic() + 5
+                while served.engine.num_waiting_requests() < MAX_QUEUED:
+                    assert time.monotonic() < deadline, "the requests did not queue"
+                    await asyncio.sleep(0.01)
+                overflow = await http.post(strict + "/v1/completions", json=short, headers=headers)
+                assert_error(overflow, 503)
+                waiting_metric = metric_value((await http.get(strict + "/metrics")).text,
+                                              "tokenmill:num_requests_waiting")
+                assert waiting_metric == MAX_QUEUED
+                statuses = [r.status_code for r in await asyncio.gather(*queued)]
+                async for _ in busy.aiter_lines():
+                    pass
+            return statuses, overflow.status_code
+
+    statuses, overflow_status = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert statuses == [200] * MAX_QUEUED
+    assert overflow_status == 503
+
+
+def test_metrics_appear_and_move(served: Served) -> None:
+    wait_until_idle(served.engine)
+    url = served.main.url + "/metrics"
+    before = httpx.get(url, timeout=10).text
+    names = [
+        "tokenmill:num_requests_running", "tokenmill:num_requests_waiting",
+        "tokenmill:kv_cache_usage_perc", "tokenmill:prefix_cache_queries_total",
+        "tokenmill:prefix_cache_hits_total", "tokenmill:prompt_tokens_total",
+        "tokenmill:generation_tokens_total", "tokenmill:num_preemptions_total",
+        "tokenmill:time_to_first_token_seconds_count", "tokenmill:inter_token_latency_seconds_count",
+        "tokenmill:e2e_request_latency_seconds_count", "tokenmill:request_queue_time_seconds_count",
+    ]
+    for name in names:
+        assert metric_value(before, name) is not None, name
+    prompt = "Tell me a short story about a robot who learns to paint."
+    for _ in range(2):  # the second time, the prompt's full blocks hit the prefix cache
+        served.client().completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt * 3, max_tokens=5, temperature=0
+        )
+    after = httpx.get(url, timeout=10).text
+
+    def moved(name: str) -> float:
+        return (metric_value(after, name) or 0) - (metric_value(before, name) or 0)
+
+    assert moved("tokenmill:generation_tokens_total") == 10
+    assert moved("tokenmill:prompt_tokens_total") > 0
+    assert moved("tokenmill:time_to_first_token_seconds_count") == 2
+    assert moved("tokenmill:inter_token_latency_seconds_count") == 8
+    assert moved("tokenmill:e2e_request_latency_seconds_count") == 2
+    assert moved("tokenmill:request_queue_time_seconds_count") == 2
+    assert moved("tokenmill:prefix_cache_queries_total") > 0
+    assert moved("tokenmill:prefix_cache_hits_total") > 0
+    length = "tokenmill:request_success_total"
+    assert (metric_value(after, length, finished_reason="length") or 0) - (
+        metric_value(before, length, finished_reason="length") or 0) == 2

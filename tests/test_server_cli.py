@@ -1,0 +1,81 @@
+"""`tokenmill serve` as a process: it starts on the default model, answers the
+openai client, and on SIGTERM lets a running stream finish, then exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.server_harness import HOST, free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_serve_answers_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", HOST, "--port", str(port),
+             "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
+             "--served-model-name", "smol"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server did not come up\n" + log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0,
+        )
+        assert "Paris" in (answer.choices[0].message.content or "")
+
+        # A stream is running when SIGTERM comes: it finishes, then the process exits 0.
+        stream = client.completions.create(
+            model="smol", prompt="Once upon a time", max_tokens=48, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        process.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        texts = [c.choices[0].text for c in [first, *rest] if c.choices]
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(texts) >= 2
+        assert process.wait(timeout=60) == 0, log_path.read_text()
+        assert "shut down after SIGTERM" in log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_serve_help_lists_the_server_options() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--help"], capture_output=True,
+        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    for option in ("--host", "--port", "--api-key", "--served-model-name",
+                   "--max-queued-requests", "--max-num-seqs", "--dtype"):
+        assert option in result.stdout
+

@@ -1,0 +1,105 @@
+"""The FastAPI app, built by a factory around a running AsyncEngine."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.chat import chat_prompt, create_chat_completion
+from tokenmill.server.completions import create_completion
+from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from tokenmill.server.serving import Serving
+
+
+def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+    """An OpenAI-compatible app serving `engine`. The engine is the caller's to
+    start and shut down; several apps may share one (each has its own metrics
+    registry)."""
+    model_name = server_config.served_model_name or engine.model_name
+    serving = Serving(engine, server_config, model_name)
+    metrics = ServerMetrics(engine, model_name)
+    app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        key = server_config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(
+                401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(serving, request, raw)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(serving, request, raw)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=engine.model_path,
+                                         max_model_len=engine.max_model_len)])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        serving.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if request.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=request.messages, add_generation_prompt=request.add_generation_prompt
+            )
+            tokens = chat_prompt(serving, chat).token_ids
+        else:
+            tokens = serving.encode(request.prompt or "", request.add_special_tokens)
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        serving.check_model(request.model)
+        bad = [t for t in request.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(
+                400, f"token ids {bad[:5]} are outside the vocabulary [0, {engine.vocab_size})",
+                param="tokens",
+            )
+        return JSONResponse({"prompt": engine.decode(request.tokens)})
+
+    return app

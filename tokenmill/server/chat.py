@@ -1,0 +1,198 @@
+"""POST /v1/chat/completions: the model's chat template, then one request per
+choice set, streamed as chat.completion.chunk objects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from tokenmill.server.sampling import build_sampling_params
+from tokenmill.server.serving import (
+    ClientDisconnected,
+    LogprobEntries,
+    Prompt,
+    Serving,
+    engine_error_to_api,
+    logprob_value,
+    merge,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them; content parts must be text."""
+    plain = []
+    for i, m in enumerate(messages):
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        400, "only text content parts are supported", param=f"messages.{i}.content"
+                    )
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif m.content is None:
+            message["content"] = ""
+        plain.append(message)
+    return plain
+
+
+def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
+    messages = plain_messages(request.messages)
+    try:
+        text = serving.engine.apply_chat_template(
+            messages, request.add_generation_prompt, request.chat_template
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    except Exception as e:  # a template that fails on these messages (jinja errors)
+        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
+    # The template writes the special tokens itself.
+    return Prompt(text, serving.encode(text, add_special_tokens=False))
+
+
+def chat_logprobs(serving: Serving, token_ids: list[int], entries: LogprobEntries,
+                  top_k: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        ranked = sorted(((t, logprob_value(v)) for t, v in entry.items()), key=lambda kv: -kv[1])
+        token = serving.token_text(token_id)
+        chosen = entry.get(token_id)
+        content.append(TokenLogprob(
+            token=token, logprob=float("-inf") if chosen is None else logprob_value(chosen),
+            bytes=list(token.encode()),
+            top_logprobs=[
+                TopLogprob(token=(t := serving.token_text(tid)), logprob=v, bytes=list(t.encode()))
+                for tid, v in ranked[:top_k]
+            ],
+        ))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(
+    serving: Serving, request: ChatCompletionRequest, raw: Request
+) -> Response:
+    serving.check_model(request.model)
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    top_k = (request.top_logprobs or 0) if request.logprobs else None
+    prompt = chat_prompt(serving, request)
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens), top_k)
+    request_id = random_id("chatcmpl")
+    streams = await serving.start(request_id, [prompt], [params], request.priority)
+    outputs = merge(streams)
+    if request.stream:
+        body = _stream(serving, request, request_id, outputs, top_k)
+        return StreamingResponse(body, media_type="text/event-stream")
+    try:
+        response = await unless_disconnected(
+            raw, _collect(serving, request_id, outputs, params.n, top_k)
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _collect(
+    serving: Serving,
+    request_id: str,
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    n: int,
+    top_k: int | None,
+) -> ChatCompletionResponse:
+    choices = {
+        j: ChatChoice(index=j, message=ChatResponseMessage(content=""),
+                      logprobs=ChatLogprobs(content=[]) if top_k is not None else None)
+        for j in range(n)
+    }
+    num_prompt = num_completion = 0
+    try:
+        async for _, out in outputs:
+            num_prompt = len(out.prompt_token_ids)
+            for c in out.outputs:
+                choice = choices[c.index]
+                choice.message.content = (choice.message.content or "") + c.text
+                num_completion += len(c.token_ids)
+                if top_k is not None and c.logprobs is not None and choice.logprobs is not None:
+                    new = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
+                    (choice.logprobs.content or []).extend(new.content or [])
+                if c.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    except RuntimeError as e:
+        raise engine_error_to_api(e) from e
+    finally:
+        await outputs.aclose()
+    return ChatCompletionResponse(
+        id=request_id, model=serving.model_name, choices=list(choices.values()),
+        usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                        total_tokens=num_prompt + num_completion),
+    )
+
+
+async def _stream(
+    serving: Serving,
+    request: ChatCompletionRequest,
+    request_id: str,
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    top_k: int | None,
+) -> AsyncIterator[str]:
+    model = serving.model_name
+    started: set[int] = set()
+    num_prompt = num_completion = 0
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
+
+    try:
+        async for _, out in outputs:
+            num_prompt = len(out.prompt_token_ids)
+            for c in out.outputs:
+                if c.index not in started:  # OpenAI's first chunk: the role
+                    started.add(c.index)
+                    yield chunk(ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                num_completion += len(c.token_ids)
+                logprobs = None
+                if top_k is not None and c.logprobs is not None:
+                    logprobs = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
+                if c.text or logprobs is not None or c.finish_reason is not None:
+                    yield chunk(ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text or None),
+                        logprobs=logprobs, finish_reason=c.finish_reason,
+                    ))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                              total_tokens=num_prompt + num_completion)
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
+    except RuntimeError as e:
+        yield sse_error(engine_error_to_api(e))
+    finally:
+        await outputs.aclose()
+    yield sse("[DONE]")

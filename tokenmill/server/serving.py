@@ -1,0 +1,211 @@
+"""What both generation endpoints share: admission (model name, queue limit,
+context length), running requests on the AsyncEngine, SSE framing, and
+aborting on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
+
+T = TypeVar("T")
+
+
+@dataclass
+class Prompt:
+    text: str | None  # None when given as token ids
+    token_ids: list[int]
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def logprob_value(entry: object) -> float:
+    """A logprob entry's value: a `Logprob` (its .logprob) or a plain float."""
+    return float(getattr(entry, "logprob", entry))  # type: ignore[arg-type]
+
+
+LogprobEntries = Sequence[Mapping[int, Any]]  # per token: {token_id: Logprob or float}
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name
+        self._token_text: dict[int, str] = {}
+
+    # ---- admission ------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def check_queue(self, num_new: int) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None and self.engine.num_waiting_requests() + num_new > limit:
+            raise APIError(
+                503, f"the server's queue is full ({limit} requests waiting); retry later",
+                code="queue_full",
+            )
+
+    def max_tokens_for(self, prompt: Prompt, max_tokens: int | None) -> int:
+        """max_tokens, checked against the context length (None: all that is left)."""
+        max_len = self.engine.max_model_len
+        num_prompt = len(prompt.token_ids)
+        if max_tokens is None:
+            if num_prompt >= max_len:
+                raise APIError(
+                    400, f"This model's maximum context length is {max_len} tokens. However, "
+                    f"your prompt has {num_prompt} tokens; shorten it.", param="messages",
+                )
+            return max_len - num_prompt
+        if num_prompt + max_tokens > max_len:
+            raise APIError(
+                400, f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return self.engine.encode(text, add_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.engine.decode([token_id], False)
+        return text
+
+    # ---- running ------------------------------------------------------------------------
+
+    async def start(
+        self,
+        request_id: str,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams],
+        priority: int,
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """Queue every prompt; if one is refused, abort the ones already queued."""
+        self.check_queue(len(prompts))
+        streams: list[AsyncGenerator[RequestOutput, None]] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+                if prompt.text is None:
+                    del engine_prompt["prompt"]
+                streams.append(
+                    await self.engine.add_request(f"{request_id}-{i}", engine_prompt, p, priority)
+                )
+        except BaseException as e:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from e
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), code="engine_unavailable") from e
+            if isinstance(e, EngineError):
+                raise APIError(500, INTERNAL_ERROR_MESSAGE) from e
+            raise
+        return streams
+
+
+async def merge(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave several requests' outputs as they come, tagged with the prompt index.
+    Closing the merge (or cancelling its consumer) aborts what still runs."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def engine_error_to_api(e: BaseException) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_unavailable")
+    return APIError(500, INTERNAL_ERROR_MESSAGE)
+
+
+def sse(data: BaseModel | str) -> str:
+    payload = data if isinstance(data, str) else data.model_dump_json()
+    return f"data: {payload}\n\n"
+
+
+def sse_error(e: APIError) -> str:
+    return sse(json.dumps(error_body(e.status_code, e.message, e.param, e.code).model_dump()))
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its
+    requests) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
