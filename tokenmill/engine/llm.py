@@ -62,6 +62,25 @@ class LLM:
             raise ValueError("this LLM was created with skip_tokenizer_init=True")
         return self.engine.tokenizer
 
+    def model_info(self) -> dict[str, Any]:
+        """The loaded model's shape and size, for reports and rooflines."""
+        spec = self.engine.spec
+        return {
+            "architecture": spec.architecture,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_layers": spec.num_layers,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size,
+            "kv_bytes_per_token": spec.kv_bytes_per_token,  # per byte of element size
+            "num_params": sum(p.numel() for p in self.engine.runner.model.parameters()),
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "max_model_len": self.engine.max_model_len,
+            "num_kv_blocks": self.engine.scheduler.kv.num_blocks,
+        }
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -1,0 +1,141 @@
+"""`tokenmill bench roofline`: how far a decode step is from this machine's limits.
+
+It measures the ceilings on the machine it runs on (memory bandwidth: a large
+tensor copy; matmul rate: the model's own projection shapes at the batch
+size), then times a real decode step through the public API:
+
+    t_decode = (generate(max_tokens=K + 1) - generate(max_tokens=1)) / K
+
+with B requests of context ~L, prefix caching off (so both runs prefill).
+The roofline of one step is max(bytes / bandwidth, FLOPs / matmul rate), with
+bytes = all weights once + the K/V of every request's context, and FLOPs =
+2 * parameters * B + attention (4 * B * L * heads * head_dim per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Ceilings:
+    bandwidth_gb_s: float
+    matmul_gflop_s: float  # at the decode batch size, over the model's projection shapes
+
+
+@dataclass
+class RooflineRow:
+    batch: int
+    context: int
+    dtype: str
+    step_ms: float
+    roofline_ms: float
+    ratio: float  # step / roofline; 1.0 is the machine's limit
+    bound: str  # "memory" or "compute"
+    bytes_mb: float
+    gflop: float
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * num_bytes / best / 1e9  # read + write
+
+
+def measure_matmul(shapes: list[tuple[int, int]], batch: int, dtype: Any, repeats: int = 10) -> float:
+    import torch
+
+    total_flop = 0.0
+    total_s = 0.0
+    with torch.inference_mode():
+        for k, n in shapes:
+            x = torch.randn(batch, k, dtype=dtype)
+            w = torch.randn(n, k, dtype=dtype)
+            torch.nn.functional.linear(x, w)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                torch.nn.functional.linear(x, w)
+            total_s += (time.perf_counter() - t) / repeats
+            total_flop += 2.0 * batch * k * n
+    return total_flop / total_s / 1e9
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="64,128")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed (K)")
+    p.add_argument("--output-dir", default="bench-results")
+
+
+def main_roofline(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+
+    dtype = getattr(torch, args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(int(b) for b in args.batches.split(",")),
+              max_num_batched_tokens=8192, enable_prefix_caching=False)
+    info = llm.model_info()
+    hidden, inter = info["hidden_size"], info["intermediate_size"]
+    q_out = info["num_heads"] * info["head_dim"]
+    kv_out = info["num_kv_heads"] * info["head_dim"]
+    shapes = [(hidden, q_out + 2 * kv_out), (q_out, hidden), (hidden, 2 * inter), (inter, hidden)]
+    bandwidth = measure_bandwidth()
+    rows: list[RooflineRow] = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        rate = measure_matmul(shapes, batch, dtype)
+        prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(args.context)]}
+                   for i in range(batch)]
+
+        def timed(max_tokens: int, prompts: list[dict[str, list[int]]] = prompts) -> float:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - t
+
+        timed(2)  # warm-up
+        step_s = (timed(args.steps + 1) - timed(1)) / args.steps
+        element = torch.empty((), dtype=dtype).element_size()
+        ctx = args.context + args.steps // 2  # mean context over the timed steps
+        kv_bytes = batch * ctx * info["kv_bytes_per_token"] * element
+        weight_bytes = info["num_params"] * element
+        attn_flop = 4.0 * batch * ctx * q_out * info["num_layers"]
+        flop = 2.0 * info["num_params"] * batch + attn_flop
+        t_mem = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        t_cmp = flop / (rate * 1e9)
+        roof = max(t_mem, t_cmp)
+        rows.append(RooflineRow(
+            batch=batch, context=ctx, dtype=args.dtype, step_ms=step_s * 1e3,
+            roofline_ms=roof * 1e3, ratio=step_s / roof,
+            bound="memory" if t_mem >= t_cmp else "compute",
+            bytes_mb=(weight_bytes + kv_bytes) / 1e6, gflop=flop / 1e9))
+        print(f"batch {batch}: matmul {rate:.0f} GFLOP/s", file=sys.stderr)
+    ceilings = Ceilings(bandwidth_gb_s=bandwidth, matmul_gflop_s=rate)
+    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s")
+    print("| batch | context | dtype | decode step ms | roofline ms | step / roofline | bound | "
+          "bytes MB | GFLOP |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.batch} | {r.context} | {r.dtype} | {r.step_ms:.1f} | {r.roofline_ms:.1f} | "
+              f"{r.ratio:.2f}x | {r.bound} | {r.bytes_mb:.0f} | {r.gflop:.1f} |")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"roofline-{args.dtype}.json").write_text(
+        json.dumps({"ceilings": asdict(ceilings), "rows": [asdict(r) for r in rows]}, indent=2))
+    return 0
