@@ -131,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_bench.add_args(serve_parser)
     serve_parser.set_defaults(func=serve_bench.main_serve)
+    from tokenmill.bench import report
+
+    all_parser = bench_sub.add_parser("all", help="run every benchmark and write BENCHMARKS.md")
+    report.add_args(all_parser)
+    all_parser.set_defaults(func=report.main_all)
+    from tokenmill.bench import roofline
+
+    roof_parser = bench_sub.add_parser("roofline", help="decode step vs this machine's ceilings")
+    roofline.add_args(roof_parser)
+    roof_parser.set_defaults(func=roofline.main_roofline)
     return parser
 
 
