@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: setup
+	# One offline answer first (the engine end to end), then the server.
+	$(VENV)/bin/tokenmill generate "What is the capital of France?" --max-tokens 32
 	@echo "Starting the OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C stops it)."
 	@echo "Once it says 'Uvicorn running', try from another terminal:"
 	@echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
