@@ -10,6 +10,7 @@ draws the same tokens whatever shares its batch.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -27,12 +28,7 @@ from transformers.generation.logits_process import (
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.sampler import (
-    Sampler,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-)
+from tokenmill.worker.sampler import Sampler, top_k_top_p_candidates
 
 CPU = torch.device("cpu")
 VOCAB = 1000
@@ -78,7 +74,7 @@ def test_repetition_penalty_matches_transformers(penalty: float) -> None:
     states = [
         make_state(SamplingParams(repetition_penalty=penalty), p, o) for p, o in histories
     ]
-    ours = Sampler(CPU).apply_logits_processors(logits, states, EOS)
+    ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     hf = RepetitionPenaltyLogitsProcessor(penalty)
     for i, (prompt, output) in enumerate(histories):
         theirs = hf(torch.tensor([prompt + output]), logits[i : i + 1].clone())
@@ -96,21 +92,11 @@ def test_frequency_and_presence_penalties_follow_openai() -> None:
         make_state(SamplingParams(presence_penalty=pp, frequency_penalty=fp), prompt, output)
         for pp, fp in params
     ]
-    ours = Sampler(CPU).apply_logits_processors(logits, states, EOS)
+    ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     counts = torch.bincount(torch.tensor(output), minlength=VOCAB).float()
     for i, (pp, fp) in enumerate(params):
         expected = logits[i] - fp * counts - pp * (counts > 0).float()
         torch.testing.assert_close(ours[i], expected)
-
-
-def test_penalty_function_matches_its_batched_use() -> None:
-    logits = random_logits(3)
-    mask = torch.rand(3, VOCAB, generator=torch.Generator().manual_seed(3)) < 0.1
-    counts = torch.zeros(3, VOCAB)
-    out = apply_penalties(
-        logits.clone(), mask, counts, torch.zeros(3), torch.zeros(3), torch.tensor([1.0, 1.0, 1.0])
-    )
-    torch.testing.assert_close(out, logits)  # repetition 1 and no output: unchanged
 
 
 # ---- bias and masks ---------------------------------------------------------------------
@@ -122,7 +108,7 @@ def test_logit_bias_matches_transformers_sequence_bias() -> None:
     states = [
         make_state(SamplingParams(logit_bias=b or None), [1, 2, 3]) for b in biases
     ]
-    ours = Sampler(CPU).apply_logits_processors(logits, states, EOS)
+    ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     for i, bias in enumerate(biases):
         theirs = logits[i : i + 1].clone()
         if bias:
@@ -142,7 +128,7 @@ def test_bad_words_match_transformers() -> None:
         params = SamplingParams(bad_words=["unused"])
         params.bad_words_token_ids = bad
         states.append(make_state(params, [3, 4], out))
-    ours = Sampler(CPU).apply_logits_processors(logits, states, EOS)
+    ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     hf = NoBadWordsLogitsProcessor(bad, eos_token_id=EOS[0])
     for i, out in enumerate(outputs):
         theirs = hf(torch.tensor([[3, 4, *out]]) if out else torch.tensor([[3, 4]]),
@@ -161,7 +147,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
         (SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[40]), []),
     ]
     states = [make_state(p, prompt, o) for p, o in cases]
-    ours = Sampler(CPU).apply_logits_processors(logits, states, EOS)
+    ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     for i, (params, out) in enumerate(cases):
         stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(EOS))
         hf = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_tokens, stop_ids)
@@ -176,7 +162,7 @@ def test_allowed_token_ids_leave_only_those() -> None:
         make_state(SamplingParams(allowed_token_ids=[3, 500, 999]), [1]),
         make_state(SamplingParams(), [1]),
     ]
-    ours = Sampler(CPU).apply_logits_processors(logits, states, EOS)
+    ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [3, 500, 999]
     torch.testing.assert_close(ours[0, [3, 500, 999]], logits[0, [3, 500, 999]])
     torch.testing.assert_close(ours[1], logits[1])
@@ -212,30 +198,53 @@ def hf_filtered(logits: torch.Tensor, temperature: float, min_p: float, top_k: i
     return x
 
 
-def our_filtered(logits: torch.Tensor, filters: list[tuple[float, float, int, float]]) -> torch.Tensor:
+def our_filtered(
+    logits: torch.Tensor, params: list[SamplingParams], num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our temperature / min-p / top-k / top-p as normalized probabilities [rows, vocab],
+    and which rows the candidates held exactly (the others need a full sort)."""
     vocab = logits.shape[-1]
-    x = logits / torch.tensor([f[0] for f in filters])[:, None]
-    x = apply_min_p(x, torch.tensor([f[1] for f in filters]))
-    top_k = torch.tensor([f[2] if f[2] > 0 else vocab for f in filters])
-    return apply_top_k_top_p(x, top_k, torch.tensor([f[3] for f in filters]))
+    states = [make_state(p, [1], request_id=str(i), vocab=vocab) for i, p in enumerate(params)]
+    probs, filtered = Sampler(CPU).filtered_probs(logits.clone(), states)
+    fits = torch.ones(len(params), dtype=torch.bool)
+    if filtered is not None:
+        top_k = torch.tensor([params[i].top_k or vocab for i in filtered.tolist()])
+        top_p = torch.tensor([params[i].top_p for i in filtered.tolist()])
+        cand_probs, cand_ids, cand_fits = top_k_top_p_candidates(
+            probs[filtered], top_k, top_p, num_candidates
+        )
+        probs[filtered] = torch.zeros(len(filtered), vocab).scatter_(1, cand_ids, cand_probs)
+        fits[filtered] = cand_fits
+    return probs / probs.sum(dim=-1, keepdim=True), fits
 
 
-def test_filters_match_transformers_warpers() -> None:
+def filter_params(f: tuple[float, float, int, float]) -> SamplingParams:
+    return SamplingParams(temperature=f[0], min_p=f[1], top_k=f[2], top_p=f[3])
+
+
+@pytest.mark.parametrize("num_candidates", [VOCAB, 64])
+def test_filters_match_transformers_warpers(num_candidates: int) -> None:
     logits = random_logits(len(FILTERS), seed=5)
-    ours = our_filtered(logits, FILTERS)
+    ours, fits = our_filtered(logits, [filter_params(f) for f in FILTERS], num_candidates)
+    if num_candidates < VOCAB:  # both the candidate path and the fallback are exercised
+        assert fits.any() and not fits.all()
     for i, f in enumerate(FILTERS):
-        assert_same_logits(ours[i : i + 1], hf_filtered(logits[i : i + 1], *f))
+        theirs = torch.softmax(hf_filtered(logits[i : i + 1], *f), dim=-1)[0]
+        if not fits[i]:
+            continue  # the sampler redoes this row with all candidates (the case above)
+        assert torch.equal(ours[i] > 0, theirs > 0), f"row {i}: different tokens kept"
+        torch.testing.assert_close(ours[i], theirs, rtol=1e-4, atol=1e-7)
 
 
 def test_top_k_alone_matches_transformers() -> None:
     logits = random_logits(4, seed=6)
-    ks = [1, 10, VOCAB, 300]
-    ours = apply_top_k_top_p(logits, torch.tensor(ks), None)
+    ks = [1, 10, VOCAB - 1, 300]
+    ours, _ = our_filtered(logits, [SamplingParams(top_k=k) for k in ks], VOCAB)
     for i, k in enumerate(ks):
-        theirs = logits[i : i + 1].clone()
-        if k < VOCAB:
-            theirs = TopKLogitsWarper(k)(torch.tensor([[0]]), theirs)
-        assert_same_logits(ours[i : i + 1], theirs)
+        theirs = TopKLogitsWarper(k)(torch.tensor([[0]]), logits[i : i + 1].clone())
+        theirs = torch.softmax(theirs, dim=-1)[0]
+        assert torch.equal(ours[i] > 0, theirs > 0)
+        torch.testing.assert_close(ours[i], theirs, rtol=1e-4, atol=1e-7)
 
 
 # ---- logprobs, greedy, mixed batches ------------------------------------------------------
@@ -256,10 +265,10 @@ def test_logprobs_are_the_raw_distribution() -> None:
     raw = torch.log_softmax(logits, dim=-1)
     for i, p in enumerate(params):
         tok = out.token_ids[i]
-        assert abs(out.logprobs[i] - raw[i, tok].item()) < 1e-4
-        if p.logprobs is None:
-            assert out.top_logprobs[i] is None
+        if p.logprobs is None:  # not computed
+            assert out.top_logprobs[i] is None and math.isnan(out.logprobs[i])
             continue
+        assert abs(out.logprobs[i] - raw[i, tok].item()) < 1e-4
         assert out.ranks[i] == int((raw[i] >= raw[i, tok]).sum())
         top = out.top_logprobs[i] if p.logprobs else {}
         assert top is not None
@@ -294,7 +303,7 @@ def test_seeded_row_is_independent_of_its_batch() -> None:
         sampler = Sampler(CPU, seed=batch_size)
         tokens = []
         for _ in range(steps):
-            states = others[:position] + [target] + others[position:]
+            states = [*others[:position], target, *others[position:]]
             batch = random_logits(batch_size, seed=len(tokens) + 100)
             batch[position] = logits[0]
             out = sampler(batch, states, EOS)
@@ -325,6 +334,7 @@ SMALL_VOCAB = 12
 NUM_DRAWS = 40_000
 
 
+@pytest.mark.parametrize("max_candidates", [256, 3])  # 3: the full-sort fallback too
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -332,9 +342,10 @@ NUM_DRAWS = 40_000
         {"temperature": 0.7, "top_k": 6},
         {"temperature": 1.2, "top_p": 0.8},
         {"temperature": 0.9, "min_p": 0.1, "top_k": 8, "top_p": 0.9},
+        {"temperature": 0.9, "top_k": 2, "top_p": 0.9},
     ],
 )
-def test_draws_follow_the_filtered_softmax(kwargs: dict[str, Any]) -> None:
+def test_draws_follow_the_filtered_softmax(kwargs: dict[str, Any], max_candidates: int) -> None:
     logits = torch.linspace(-2.0, 2.0, SMALL_VOCAB)[torch.randperm(
         SMALL_VOCAB, generator=torch.Generator().manual_seed(0))]
     params = SamplingParams(**kwargs)
@@ -345,14 +356,13 @@ def test_draws_follow_the_filtered_softmax(kwargs: dict[str, Any]) -> None:
     # Unseeded rows: one batched draw from the sampler's default generator.
     states = [make_state(params, [1], request_id=str(i), vocab=SMALL_VOCAB)
               for i in range(NUM_DRAWS)]
-    out = Sampler(CPU, seed=42)(logits.expand(NUM_DRAWS, -1).clone(), states, EOS)
+    sampler = Sampler(CPU, seed=42, max_candidates=max_candidates)
+    out = sampler(logits.expand(NUM_DRAWS, -1).clone(), states, EOS)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=SMALL_VOCAB)
     assert chi_square_p_value(counts, expected) > 1e-3
-    # The test can fail: the unfiltered softmax (or a wrong temperature) is rejected.
-    if kwargs != {"temperature": 1.0}:
-        wrong = torch.softmax(logits, dim=-1)
-        support = expected > 0
-        assert chi_square_p_value(counts[support], wrong[support] / wrong[support].sum()) < 1e-6
+    # The test can fail: a different temperature without the filters is rejected.
+    wrong = torch.softmax(logits / (params.temperature * 1.3), dim=-1)
+    assert chi_square_p_value(counts, wrong) < 1e-6
 
 
 def test_seeded_draws_follow_the_softmax() -> None:

@@ -21,9 +21,15 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
         self.all_special_ids: set[int] = set(hf_tokenizer.all_special_ids)
-        # Added tokens (special or not) decode as themselves, between text segments.
+        # Added tokens (special or not) decode as themselves, between text segments;
+        # skip_special_tokens drops those the tokenizer marks special (which can be
+        # more than all_special_ids lists), as its own decode does.
         self.added_tokens: dict[int, str] = {
             i: t for t, i in hf_tokenizer.get_added_vocab().items()
+        }
+        self.skipped_ids: set[int] = self.all_special_ids | {
+            i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)
         }
         self._token_strings: dict[int, str] = {}
 
@@ -62,7 +68,7 @@ class Tokenizer:
             if token_id not in self.added_tokens:
                 run.append(token_id)
                 continue
-            if skip_special_tokens and token_id in self.all_special_ids:
+            if skip_special_tokens and token_id in self.skipped_ids:
                 continue
             if run:
                 pieces.append(str(self.hf.decode(run)))

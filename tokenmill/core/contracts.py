@@ -60,7 +60,9 @@ class ModelRunnerOutput:
     # One entry per scheduled request with do_sample, in SchedulerOutput order.
     req_ids: list[str]
     sampled_token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token under the raw model distribution
+    # Logprob of each sampled token under the raw model distribution; NaN for a
+    # request that did not ask for logprobs (not computed: it costs a vocab pass).
+    logprobs: list[float]
     # Per sampled request, the top-k alternatives {token_id: logprob} when asked for.
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # Per sampled request, the rank of its sampled token (1 = most likely).

@@ -239,7 +239,8 @@ class OutputProcessor:
             index=state.index,
             text=text,
             token_ids=token_ids,
-            cumulative_logprob=state.cumulative_logprob,
+            # As vLLM: only known when logprobs were asked for.
+            cumulative_logprob=state.cumulative_logprob if params.logprobs is not None else None,
             logprobs=logprobs,
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,

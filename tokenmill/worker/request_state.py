@@ -28,9 +28,11 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests only
     output_token_ids: list[int] = field(default_factory=list)
-    # Penalties only: which tokens the prompt holds, and how often each was sampled.
-    prompt_mask: torch.Tensor | None = None  # [vocab] bool
-    output_counts: torch.Tensor | None = None  # [vocab] float32
+    # Penalties only (kept sparse: a request sees far fewer tokens than the vocab):
+    # the distinct tokens of prompt + output, and how often each was sampled.
+    seen_token_ids: list[int] | None = None
+    output_counts: dict[int, int] | None = None
+    _seen: set[int] = field(default_factory=set, repr=False)
     # prompt_logprobs only: entries for prompt positions 1.. gathered so far (a
     # chunked prefill delivers them a chunk at a time), and whether they were sent.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -51,10 +53,9 @@ class CachedRequestState:
             generator.manual_seed(params.seed)
         state = cls(request_id, list(prompt_token_ids), params, generator)
         if params.has_penalties:
-            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-            state.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            ids = torch.tensor(prompt_token_ids, dtype=torch.int64, device=device)
-            state.prompt_mask[ids[ids < vocab_size]] = True
+            state._seen = {t for t in prompt_token_ids if t < vocab_size}
+            state.seen_token_ids = sorted(state._seen)
+            state.output_counts = {}
         return state
 
     @property
@@ -63,5 +64,8 @@ class CachedRequestState:
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        if self.output_counts is not None:
-            self.output_counts[token_id] += 1
+        if self.output_counts is not None and self.seen_token_ids is not None:
+            self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+            if token_id not in self._seen:
+                self._seen.add(token_id)
+                self.seen_token_ids.append(token_id)

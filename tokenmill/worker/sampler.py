@@ -1,7 +1,7 @@
 """Turn logits into tokens, for the whole batch at once.
 
 One step, in vLLM's order (every stage is a tensor operation over the rows
-that need it, never a loop over the vocabulary):
+that need it, never a Python loop over the vocabulary):
 
     raw logits ──> logprobs of the raw distribution (what users are shown)
         │
@@ -10,12 +10,16 @@ that need it, never a loop over the vocabulary):
         ├─ repetition / frequency / presence penalties
         │
         ├─ greedy rows: argmax
-        └─ sampled rows: / temperature -> min-p -> top-k -> top-p -> softmax
-                         -> exponential race: argmax(p / q), q ~ Exp(1)
+        └─ sampled rows: / temperature -> softmax -> min-p -> top-k -> top-p
+                         -> inverse CDF with one uniform per row
 
-The exponential race equals a categorical draw and lets each seeded request
-draw q from its own generator, so its tokens do not depend on what else
-shares the batch or on when it is scheduled.
+Top-k / top-p need the most likely tokens in order; rather than sorting the
+whole vocabulary, the top MAX_CANDIDATES are taken, which is exact whenever
+they hold the whole top-k / top-p set (nearly always with a real model); the
+other rows are redone with 16 times more, and at last with a full sort. Each draw uses exactly one uniform from
+the request's own generator (seeded requests) or the shared one, so a seeded
+request's tokens do not depend on what else shares the batch or on when it is
+scheduled.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import torch
 from tokenmill.worker.request_state import CachedRequestState
 
 NEG_INF = float("-inf")
+# How many of the most likely tokens top-k / top-p look at before falling back to
+# a full sort of the vocabulary (a sort of 256 x 49152 floats costs ~1 s on a CPU).
+MAX_CANDIDATES = 256
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # of each sampled token, under the raw distribution
+    logprobs: list[float]  # of each sampled token, raw distribution; NaN where not asked
     ranks: list[int]  # of each sampled token (1 = most likely); 0 where logprobs were not asked
     top_logprobs: list[dict[int, float] | None]  # top-k alternatives where asked, best first
 
@@ -41,57 +48,91 @@ class SamplerOutput:
 
 
 def apply_penalties(
-    logits: torch.Tensor,  # [rows, vocab]
-    prompt_mask: torch.Tensor,  # [rows, vocab] bool: token occurs in the prompt
-    output_counts: torch.Tensor,  # [rows, vocab] float: times the token was generated
-    presence: torch.Tensor,  # [rows]
-    frequency: torch.Tensor,  # [rows]
-    repetition: torch.Tensor,  # [rows]
-) -> torch.Tensor:
-    """Repetition penalty (CTRL: divide positive logits, multiply negative ones, for
-    tokens of the prompt or the output) then OpenAI's frequency and presence
-    penalties (generated tokens only)."""
-    output_mask = output_counts > 0
-    rep = repetition[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(prompt_mask | output_mask, penalized, logits)
-    logits -= frequency[:, None] * output_counts
-    logits -= presence[:, None] * output_mask
-    return logits
+    logits: torch.Tensor,  # [num_rows, vocab]; modified in place
+    states: list[CachedRequestState],
+    rows: list[int],  # the rows with penalties
+) -> None:
+    """Repetition penalty (CTRL: divide positive logits, multiply negative ones,
+    for tokens of the prompt or the output), then OpenAI's frequency and
+    presence penalties (generated tokens only). Sparse: only the tokens each
+    request has seen are touched, (row, token) pairs flattened over the batch."""
+    device = logits.device
+    rep_rows: list[int] = []
+    rep_tokens: list[int] = []
+    rep_values: list[float] = []
+    out_rows: list[int] = []
+    out_tokens: list[int] = []
+    out_values: list[float] = []  # count * frequency + presence
+    for i in rows:
+        state = states[i]
+        params = state.params
+        assert state.seen_token_ids is not None and state.output_counts is not None
+        if params.repetition_penalty != 1.0:
+            seen = state.seen_token_ids
+            rep_rows.extend([i] * len(seen))
+            rep_tokens.extend(seen)
+            rep_values.extend([params.repetition_penalty] * len(seen))
+        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            counts = state.output_counts
+            out_rows.extend([i] * len(counts))
+            out_tokens.extend(counts.keys())
+            out_values.extend(
+                c * params.frequency_penalty + params.presence_penalty for c in counts.values()
+            )
+    if rep_rows:
+        index = (torch.tensor(rep_rows, device=device), torch.tensor(rep_tokens, device=device))
+        penalty = torch.tensor(rep_values, dtype=logits.dtype, device=device)
+        values = logits[index]
+        logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+    if out_rows:
+        index = (torch.tensor(out_rows, device=device), torch.tensor(out_tokens, device=device))
+        logits.index_put_(
+            index, -torch.tensor(out_values, dtype=logits.dtype, device=device), accumulate=True
+        )
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's."""
-    probs = torch.softmax(logits, dim=-1)  # [rows, vocab]
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, NEG_INF)
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the top token's."""
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [rows, 1]
+    return probs.masked_fill_(probs < threshold, 0.0)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor,  # [rows, vocab]
-    top_k: torch.Tensor | None,  # [rows] int64, vocab = disabled
-    top_p: torch.Tensor | None,  # [rows] float, 1.0 = disabled
-) -> torch.Tensor:
-    """Keep the k most likely tokens, then the smallest set whose mass reaches p
-    (always at least one token)."""
-    vocab = logits.shape[-1]
-    if top_p is None:
-        if top_k is None:
-            return logits
-        # Top-k alone needs no full sort: the k-th largest value is the threshold.
-        max_k = int(top_k.max())
-        kth = logits.topk(max_k, dim=-1).values.gather(1, (top_k.clamp(max=max_k) - 1)[:, None])
-        kth = kth.masked_fill((top_k >= vocab)[:, None], NEG_INF)  # [rows, 1]
-        return logits.masked_fill(logits < kth, NEG_INF)
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # [rows, vocab]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])  # [rows, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth, NEG_INF)
-    cum_probs = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop = cum_probs <= 1 - top_p[:, None]  # the low tail holding at most 1 - p of the mass
-    drop[:, -1] = False
-    sorted_logits.masked_fill_(drop, NEG_INF)
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+def top_k_top_p_candidates(
+    probs: torch.Tensor,  # [rows, vocab], not necessarily normalized
+    top_k: torch.Tensor,  # [rows] int64, >= vocab = disabled
+    top_p: torch.Tensor,  # [rows] float, 1.0 = disabled
+    num_candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k then top-p filtered distribution over each row's
+    `num_candidates` most likely tokens: (probs [rows, c], unnormalized, zero
+    where filtered out; token ids [rows, c]; fits [rows] bool, False where the
+    candidates do not hold the whole kept set and the row must be redone with
+    num_candidates = vocab). Top-p keeps the smallest most-likely set whose mass
+    reaches p of what top-k (and min-p) left, always at least one token."""
+    num_candidates = min(num_candidates, probs.shape[-1])
+    cand_probs, cand_ids = probs.topk(num_candidates, dim=-1)  # [rows, c], most likely first
+    position = torch.arange(num_candidates, device=probs.device)
+    cand_probs.masked_fill_(position[None, :] >= top_k[:, None], 0.0)
+    cand_mass = cand_probs.sum(dim=-1)  # [rows]
+    # The mass top-p is relative to: the top-k set when the candidates hold it all.
+    k_inside = top_k <= num_candidates
+    mass = torch.where(k_inside, cand_mass, probs.sum(dim=-1))  # [rows]
+    threshold = top_p * mass
+    cum_before = cand_probs.cumsum(dim=-1) - cand_probs  # mass of the more likely candidates
+    drop = (cum_before >= threshold[:, None]) & (top_p < 1.0)[:, None]
+    cand_probs.masked_fill_(drop, 0.0)
+    # Exact when top-k cut inside the candidates or top-p's mass was reached within them.
+    fits = k_inside | (cand_mass >= threshold)
+    return cand_probs, cand_ids, fits
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row, the index where the cumulative (unnormalized) mass first
+    exceeds u * total: a categorical draw from one uniform u in [0, 1)."""
+    cdf = probs.cumsum(dim=-1)  # [rows, n]
+    target = uniforms[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True)  # [rows, 1]
+    return index.clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 def banned_tokens(
@@ -136,72 +177,87 @@ def allowed_mask(states: list[CachedRequestState], rows: list[int], vocab: int,
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, seed: int = 0, max_candidates: int = MAX_CANDIDATES
+    ) -> None:
         self.device = device
+        self.max_candidates = max_candidates
         # Unseeded requests share this one; seeded ones have their own (in their state).
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab] float32, raw
+        logits: torch.Tensor,  # [num_rows, vocab] float32, raw; modified in place
         states: list[CachedRequestState],
         eos_token_ids: tuple[int, ...] = (),
     ) -> SamplerOutput:
         num_rows = logits.shape[0]
         device = logits.device
         params = [s.params for s in states]
-        logsumexp = logits.logsumexp(dim=-1)  # [num_rows]
 
-        # Raw top-k alternatives, before anything below changes the logits.
-        top: list[dict[int, float] | None] = [None] * num_rows
+        # Raw logprobs, only for the rows that asked, before the logits change.
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        max_top = max((params[i].logprobs or 0 for i in lp_rows), default=0)
-        if max_top > 0:
-            lp_index = torch.tensor(lp_rows, device=device)
-            vals, ids = logits[lp_index].topk(max_top, dim=-1)  # [num_lp_rows, max_top]
-            vals = vals - logsumexp[lp_index, None]
-            for j, (row_vals, row_ids) in enumerate(zip(vals.tolist(), ids.tolist(), strict=True)):
-                k = params[lp_rows[j]].logprobs or 0
-                if k:
-                    top[lp_rows[j]] = dict(zip(row_ids[:k], row_vals[:k], strict=True))
-
-        processed = self.apply_logits_processors(logits, states, eos_token_ids)
-
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(random_rows) < num_rows:
-            token_ids = processed.argmax(dim=-1)  # [num_rows]
-        else:
-            token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        if random_rows:
-            rows = torch.tensor(random_rows, device=device)
-            drawn = self.sample(processed[rows], [states[i] for i in random_rows])
-            if len(random_rows) == num_rows:
-                token_ids = drawn
-            else:
-                token_ids[rows] = drawn
-
-        chosen_logits = logits.gather(1, token_ids[:, None])  # [num_rows, 1], raw
-        chosen = (chosen_logits[:, 0] - logsumexp).tolist()
-        ranks = [0] * num_rows
+        top: list[dict[int, float] | None] = [None] * num_rows
         if lp_rows:
             lp_index = torch.tensor(lp_rows, device=device)
-            lp_ranks = (logits[lp_index] >= chosen_logits[lp_index]).sum(dim=-1).tolist()
-            for i, r in zip(lp_rows, lp_ranks, strict=True):
-                ranks[i] = int(r)
+            raw = logits[lp_index]  # [num_lp_rows, vocab], a copy
+            logsumexp = raw.logsumexp(dim=-1, keepdim=True)  # [num_lp_rows, 1]
+            max_top = max(params[i].logprobs or 0 for i in lp_rows)
+            if max_top > 0:
+                vals, ids = raw.topk(max_top, dim=-1)  # [num_lp_rows, max_top]
+                vals = vals - logsumexp
+                for i, row_vals, row_ids in zip(lp_rows, vals.tolist(), ids.tolist(), strict=True):
+                    k = params[i].logprobs or 0
+                    if k:
+                        top[i] = dict(zip(row_ids[:k], row_vals[:k], strict=True))
+
+        self.apply_logits_processors(logits, states, eos_token_ids)
+
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)  # [num_rows]
+        elif len(random_rows) == num_rows:
+            token_ids = self.sample(logits, states)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+            greedy = torch.tensor([i for i, p in enumerate(params) if p.greedy], device=device)
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            rows = torch.tensor(random_rows, device=device)
+            token_ids[rows] = self.sample(logits[rows], [states[i] for i in random_rows])
+
+        # The sampled token's raw logprob and rank; NaN / 0 where logprobs were not
+        # asked for (computing them costs a pass over the vocabulary per row).
+        chosen = [float("nan")] * num_rows
+        ranks = [0] * num_rows
+        if lp_rows:
+            chosen_raw = raw.gather(1, token_ids[lp_index, None])  # [num_lp_rows, 1]
+            lp_ranks = (raw >= chosen_raw).sum(dim=-1).tolist()
+            for i, lp, rank in zip(lp_rows, (chosen_raw - logsumexp)[:, 0].tolist(), lp_ranks,
+                                   strict=True):
+                chosen[i], ranks[i] = lp, int(rank)
         return SamplerOutput(token_ids.tolist(), chosen, ranks, top)
 
     def apply_logits_processors(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab] raw; not modified
+        logits: torch.Tensor,  # [num_rows, vocab]; modified in place
         states: list[CachedRequestState],
         eos_token_ids: tuple[int, ...],
-    ) -> torch.Tensor:  # [num_rows, vocab], a copy when anything applies
+    ) -> torch.Tensor:
+        """Masks, bias and penalties, each on the rows that have them."""
         device = logits.device
         vocab = logits.shape[-1]
         params = [s.params for s in states]
         allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if allow_rows:
+            index = torch.tensor(allow_rows, device=device)
+            logits[index] = logits[index].masked_fill(
+                allowed_mask(states, allow_rows, vocab, device), NEG_INF
+            )
         ban_rows, ban_tokens = banned_tokens(states, eos_token_ids)
+        if ban_rows:
+            logits[torch.tensor(ban_rows, device=device),
+                   torch.tensor(ban_tokens, device=device)] = NEG_INF
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
         bias_values: list[float] = []
@@ -210,64 +266,70 @@ class Sampler:
                 bias_rows.extend([i] * len(p.logit_bias))
                 bias_tokens.extend(p.logit_bias.keys())
                 bias_values.extend(p.logit_bias.values())
-        penalty_rows = [i for i, s in enumerate(states) if s.output_counts is not None]
-        if not (allow_rows or ban_rows or bias_rows or penalty_rows):
-            return logits
-
-        x = logits.clone()
-        if allow_rows:
-            index = torch.tensor(allow_rows, device=device)
-            x[index] = x[index].masked_fill(allowed_mask(states, allow_rows, vocab, device), NEG_INF)
-        if ban_rows:
-            x[torch.tensor(ban_rows, device=device), torch.tensor(ban_tokens, device=device)] = NEG_INF
         if bias_rows:
-            x.index_put_(
+            logits.index_put_(
                 (torch.tensor(bias_rows, device=device), torch.tensor(bias_tokens, device=device)),
-                torch.tensor(bias_values, dtype=x.dtype, device=device),
+                torch.tensor(bias_values, dtype=logits.dtype, device=device),
                 accumulate=True,
             )
+        penalty_rows = [i for i, s in enumerate(states) if s.output_counts is not None]
         if penalty_rows:
-            index = torch.tensor(penalty_rows, device=device)
-            pstates = [states[i] for i in penalty_rows]
-            x[index] = apply_penalties(
-                x[index],
-                torch.stack([s.prompt_mask for s in pstates]),  # type: ignore[misc]
-                torch.stack([s.output_counts for s in pstates]),  # type: ignore[misc]
-                torch.tensor([s.params.presence_penalty for s in pstates], device=device),
-                torch.tensor([s.params.frequency_penalty for s in pstates], device=device),
-                torch.tensor([s.params.repetition_penalty for s in pstates], device=device),
-            )
-        return x
+            apply_penalties(logits, states, penalty_rows)
+        return logits
 
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
-        """Draw one token per row from processed logits [rows, vocab] (a copy we own)."""
+    def filtered_probs(
+        self, logits: torch.Tensor, states: list[CachedRequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Temperature, softmax, min-p: probs [rows, vocab] (unnormalized once
+        min-p zeroes some), and the indices of the rows that top-k / top-p filter
+        further (None if none do)."""
         device = logits.device
-        vocab = logits.shape[-1]
         params = [s.params for s in states]
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        x = logits.div_(temperature[:, None])
+        probs = torch.softmax(logits.div_(temperature[:, None]), dim=-1)  # [rows, vocab]
         if any(p.min_p > 0 for p in params):
-            x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=device))
-        top_k = None
-        if any(0 < p.top_k < vocab for p in params):
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device
-            )
-        top_p = None
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device)
-        x = apply_top_k_top_p(x, top_k, top_p)
-        probs = torch.softmax(x, dim=-1)  # [rows, vocab]
+            apply_min_p(probs, torch.tensor([p.min_p for p in params], device=device))
+        vocab = logits.shape[-1]
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        return probs, torch.tensor(filtered, device=device) if filtered else None
 
-        q = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(states) if s.generator is None]
-        if len(unseeded) == len(states):
-            q.exponential_(generator=self.default_generator)
-        elif unseeded:
-            q[unseeded] = torch.empty(
-                (len(unseeded), vocab), device=device
-            ).exponential_(generator=self.default_generator)
+    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
+        """Draw one token per row from processed logits [rows, vocab] (modified in place)."""
+        device = logits.device
+        vocab = logits.shape[-1]
+        probs, filtered = self.filtered_probs(logits, states)
+        uniforms = self.uniforms(states, device)  # [rows]
+        if filtered is None:
+            return inverse_cdf(probs, uniforms)
+
+        token_ids = torch.empty(len(states), dtype=torch.int64, device=device)
+        keep = torch.ones(len(states), dtype=torch.bool, device=device)
+        keep[filtered] = False
+        if bool(keep.any()):  # rows without top-k / top-p: the whole vocabulary
+            plain = keep.nonzero()[:, 0]
+            token_ids[plain] = inverse_cdf(probs[plain], uniforms[plain])
+        params = [states[i].params for i in filtered.tolist()]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
+        rows, num_candidates = filtered, self.max_candidates
+        while True:
+            cand_probs, cand_ids, fits = top_k_top_p_candidates(
+                probs[rows], top_k, top_p, num_candidates
+            )
+            picked = cand_ids.gather(1, inverse_cdf(cand_probs, uniforms[rows])[:, None])[:, 0]
+            token_ids[rows[fits]] = picked[fits]
+            if bool(fits.all()):
+                return token_ids
+            # The candidates did not hold the whole kept set: redo those rows with
+            # 16x more (a topk is far cheaper than a sort), at last the whole vocab.
+            rows, top_k, top_p = rows[~fits], top_k[~fits], top_p[~fits]
+            num_candidates = vocab if num_candidates * 16 >= vocab else num_candidates * 16
+
+    def uniforms(self, states: list[CachedRequestState], device: torch.device) -> torch.Tensor:
+        """One uniform per row in [0, 1): from the request's own generator when
+        seeded, else from the shared one."""
+        u = torch.rand(len(states), device=device, generator=self.default_generator)
         for i, state in enumerate(states):
             if state.generator is not None:
-                q[i].exponential_(generator=state.generator)
-        return probs.div_(q).argmax(dim=-1)
+                u[i] = torch.rand(1, device=device, generator=state.generator)[0]
+        return u
