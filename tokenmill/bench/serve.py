@@ -255,6 +255,12 @@ def main_serve(args: argparse.Namespace) -> int:
     n = args.num_requests
     prompts, lens = workload.prompts[:n], workload.output_lens[:n]
     model = args.model or _first_model(args.base_url, args.api_key)
+    # Warm-up (as `vllm bench serve` sends a test prompt first): the server's
+    # first-call costs stay out of the first rate's numbers.
+    warmup, _ = asyncio.run(run_rate(args.base_url, model, [prompts[0]], [4], float("inf"),
+                                     api_key=args.api_key))
+    if not warmup[0].ok:
+        raise RuntimeError(f"the warm-up request failed: {warmup[0].error}")
     reports = []
     for rate_text in args.rates.split(","):
         rate = float(rate_text)

@@ -55,8 +55,10 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     workload: Workload = throughput_a(cap)
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, **POLICIES[policy])
-    # Warm-up: first-call costs (thread pools, allocator) stay out of the timing.
-    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:4]],
+    # Warm-up: first-call costs (thread pools, allocator) stay out of the timing. Its
+    # prompts share no block with the workload's, so the prefix cache gains nothing.
+    warmup = [[(i * 131 + j) % 90 + 1 for j in range(128)] for i in range(4)]
+    llm.generate([{"prompt_token_ids": p} for p in warmup],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -77,6 +79,47 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
         num_steps=stats.num_steps, num_preemptions=stats.num_preemptions,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+
+
+PROFILE_LABELS = (
+    "tokenmill::schedule", "tokenmill::prepare_inputs", "tokenmill::forward",
+    "tokenmill::attention", "aten::linear", "tokenmill::head", "tokenmill::sample",
+    "tokenmill::update", "tokenmill::detokenize",
+)
+
+
+def profile_one(args: argparse.Namespace) -> int:
+    """One continuous-batching run of the first CAP under torch.profiler: where a
+    step's time goes (scheduling, input building, forward split into attention,
+    linear layers and the head, sampling, detokenizing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenmill import LLM, SamplingParams
+
+    cap = int(args.caps.split(",")[0])
+    workload = throughput_a(cap)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in workload.output_lens]
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    totals = {e.key: (e.cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
+    steps = llm.last_generate_stats.num_steps
+    print(f"continuous, cap {cap}, {args.dtype}: {wall:.1f} s wall under the profiler, {steps} steps")
+    print("| part | total ms | ms / step | % of wall | calls |")
+    print("|---|---|---|---|---|")
+    for label in PROFILE_LABELS:
+        ms, count = totals.get(label, (0.0, 0))
+        print(f"| {label.removeprefix('tokenmill::')} | {ms:.0f} | {ms / max(steps, 1):.2f} | "
+              f"{100 * ms / 1e3 / wall:.1f} | {count} |")
+    print("(attention, linear and head are parts of forward)")
+    return 0
 
 
 def run_in_subprocess(args: argparse.Namespace, policy: str, cap: int) -> ThroughputRow:
@@ -141,9 +184,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one continuous run of the first CAP instead (time per part)")
 
 
 def main_throughput(args: argparse.Namespace) -> int:
+    if getattr(args, "profile", False):
+        return profile_one(args)
     caps = [int(c) for c in args.caps.split(",")]
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in POLICIES]

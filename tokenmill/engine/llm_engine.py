@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
+from torch.profiler import record_function
 
 from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig
 from tokenmill.core.request import Request, RequestStatus
@@ -206,12 +207,16 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
+        # The labels show up in `tokenmill bench throughput --profile` (torch.profiler).
+        with record_function("tokenmill::schedule"):
+            scheduler_output = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
         runner_output = self.runner.execute(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(core_outputs)
+        with record_function("tokenmill::update"):
+            core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with record_function("tokenmill::detokenize"):
+            outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.last_step = StepStats(

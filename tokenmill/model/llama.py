@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from tokenmill.config import ModelSpec
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
@@ -127,7 +128,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary_emb(q, cos, sin)
         k = apply_rotary_emb(k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        with record_function("tokenmill::attention"):
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -259,4 +261,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        with record_function("tokenmill::head"):
+            return self.lm_head(hidden).float()

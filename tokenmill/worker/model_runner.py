@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from tokenmill.config import ModelSpec
 from tokenmill.core.contracts import (
@@ -78,8 +79,10 @@ class ModelRunner:
         # Decodes first: the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1)
         states = [self._state(r) for r in reqs]
-        input_ids, positions, meta = self._prepare_inputs(reqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        with record_function("tokenmill::prepare_inputs"):
+            input_ids, positions, meta = self._prepare_inputs(reqs)
+        with record_function("tokenmill::forward"):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
         for j, (r, state) in enumerate(zip(reqs, states, strict=True)):
             if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
@@ -91,7 +94,8 @@ class ModelRunner:
         rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
-        out = self.sampler(logits, sample_states, self.eos_token_ids)
+        with record_function("tokenmill::sample"):
+            out = self.sampler(logits, sample_states, self.eos_token_ids)
         prompt_logprobs: list[list[TokenLogprobs] | None] = []
         for state, token_id in zip(sample_states, out.token_ids, strict=True):
             state.append_output(token_id)
