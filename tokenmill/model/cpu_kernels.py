@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,11 @@ def load() -> Any | None:
         if _module is None and _failed is None:
             try:
                 from torch.utils.cpp_extension import load_inline
+
+                # torch finds ninja on PATH; the `ninja` wheel puts it next to this Python.
+                bin_dir = os.path.dirname(sys.executable)
+                if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+                    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
                 source = _SOURCE.read_text()
                 # The name carries a hash of the source, so an edit rebuilds it.
