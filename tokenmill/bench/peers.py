@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.throughput import ThroughputRow, format_table, run_in_subprocess
+from tokenmill.bench.throughput import ThroughputRow, format_table, make_row, run_in_subprocess
 from tokenmill.bench.workloads import throughput_a
 
 PEERS = ("hf-static", "hf-continuous")
@@ -87,15 +86,7 @@ def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: i
         else:
             raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
         wall = time.perf_counter() - start
-    generated = workload.num_output_tokens
-    return ThroughputRow(
-        policy=peer, cap=cap, dtype=dtype, num_requests=len(prompts),
-        prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=wall,
-        generated_tok_s=generated / wall,
-        total_tok_s=(generated + workload.num_prompt_tokens) / wall,
-        computed_tokens=computed, mean_batch_size=float("nan"), num_steps=0, num_preemptions=0,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    )
+    return make_row(peer, cap, dtype, workload, wall, computed, float("nan"), 0, 0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -70,13 +70,22 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     if generated != workload.num_output_tokens:
         raise RuntimeError(f"generated {generated} tokens, the workload asks {workload.num_output_tokens}")
     stats = llm.last_generate_stats
+    return make_row(policy, cap, dtype, workload, wall, stats.num_computed_tokens,
+                    stats.mean_batch_size, stats.num_steps, stats.num_preemptions)
+
+
+def make_row(policy: str, cap: int, dtype: str, workload: Workload, wall: float, computed: int,
+             mean_batch_size: float, num_steps: int, num_preemptions: int) -> ThroughputRow:
+    """A row for a run that delivered the whole workload in `wall` seconds;
+    peak RSS is this process's."""
+    generated = workload.num_output_tokens
     return ThroughputRow(
-        policy=policy, cap=cap, dtype=dtype, num_requests=len(prompts),
+        policy=policy, cap=cap, dtype=dtype, num_requests=len(workload.prompts),
         prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=wall,
         generated_tok_s=generated / wall,
         total_tok_s=(generated + workload.num_prompt_tokens) / wall,
-        computed_tokens=stats.num_computed_tokens, mean_batch_size=stats.mean_batch_size,
-        num_steps=stats.num_steps, num_preemptions=stats.num_preemptions,
+        computed_tokens=computed, mean_batch_size=mean_batch_size, num_steps=num_steps,
+        num_preemptions=num_preemptions,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
 
