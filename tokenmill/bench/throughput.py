@@ -15,7 +15,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ class ThroughputRow:
     num_preemptions: int
     peak_rss_mib: float
     ratio_vs_static: float | None = None
+    # What a peer ran with that the columns do not say (environment variables,
+    # scheduler limits, how peak RSS was measured); empty for tokenmill's rows.
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
