@@ -287,8 +287,9 @@ def main_all(args: argparse.Namespace) -> int:
                f"with max_num_seqs {seqs}; tokenmill is its continuous policy "
                f"(max_num_batched_tokens {args.max_num_batched_tokens}), HF static is `generate` "
                "on batches of max_num_seqs. Ratios are tokenmill's generated tok/s over the "
-               "other's. Peak MiB: tokenmill and HF static, the process's peak RSS; vLLM, see "
-               "below.", ""]
+               "other's. Peak MiB: tokenmill and HF static, the process's peak RSS; vLLM, its "
+               "processes' together (see below), which includes the KV cache it allocates up "
+               "front (VLLM_CPU_KVCACHE_SPACE GiB).", ""]
         for dtype, vrows in vllm_rows.items():
             md += [f"{dtype}: `{side_by_side_command(args, dtype)}`", "",
                    side_by_side_table(vrows), ""]

@@ -294,9 +294,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def main_serve_vllm(args: argparse.Namespace) -> int:
     """`tokenmill bench serve-vllm`: serve-B against vLLM's OpenAI server."""
-    from tokenmill.bench import serve as serve_bench
-
     reports = run_serve(args, Path(args.output_dir), Path(args.vllm_venv))
-    print(f"(vLLM env: {json.dumps(vllm_env(Path(args.vllm_venv)))})")
-    print(serve_bench.format_table(reports))
+    print(f"(vLLM's environment: {json.dumps(vllm_env(Path(args.vllm_venv)))})")
     return 0 if all(r.num_ok == r.num_requests for r in reports) else 1
