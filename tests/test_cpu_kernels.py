@@ -1,13 +1,19 @@
-"""The C++ paged decode kernel agrees with the portable torch code it replaces."""
+"""The C++ kernels agree with the portable torch code they replace: the paged
+decode kernel within rounding, the fused elementwise ops bit for bit in bfloat16."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import TorchAttentionBackend
+from tokenmill.model.attention import TorchAttentionBackend, write_kv_cache
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.llama import RMSNorm
+from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +23,12 @@ def kernel_available() -> None:
 
 
 def decode_case(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, sliding_window: int | None
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, sliding_window: int | None,
+    head_dim: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, head_dim = 40, 4, 16
-    seq_lens = [1, 5, 17, 33, 8, 60]
+    num_blocks, block_size = 48, 4
+    seq_lens = [1, 5, 17, 33, 8, 60, 2, 31]
     max_blocks = -(-max(seq_lens) // block_size)
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     # Each request gets its own scattered blocks; unused table entries are 0.
@@ -48,13 +55,88 @@ def decode_case(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
 @pytest.mark.parametrize("sliding_window", [None, 7])
+# 8: the plain C++ loop; 16: AVX-512 on float32 rows; 64, 128: AVX512-BF16 for bf16.
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
 def test_paged_decode_kernel_matches_torch(
     kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-    sliding_window: int | None,
+    sliding_window: int | None, head_dim: int,
 ) -> None:
-    q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, sliding_window)
+    q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, sliding_window, head_dim)
     scale = 0.25
     ours = TorchAttentionBackend(use_cpp_kernels=True)._decode(q, kv_cache, meta, scale, sliding_window)
     ref = TorchAttentionBackend(use_cpp_kernels=False)._decode(q, kv_cache, meta, scale, sliding_window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _fused_or_skip(x: torch.Tensor) -> object:
+    ops = cpu_kernels.fused_ops(x)
+    if ops is None:
+        pytest.skip(f"C++ kernels could not be built here: {cpu_kernels._failed}")
+    return ops
+
+
+def _same(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    if ours.dtype == torch.bfloat16:  # every rounding step is torch's: equal bits
+        assert torch.equal(ours, ref), (ours.float() - ref.float()).abs().max()
+    else:  # float32: only the order of a sum (or exp's last bit) may differ
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_match_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype)
+    norm = RMSNorm(576, 1e-5, None, dtype)
+    norm.weight.data.copy_(torch.rand(576, generator=gen) + 0.5)
+    ops: Any = _fused_or_skip(x)
+    _same(ops.rms_norm(x, norm.weight, norm.eps), _torch_rms(norm, x))
+    ref_residual = x + residual
+    ref = _torch_rms(norm, ref_residual)
+    xx, rr = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(xx, rr, norm.weight, norm.eps)
+    assert torch.equal(rr, ref_residual)
+    _same(xx, ref)
+
+
+def _torch_rms(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    cpu_kernels.set_enabled(False)
+    try:
+        return norm(x)
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(33, 2 * 96, generator=gen) * 6).to(dtype)  # tails: exp clamps
+    ops: Any = _fused_or_skip(gate_up)
+    _same(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads = 29, 6, 2
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 4096)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    ops: Any = _fused_or_skip(qkv)
+
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    cos, sin = rope.cos_sin(positions, dtype)
+    ref_q = apply_rotary_emb(q.reshape(tokens, heads, head_dim), cos, sin)
+    ref_k = apply_rotary_emb(k.reshape(tokens, kv_heads, head_dim), cos, sin)
+    ref_cache = torch.zeros(2, 8, 16, kv_heads, head_dim, dtype=dtype)
+    write_kv_cache(ref_k, v.reshape(tokens, kv_heads, head_dim), ref_cache, slots)
+
+    ours = qkv.clone()
+    cache = torch.zeros_like(ref_cache)
+    ops.rope_qkv_cache(ours, heads, kv_heads, head_dim, positions, rope.cos_cache,
+                       rope.sin_cache, cache, slots)
+    _same(ours[:, : heads * head_dim].reshape(tokens, heads, head_dim), ref_q)
+    _same(cache, ref_cache)

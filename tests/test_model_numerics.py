@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.model import cpu_kernels
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
@@ -228,12 +229,17 @@ def test_one_prefill_matches_transformers(
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cpp_kernels", [True, False], ids=["cpp-kernels", "torch-only"])
 def test_chunks_and_decodes_match_transformers(
-    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path],
+    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], cpp_kernels: bool,
 ) -> None:
     hf_model, model, spec, _ = tiny_pair
     seqs = _seqs(spec.vocab_size)
-    ours = run_schedule(model, spec, seqs, MIXED_SCHEDULE)
+    cpu_kernels.set_enabled(cpp_kernels)  # the torch code must stay right too (CUDA, no compiler)
+    try:
+        ours = run_schedule(model, spec, seqs, MIXED_SCHEDULE)
+    finally:
+        cpu_kernels.set_enabled(True)
     for req_id, seq in seqs.items():
         torch.testing.assert_close(ours[req_id], hf_logits(hf_model, seq), atol=1e-4, rtol=1e-4)
 

@@ -38,6 +38,15 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,
     ) -> torch.Tensor: ...
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...
+
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -72,8 +81,20 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        return self.attend(q, kv_cache, meta, scale, sliding_window)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # this step's K/V already written
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
+        if num_decodes == meta.num_reqs:  # decodes only: no copy
+            return self._decode(q, kv_cache, meta, scale, sliding_window)
         if num_decodes > 0:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, scale, sliding_window)
         for i in range(num_decodes, meta.num_reqs):

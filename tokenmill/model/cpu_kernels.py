@@ -21,14 +21,23 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
+_FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
 
 
+_enabled = True  # tests switch the kernels off to compare with the torch code
+
+
+def set_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
 def _disabled() -> bool:
-    return os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
+    return not _enabled or os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
 
 
 def load() -> Any | None:
@@ -48,14 +57,16 @@ def load() -> Any | None:
                 if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
-                source = _SOURCE.read_text()
-                # The name carries a hash of the source, so an edit rebuilds it.
-                digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+                sources = [path.read_text() for path in _SOURCES]
+                # The name carries a hash of the sources, so an edit rebuilds them.
+                digest = hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
                 _module = load_inline(
                     name=f"tokenmill_cpu_kernels_{digest}",
-                    cpp_sources=[source],
-                    functions=["paged_decode"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    cpp_sources=sources,
+                    functions=_FUNCTIONS,
+                    # No fused multiply-adds where the source does not ask for
+                    # them: float32 results then round as torch's separate ops do.
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
@@ -68,3 +79,14 @@ def load() -> Any | None:
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     module = load()
     return None if module is None else module.paged_decode
+
+
+def fused_ops(x: torch.Tensor) -> Any | None:
+    """The module with rms_norm, fused_add_rms_norm, rope_qkv_cache and
+    silu_and_mul (csrc/fused_ops.cpp) when they apply to `x` (a contiguous
+    float32 or bfloat16 CPU tensor), else None: the caller runs its torch code."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not x.is_contiguous():
+        return None
+    return load()

@@ -18,6 +18,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from tokenmill.config import ModelSpec
+from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
@@ -69,11 +70,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_kernels.fused_ops(x)
+        if ops is not None and self.weight.dtype == x.dtype:
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, then scale in the input dtype, exactly as HF.
         input_dtype = x.dtype
         x_fp32 = x.float()
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x_fp32.to(input_dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the next
+        norm in one pass. Both inputs may be overwritten."""
+        ops = cpu_kernels.fused_ops(x)
+        if ops is not None and residual.is_contiguous() and self.weight.dtype == x.dtype:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+class RopeBatch:
+    """Each token's position and the rotary tables, shared by all layers of one
+    forward; cos/sin for the torch code are gathered once, on first use."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary = rotary
+        self.positions = positions
+        self.dtype = dtype
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, 1, head_dim] each
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
+        return self._cos_sin
 
 
 class LlamaAttention(nn.Module):
@@ -112,13 +144,24 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,
+        rope: RopeBatch,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        ops = cpu_kernels.fused_ops(qkv)
+        if ops is not None and self.q_norm is None and kv_cache.dtype == qkv.dtype:
+            # RoPE on q and k in place and k, v into the cache: one C++ pass.
+            ops.rope_qkv_cache(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions,
+                rope.rotary.cos_cache, rope.rotary.sin_cache, kv_cache, meta.slot_mapping,
+            )
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            with record_function("tokenmill::attention"):
+                out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        cos, sin = rope.cos_sin()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -155,7 +198,11 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = cpu_kernels.fused_ops(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -175,14 +222,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # the residual stream before that output; None: layer 0
+        rope: RopeBatch,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, residual before it)
+        # HF's h = h + attn(norm(h)); h = h + mlp(norm(h)), with each residual add
+        # done together with the norm that follows it (as vLLM does).
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -212,10 +267,13 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # once for all layers
+        rope = RopeBatch(self.rotary_emb, positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

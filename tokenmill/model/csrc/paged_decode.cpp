@@ -15,6 +15,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // Rows of the cache are converted to float32 into a small buffer first, so the
@@ -104,6 +105,312 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
   }
 }
 
+// ---------------------------------------------------------------------------
+// AVX-512 path: one task per request, its heads one after another. Scores for 16 tokens at a time are
+// 16 vector dot products folded into one vector by a transpose-add tree (no
+// per-token horizontal sum); exp is vectorised; the weighted sum of V keeps its
+// accumulators in registers (head_dim / 16 vectors per head).
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// r[j] = sum of the lanes of v[j], j = 0..15.
+static inline __m512 hsum16(__m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes: [v2i0+v2i1, v2i+1 0+1, v2i 2+3, v2i+1 2+3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: partial sums of v4i .. v4i+3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes: [b2i l0+l1, b2i l2+l3, b2i+1 l0+l1, b2i+1 l2+l3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// exp(x) for x <= 0 (scores minus their max); relative error ~1e-7.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename scalar_t, int C>  // C = head_dim / 16
+static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                double scale, int64_t sliding_window, at::Tensor& out) {
+  constexpr int64_t head_dim = 16 * C;
+  const int64_t num_decodes = q.size(0), num_heads = q.size(1);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t kv_stride = num_blocks * block_size * num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * num_kv_heads * head_dim;
+  const int64_t row_stride = num_kv_heads * head_dim;
+
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
+  const scalar_t* v_base = k_base + kv_stride;
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  // Ask for the K and V rows of context tokens [t, t + 16) ahead of their use.
+  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
+    for (int64_t j = t; j < std::min(t + 16, n); ++j) {
+      const char* k = reinterpret_cast<const char*>(rows[j]);
+      const char* v = reinterpret_cast<const char*>(rows[j] + kv_stride);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        _mm_prefetch(k + off, _MM_HINT_T0);
+        _mm_prefetch(v + off, _MM_HINT_T0);
+      }
+    }
+  };
+
+  // One task per request: its K/V (all KV heads) stays in this core's cache
+  // while the KV heads are processed one after another.
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<const scalar_t*> rows;  // start of the K row (all KV heads) of each context token
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_decodes; ++b) {
+      const int64_t seq_len = lens[b];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      const int64_t n = seq_len - first;
+      const int64_t n_pad = (n + 15) & ~int64_t(15);
+      scores.resize(n_pad);
+      rows.resize(n);
+      for (int64_t t = first; t < seq_len; ++t)
+        rows[t - first] = k_base + bt[b * max_blocks + t / block_size] * block_stride +
+                          (t % block_size) * row_stride;
+      prefetch(rows, 0, n);
+      for (int64_t head = 0; head < num_heads; ++head) {
+        const int64_t kv_off = (head / group) * head_dim;
+        const scalar_t* qh = q_ptr + (b * num_heads + head) * head_dim;
+        __m512 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(load16(qh + 16 * c), vscale);
+        float* s = scores.data();
+        // Scores, 16 tokens at a time.
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+          if (head == 0) prefetch(rows, t0 + 16, n);
+          const int64_t cnt = std::min<int64_t>(16, n - t0);
+          __m512 acc[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            __m512 a = _mm512_setzero_ps();
+            if (j < cnt) {
+              const scalar_t* kr = rows[t0 + j] + kv_off;
+              for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kr + 16 * c), a);
+            }
+            acc[j] = a;
+          }
+          _mm512_storeu_ps(s + t0, hsum16(acc));
+        }
+        // Softmax (in float32): padding lanes get -inf, so exp gives 0.
+        for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
+        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n_pad; i += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+          _mm512_storeu_ps(s + i, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        const float inv = 1.f / _mm512_reduce_add_ps(vsum);
+        // out = sum_t p_t v_t / sum, accumulators in registers.
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* vr = rows[t] + kv_stride + kv_off;
+          const __m512 p = _mm512_set1_ps(s[t]);
+          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c), o[c]);
+        }
+        alignas(64) float res[head_dim];
+        for (int c = 0; c < C; ++c) _mm512_store_ps(res + 16 * c, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
+        scalar_t* oh = out_ptr + (b * num_heads + head) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 with AVX512-BF16: dot products straight on bf16 pairs (vdpbf16ps,
+// float32 accumulation), no conversion of K or V. The weighted sum takes two
+// tokens per instruction: V rows t and t+1 interleaved element by element,
+// times the pair (p_t, p_t+1) of probabilities rounded to bf16 (as the torch
+// code rounds them before its matmul).
+template <int C>  // C = head_dim / 16, even
+static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
+                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                    double scale, int64_t sliding_window, at::Tensor& out) {
+  using scalar_t = at::BFloat16;
+  constexpr int64_t head_dim = 16 * C;
+  constexpr int P = C / 2;  // 32-element chunks of a head
+  const int64_t num_decodes = q.size(0), num_heads = q.size(1);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t kv_stride = num_blocks * block_size * num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * num_kv_heads * head_dim;
+  const int64_t row_stride = num_kv_heads * head_dim;
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  // Word indices that interleave two 32-word vectors x, y: [x0 y0 x1 y1 ...].
+  alignas(64) int16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = i; lo_idx[2 * i + 1] = 32 + i;
+    hi_idx[2 * i] = 16 + i; hi_idx[2 * i + 1] = 48 + i;
+  }
+  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;  // bf16 bits, padded to an even count
+    std::vector<const scalar_t*> rows;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_decodes; ++b) {
+      const int64_t seq_len = lens[b];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      const int64_t n = seq_len - first;
+      const int64_t n_pad = (n + 15) & ~int64_t(15);
+      scores.resize(n_pad);
+      probs.resize(n_pad);
+      rows.resize(n + 1);
+      for (int64_t t = first; t < seq_len; ++t)
+        rows[t - first] = k_base + bt[b * max_blocks + t / block_size] * block_stride +
+                          (t % block_size) * row_stride;
+      rows[n] = rows[n - 1];  // the odd token's partner: a real row times probability 0
+      for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j)
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
+        }
+      for (int64_t head = 0; head < num_heads; ++head) {
+        const int64_t kv_off = (head / group) * head_dim;
+        const scalar_t* qh = q_ptr + (b * num_heads + head) * head_dim;
+        __m512bh qv[P];
+        for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+        float* s = scores.data();
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+          const int64_t cnt = std::min<int64_t>(16, n - t0);
+          if (head == 0)  // the next 16 tokens' K and V rows, all heads
+            for (int64_t j = t0 + 16; j < std::min(t0 + 32, n); ++j)
+              for (int64_t off = 0; off < row_bytes; off += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
+              }
+          __m512 acc[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            __m512 a = _mm512_setzero_ps();
+            if (j < cnt) {
+              const scalar_t* kr = rows[t0 + j] + kv_off;
+              for (int c = 0; c < P; ++c)
+                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+            }
+            acc[j] = a;
+          }
+          _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(acc), vscale));
+        }
+        for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
+        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n_pad; i += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+          _mm512_storeu_ps(s + i, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+        for (int64_t i = 0; i < n_pad; i += 16)  // normalised, then rounded to bf16
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + i),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)));
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 2) {
+          uint32_t pair;
+          std::memcpy(&pair, probs.data() + t, sizeof(pair));  // (p_t, p_t+1); p_n = 0
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          const scalar_t* v0 = rows[t] + kv_stride + kv_off;
+          const scalar_t* v1 = rows[t + 1] + kv_stride + kv_off;
+          for (int c = 0; c < P; ++c) {
+            const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
+            o[2 * c] = _mm512_dpbf16_ps(o[2 * c], pp, (__m512bh)_mm512_permutex2var_epi16(x, ilo, y));
+            o[2 * c + 1] =
+                _mm512_dpbf16_ps(o[2 * c + 1], pp, (__m512bh)_mm512_permutex2var_epi16(x, ihi, y));
+          }
+        }
+        scalar_t* oh = out_ptr + (b * num_heads + head) * head_dim;
+        for (int c = 0; c < C; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(oh + 16 * c), (__m256i)_mm512_cvtneps_pbh(o[c]));
+      }
+    }
+  }
+}
+#endif
+
+template <typename scalar_t>
+static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              double scale, int64_t sliding_window, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    switch (q.size(2)) {
+      case 32: paged_decode_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+      case 64: paged_decode_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+      case 128: paged_decode_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+      default: break;
+    }
+  }
+#endif
+  switch (q.size(2)) {
+    case 16: paged_decode_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+    case 32: paged_decode_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+    case 64: paged_decode_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+    case 128: paged_decode_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+    default: return false;
+  }
+}
+#else
+template <typename scalar_t>
+static bool paged_decode_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, double, int64_t, at::Tensor&) {
+  return false;
+}
+#endif
+
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
@@ -115,9 +422,11 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   seq_lens = seq_lens.to(at::kLong).contiguous();
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
-    paged_decode_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out);
+    if (!paged_decode_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out))
+      paged_decode_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    paged_decode_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out);
+    if (!paged_decode_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out))
+      paged_decode_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
   }

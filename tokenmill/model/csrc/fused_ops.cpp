@@ -1,0 +1,233 @@
+// Fused elementwise ops for the CPU: each replaces a chain of small torch ops
+// (one pass over memory instead of five to eight, and no temporaries).
+//
+// They round exactly where the torch code they replace rounds: in bfloat16 every
+// torch op rounds its result to bfloat16, so e.g. RMSNorm normalises in float32,
+// rounds, then multiplies by the weight and rounds again. Only the order of the
+// float32 sums (the mean of squares) can differ.
+//
+//   rms_norm(x, w, eps)                    -> w * bf16(x * rsqrt(mean(x^2) + eps))
+//   fused_add_rms_norm(x, residual, w, eps)   residual = x + residual; x = rms_norm(residual)
+//   rope_qkv_cache(qkv, ...)                  rotate q and k inside qkv in place (rotate_half
+//                                             RoPE), then store k, v at their cache slots
+//   silu_and_mul(gate_up)                  -> silu(gate) * up
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+// Round to the storage type (round to nearest even for bfloat16, as torch).
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+template <> inline at::BFloat16 from_f<at::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  at::BFloat16 r;
+  r.x = static_cast<uint16_t>(x != x ? 0x7fc0u : rounded);  // NaN stays NaN
+  return r;
+}
+// The value after a round trip through the storage type.
+template <typename T> inline float rnd(float x) { return to_f(from_f<T>(x)); }
+
+// Parallel over rows only when there is enough work to pay for the threads.
+inline bool worth_threads(int64_t elements) { return elements >= 16384; }
+
+template <typename T>
+void rms_norm_rows(const T* x, T* out, const T* w, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (worth_threads(rows * dim))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    T* o = out + r * dim;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(xr[i]) * inv));
+  }
+}
+
+template <typename T>
+void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (worth_threads(rows * dim))
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = x + r * dim;
+    T* rr = res + r * dim;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) {
+      const float s = rnd<T>(to_f(xr[i]) + to_f(rr[i]));
+      rr[i] = from_f<T>(s);
+      ss += s * s;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) xr[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(rr[i]) * inv));
+  }
+}
+
+template <typename T>
+void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slots) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
+  const int64_t kv_stride = kv_cache.numel() / 2;  // K -> V
+  const int64_t slot_size = num_kv_heads * head_dim;
+  T* base = qkv.data_ptr<T>();
+  T* cache = kv_cache.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* cos_t = cos.data_ptr<float>();
+  const float* sin_t = sin.data_ptr<float>();
+#pragma omp parallel for if (worth_threads(tokens * width))
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* row = base + t * width;
+    // HF casts cos/sin to the model dtype first, then x' = x*cos + rotate_half(x)*sin,
+    // each product and the sum rounded.
+    const float* c = cos_t + pos[t] * half;
+    const float* s = sin_t + pos[t] * half;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      T* x = row + h * head_dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float ci = rnd<T>(c[i]), si = rnd<T>(s[i]);
+        const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+        const float y1 = rnd<T>(rnd<T>(x1 * ci) + rnd<T>(-x2 * si));
+        const float y2 = rnd<T>(rnd<T>(x2 * ci) + rnd<T>(x1 * si));
+        x[i] = from_f<T>(y1);
+        x[i + half] = from_f<T>(y2);
+      }
+    }
+    const T* k = row + num_heads * head_dim;
+    std::memcpy(cache + slot[t] * slot_size, k, slot_size * sizeof(T));
+    std::memcpy(cache + kv_stride + slot[t] * slot_size, k + slot_size, slot_size * sizeof(T));
+  }
+}
+
+// exp(x) written so that the compiler vectorises the loops that call it (std::exp
+// would stay scalar without -ffast-math): x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-7 polynomial for e^r, 2^n through the exponent bits. Relative error
+// ~1e-7; x is clamped to [-87, 88].
+inline float exp_approx(float x) {
+  x = x < -87.f ? -87.f : x;
+  x = x > 88.f ? 88.f : x;
+  const float fn = std::nearbyint(x * 1.44269504088896341f);  // vectorises; roundf does not
+  const int32_t n = static_cast<int32_t>(fn);
+  float r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+void silu_and_mul_impl(const T* in, T* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (worth_threads(rows * inter))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = in + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = to_f(g[i]);
+      o[i] = from_f<T>(rnd<T>(x / (1.f + exp_approx(-x))) * to_f(u[i]));
+    }
+  }
+}
+
+void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              name, " must be float32 or bfloat16");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check(x, "x");
+  check(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype differs from x");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), out.data_ptr<float>(), weight.data_ptr<float>(), rows, dim,
+                  static_cast<float>(eps));
+  else
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                  weight.data_ptr<at::BFloat16>(), rows, dim, static_cast<float>(eps));
+  return out;
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check(x, "x");
+  check(residual, "residual");
+  check(weight, "weight");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
+              weight.scalar_type() == x.scalar_type(), "x, residual, weight disagree");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                      rows, dim, static_cast<float>(eps));
+  else
+    add_rms_norm_rows(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
+                      weight.data_ptr<at::BFloat16>(), rows, dim, static_cast<float>(eps));
+}
+
+void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                    at::Tensor slot_mapping) {
+  check(qkv, "qkv");
+  check(kv_cache, "kv_cache");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim]");
+  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type(), "kv_cache dtype differs from qkv");
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == head_dim / 2,
+              "cos/sin must be contiguous float32 [positions, head_dim / 2]");
+  positions = positions.to(at::kLong).contiguous();
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
+              "one position and one slot per token");
+  if (qkv.scalar_type() == at::kFloat)
+    rope_qkv_cache_impl<float>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+                               kv_cache, slot_mapping);
+  else
+    rope_qkv_cache_impl<at::BFloat16>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+                                      kv_cache, slot_mapping);
+}
+
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  check(gate_up, "gate_up");
+  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_and_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  else
+    silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+  return out;
+}
