@@ -98,7 +98,8 @@ def side_by_side_command(args: argparse.Namespace, dtype: str) -> str:
     """The `bench peers` command that makes one side-by-side JSON by itself."""
     cmd = ["tokenmill", "bench", "peers", "--peers", f"hf-static,{VLLM}", "--caps", args.vllm_caps,
            "--dtype", dtype, "--max-num-seqs", str(args.vllm_max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--output-dir", args.output_dir, "--output-name", f"vllm-{dtype}.json"]
     if args.model:
         cmd += ["--model", args.model]
     return shlex.join(cmd)
