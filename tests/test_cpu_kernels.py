@@ -140,3 +140,36 @@ def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: in
                        rope.sin_cache, cache, slots)
     _same(ours[:, : heads * head_dim].reshape(tokens, heads, head_dim), ref_q)
     _same(cache, ref_cache)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm_matches_float32_matmul(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(48, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(48, generator=gen).to(torch.bfloat16) if bias else None
+    ops = cpu_kernels.skinny_gemm_ops(x, weight)
+    if ops is None:
+        pytest.skip("no AVX512-BF16 here (or the kernels could not be built)")
+    ours = ops.skinny_gemm(x, weight, b if b is not None else torch.empty(0))
+    # Exact products, float32 sums, one rounding to bf16: equal to the float32
+    # matmul rounded once, up to the order of the sum (at most one bf16 step).
+    ref = x.float() @ weight.float().T + (b.float() if b is not None else 0.0)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 48)
+    torch.testing.assert_close(ours.float(), ref, rtol=2**-8, atol=1e-3)
+    torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=2**-7, atol=1e-2)
+
+
+def test_linear_uses_skinny_gemm_only_where_it_applies() -> None:
+    from tokenmill.model.llama import SKINNY_MAX_ROWS, Linear
+
+    layer = Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(32, 64) * 0.1)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):  # kernel, kernel, torch
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=2**-7, atol=1e-2)
+    x32 = torch.randn(3, 64)
+    layer32 = Linear(64, 32, bias=False)
+    layer32.weight.data.copy_(torch.randn(32, 64))
+    assert torch.equal(layer32(x32), F.linear(x32, layer32.weight))  # float32: torch's own

@@ -21,8 +21,11 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
-_FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "skinny_gemm.cpp")]
+_HEADERS = [_CSRC / "cpu_vec.h"]
+_FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
+              "skinny_gemm", "skinny_gemm_supported"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -59,7 +62,8 @@ def load() -> Any | None:
 
                 sources = [path.read_text() for path in _SOURCES]
                 # The name carries a hash of the sources, so an edit rebuilds them.
-                digest = hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
+                headers = [path.read_text() for path in _HEADERS]
+                digest = hashlib.sha256("\n".join(sources + headers).encode()).hexdigest()[:12]
                 _module = load_inline(
                     name=f"tokenmill_cpu_kernels_{digest}",
                     cpp_sources=sources,
@@ -67,6 +71,7 @@ def load() -> Any | None:
                     # No fused multiply-adds where the source does not ask for
                     # them: float32 results then round as torch's separate ops do.
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_include_paths=[str(_CSRC)],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
@@ -90,3 +95,30 @@ def fused_ops(x: torch.Tensor) -> Any | None:
     if not x.is_contiguous():
         return None
     return load()
+
+
+def skinny_gemm_ops(x: torch.Tensor, weight: torch.Tensor) -> Any | None:
+    """The module with skinny_gemm when it applies to x @ weight.T (contiguous
+    bf16 CPU tensors, K % 32 == 0, N % 16 == 0, AVX512-BF16), else None."""
+    if x.device.type != "cpu" or weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return None
+    if x.shape[-1] % 32 or weight.shape[0] % 16 or not x.is_contiguous():
+        return None
+    if not weight.is_contiguous():
+        return None
+    module = load()
+    if module is None or not _skinny_supported(module):
+        return None
+    return module
+
+
+_skinny_checked: bool | None = None
+
+
+def _skinny_supported(module: Any) -> bool:
+    """Whether the build has the AVX512-BF16 kernel (checked once on a tiny case)."""
+    global _skinny_checked
+    if _skinny_checked is None:
+        probe = torch.zeros(1, 32, dtype=torch.bfloat16)
+        _skinny_checked = bool(module.skinny_gemm_supported(probe, torch.zeros(16, 32, dtype=torch.bfloat16)))
+    return _skinny_checked

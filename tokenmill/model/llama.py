@@ -26,10 +26,28 @@ from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 class Linear(nn.Linear):
     """nn.Linear without random init: the loader fills every weight, and
-    initialising a large model would take longer than loading it."""
+    initialising a large model would take longer than loading it.
+
+    bf16 on the CPU with at most SKINNY_MAX_ROWS rows (decode steps of small
+    batches) goes through a C++ kernel that streams the weights at close to
+    memory bandwidth (csrc/skinny_gemm.cpp); torch's matmul serves the rest."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
+            ops = cpu_kernels.skinny_gemm_ops(x, self.weight)
+            if ops is not None:
+                bias = self.bias if self.bias is not None else _NO_BIAS
+                return ops.skinny_gemm(x, self.weight, bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+# Up to this many rows the C++ kernel beats torch's bf16 matmul on this
+# machine kind (measured: 1.6x at 1 row, 1.25x at 16, even at 32).
+SKINNY_MAX_ROWS = 16
+_NO_BIAS = torch.empty(0)
 
 
 class Embedding(nn.Embedding):
