@@ -173,3 +173,55 @@ def test_linear_uses_skinny_gemm_only_where_it_applies() -> None:
     layer32 = Linear(64, 32, bias=False)
     layer32.weight.data.copy_(torch.randn(32, 64))
     assert torch.equal(layer32(x32), F.linear(x32, layer32.weight))  # float32: torch's own
+
+
+def mixed_step_case(
+    dtype: torch.dtype, head_dim: int, block_size: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Three decodes, then prefill chunks: a fresh prompt (7 tokens), a chunk of 5
+    after 9 cached tokens, and a one-token chunk after 3 (a chunk, not a decode)."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, num_blocks = 6, 2, 40
+    # (tokens computed before this step, tokens scheduled now)
+    reqs = [(10, 1), (1, 1), (20, 1), (0, 7), (9, 5), (3, 1)]
+    seq_lens = [c + n for c, n in reqs]
+    max_blocks = -(-max(seq_lens) // block_size)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in seq_lens:
+        need = -(-n // block_size)
+        tables.append(perm[:need] + [0] * (max_blocks - need))
+        perm = perm[need:]
+    query_start_loc = [0]
+    for _, n in reqs:
+        query_start_loc.append(query_start_loc[-1] + n)
+    token_req = torch.tensor([i for i, (_, n) in enumerate(reqs) for _ in range(n)])
+    positions = torch.tensor([c + j for c, n in reqs for j in range(n)])
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(query_start_loc[-1], num_heads, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        num_decodes=3,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        max_decode_seq_len=max(seq_lens[:3]),
+        slot_mapping=torch.zeros(len(token_req), dtype=torch.int64),  # unused by attend
+        block_tables=torch.tensor(tables, dtype=torch.int64),
+        decode_seq_lens=torch.tensor(seq_lens[:3], dtype=torch.int64),
+        block_size=block_size,
+        token_req=token_req,
+        token_seq_lens=positions + 1,
+    )
+    return q, kv_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 16, 64])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_one_kernel_call_serves_decodes_and_prefill_chunks(
+    kernel_available: None, dtype: torch.dtype, head_dim: int, sliding_window: int | None
+) -> None:
+    q, kv_cache, meta = mixed_step_case(dtype, head_dim)
+    ours = TorchAttentionBackend(use_cpp_kernels=True).attend(q, kv_cache, meta, 0.3, sliding_window)
+    ref = TorchAttentionBackend(use_cpp_kernels=False).attend(q, kv_cache, meta, 0.3, sliding_window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)

@@ -17,6 +17,7 @@ chunks and prefix-cache hits included), so both paths see the same data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -58,13 +59,17 @@ def write_kv_cache(
     flat_cache[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+_ROW_PER_QUERY = torch.empty(0, dtype=torch.int64)  # the kernel's "query i uses row i"
+
+
 class TorchAttentionBackend:
     """Decodes in one batched computation; prefills one request at a time with SDPA.
 
-    On the CPU, decodes use a small C++ kernel (model/csrc/paged_decode.cpp) that
-    reads K/V in place from the blocks instead of gathering a padded copy of
-    every context (4-8x faster at batch 64-128); the torch code below is the
-    fallback and the reference it is tested against.
+    On the CPU a C++ kernel (model/csrc/paged_decode.cpp) serves the whole step
+    in one call per layer: every token is one query reading K/V in place from
+    the blocks (no gathered copies), a prefill chunk's tokens each seeing the
+    context up to its own position. The torch code below is the fallback (CUDA,
+    no compiler) and the reference the kernel is tested against.
     """
 
     def __init__(self, use_cpp_kernels: bool = True) -> None:
@@ -91,6 +96,11 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        kernel = self._cpu_kernel(q, kv_cache)
+        if kernel is not None and meta.token_req is not None and meta.token_seq_lens is not None:
+            # Every token one query, prefill chunks included: one call per layer.
+            return kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, scale,
+                          sliding_window or 0, meta.token_req)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # decodes only: no copy
@@ -109,6 +119,11 @@ class TorchAttentionBackend:
             )
         return out
 
+    def _cpu_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        if self.use_cpp_kernels and q.device.type == "cpu" and q.dtype == kv_cache.dtype:
+            return cpu_kernels.paged_decode_kernel()
+        return None
+
     def _decode(
         self,
         q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
@@ -117,13 +132,10 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-        if self.use_cpp_kernels and q.device.type == "cpu" and q.dtype == kv_cache.dtype:
-            kernel = cpu_kernels.paged_decode_kernel()
-            if kernel is not None:
-                return kernel(
-                    q, kv_cache, meta.block_tables[: q.shape[0]], meta.decode_seq_lens,
-                    scale, sliding_window or 0,
-                )
+        kernel = self._cpu_kernel(q, kv_cache)
+        if kernel is not None:
+            return kernel(q, kv_cache, meta.block_tables[: q.shape[0]], meta.decode_seq_lens,
+                          scale, sliding_window or 0, _ROW_PER_QUERY)
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads

@@ -30,6 +30,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, seq_lens of the decodes
     block_size: int
+    # Per token (for kernels that treat every token as one query, prefills
+    # included): its request's row in block_tables, and the context it sees
+    # (its position + 1). None where the builder did not provide them.
+    token_req: torch.Tensor | None = None  # [num_tokens] int64
+    token_seq_lens: torch.Tensor | None = None  # [num_tokens] int64
 
     @property
     def num_reqs(self) -> int:

@@ -196,6 +196,8 @@ class ModelRunner:
             block_tables=block_tables.to(self.device),
             decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int64, device=self.device),
             block_size=bs,
+            token_req=req_index.to(self.device),
+            token_seq_lens=(positions + 1).to(self.device),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta

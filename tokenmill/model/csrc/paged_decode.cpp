@@ -1,11 +1,14 @@
-// Paged decode attention for the CPU: one query token per request, reading
-// K/V in place from the paged cache (no gathered copy of the context).
+// Paged attention for the CPU, one query token at a time, reading K/V in place
+// from the paged cache (no gathered copy of the context). A decode is one query;
+// a prefill chunk of n tokens is n queries of the same request, each seeing the
+// context up to its own position (causal), so one call serves a whole step.
 //
-//   q            [num_decodes, num_heads, head_dim]        (float32 or bfloat16)
+//   q            [num_queries, num_heads, head_dim]        (float32 or bfloat16)
 //   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]
-//   block_tables [num_decodes, max_num_blocks] int64
-//   seq_lens     [num_decodes] int64   (the query sits at position seq_len - 1)
-//   -> out       [num_decodes, num_heads, head_dim]
+//   block_tables [num_reqs, max_num_blocks] int64
+//   seq_lens     [num_queries] int64   (query i sits at position seq_lens[i] - 1)
+//   query_req    [num_queries] int64   (block table row of query i; empty: row i)
+//   -> out       [num_queries, num_heads, head_dim]
 //
 // Scores, softmax and the weighted sum are accumulated in float32.
 #include <torch/extension.h>
@@ -16,6 +19,8 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+
+#include <omp.h>
 #include <vector>
 
 // Rows of the cache are converted to float32 into a small buffer first, so the
@@ -46,7 +51,7 @@ static inline void axpy(float alpha, const float* __restrict x, float* __restric
 template <typename scalar_t>
 static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
   const int64_t num_decodes = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -61,6 +66,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_base = k_base + kv_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
@@ -78,7 +84,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     for (float& x : qf) x *= fscale;
     // scores[head][t] = q_head . k_{kv head of head}[t]
     for (int64_t t = first; t < seq_len; ++t) {
-      const int64_t block = bt[b * max_blocks + t / block_size];
+      const int64_t block = bt[(req ? req[b] : b) * max_blocks + t / block_size];
       to_float(k_base + block * block_stride + (t % block_size) * row_stride, row.data(), row_stride);
       for (int64_t head = 0; head < num_heads; ++head)
         scores[head * n + (t - first)] =
@@ -94,7 +100,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
     }
     for (int64_t t = first; t < seq_len; ++t) {  // acc[head] += p[head][t] * v[t]
-      const int64_t block = bt[b * max_blocks + t / block_size];
+      const int64_t block = bt[(req ? req[b] : b) * max_blocks + t / block_size];
       to_float(v_base + block * block_stride + (t % block_size) * row_stride, row.data(), row_stride);
       for (int64_t head = 0; head < num_heads; ++head)
         axpy(scores[head * n + (t - first)], &row[(head / group) * head_dim], &acc[head * head_dim],
@@ -122,7 +128,7 @@ static inline __m512 load16(const at::BFloat16* p) {
 template <typename scalar_t, int C>  // C = head_dim / 16
 static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                double scale, int64_t sliding_window, at::Tensor& out) {
+                                double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
   constexpr int64_t head_dim = 16 * C;
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -137,6 +143,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_base = k_base + kv_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
@@ -169,7 +176,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
       scores.resize(n_pad);
       rows.resize(n);
       for (int64_t t = first; t < seq_len; ++t)
-        rows[t - first] = k_base + bt[b * max_blocks + t / block_size] * block_stride +
+        rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
       prefetch(rows, 0, n);
       for (int64_t head = 0; head < num_heads; ++head) {
@@ -231,7 +238,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
 template <int C>  // C = head_dim / 16, even
 static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, int64_t sliding_window, at::Tensor& out) {
+                                    double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
   using scalar_t = at::BFloat16;
   constexpr int64_t head_dim = 16 * C;
   constexpr int P = C / 2;  // 32-element chunks of a head
@@ -246,6 +253,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
@@ -258,87 +266,138 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
 
+  auto row_of = [&](int64_t b) { return req ? req[b] : b; };
+
+  // Each thread takes a contiguous range of queries, and while it computes one
+  // (mostly from its L2 cache after the first pass over K) it prefetches the
+  // next query's K/V rows from memory, a few rows per 16-token group.
 #pragma omp parallel
   {
     std::vector<float> scores;
     std::vector<uint16_t> probs;  // bf16 bits, padded to an even count
     std::vector<const scalar_t*> rows;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < num_decodes; ++b) {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = num_decodes * tid / nth, hi = num_decodes * (tid + 1) / nth;
+    int64_t pf_t = 0, pf_end = 0;  // next query's tokens [pf_t, pf_end) not yet prefetched
+    const int64_t* pf_table = nullptr;
+    auto prefetch_rows = [&](int64_t count) {
+      for (; count > 0 && pf_t < pf_end; --count, ++pf_t) {
+        const char* k = reinterpret_cast<const char*>(
+            k_base + pf_table[pf_t / block_size] * block_stride + (pf_t % block_size) * row_stride);
+        const char* v = k + kv_stride * static_cast<int64_t>(sizeof(scalar_t));
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(k + off, _MM_HINT_T1);
+          _mm_prefetch(v + off, _MM_HINT_T1);
+        }
+      }
+    };
+    for (int64_t b = lo; b < hi; ++b) {
       const int64_t seq_len = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t n = seq_len - first;
       const int64_t n_pad = (n + 15) & ~int64_t(15);
       scores.resize(n_pad);
-      probs.resize(n_pad);
+      probs.resize(group * n_pad);
       rows.resize(n + 1);
-      for (int64_t t = first; t < seq_len; ++t)
-        rows[t - first] = k_base + bt[b * max_blocks + t / block_size] * block_stride +
-                          (t % block_size) * row_stride;
+      for (int64_t t = first; t < seq_len;) {  // a division per block, not per token
+        const int64_t* table = bt + row_of(b) * max_blocks;
+        const scalar_t* base = k_base + table[t / block_size] * block_stride;
+        for (int64_t off = t % block_size; off < block_size && t < seq_len; ++off, ++t)
+          rows[t - first] = base + off * row_stride;
+      }
       rows[n] = rows[n - 1];  // the odd token's partner: a real row times probability 0
-      for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j)
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
-        }
-      for (int64_t head = 0; head < num_heads; ++head) {
-        const int64_t kv_off = (head / group) * head_dim;
-        const scalar_t* qh = q_ptr + (b * num_heads + head) * head_dim;
-        __m512bh qv[P];
-        for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
-        float* s = scores.data();
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {
-          const int64_t cnt = std::min<int64_t>(16, n - t0);
-          if (head == 0)  // the next 16 tokens' K and V rows, all heads
-            for (int64_t j = t0 + 16; j < std::min(t0 + 32, n); ++j)
-              for (int64_t off = 0; off < row_bytes; off += 64) {
-                _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
+      const bool prefetched = b > lo && pf_table != nullptr;  // by the previous query
+      pf_table = nullptr;
+      pf_t = pf_end = 0;
+      if (b + 1 < hi && row_of(b + 1) != row_of(b)) {  // same request: its rows are cached
+        pf_table = bt + row_of(b + 1) * max_blocks;
+        pf_end = lens[b + 1];
+        pf_t = sliding_window > 0 ? std::max<int64_t>(0, pf_end - sliding_window) : 0;
+      }
+      if (!prefetched)
+        for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j)
+          for (int64_t off = 0; off < row_bytes; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
+          }
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const int64_t kv_off = kvh * head_dim;
+        // Probabilities of every query head that reads this KV head.
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = kvh * group + g;
+          const scalar_t* qh = q_ptr + (b * num_heads + head) * head_dim;
+          __m512bh qv[P];
+          for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+          float* s = scores.data();
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t cnt = std::min<int64_t>(16, n - t0);
+            prefetch_rows(2);
+            if (head == 0 && !prefetched)  // the next 16 tokens' K and V rows, all heads
+              for (int64_t j = t0 + 16; j < std::min(t0 + 32, n); ++j)
+                for (int64_t off = 0; off < row_bytes; off += 64) {
+                  _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+                  _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
+                }
+            __m512 acc[16];
+            for (int64_t j = 0; j < 16; ++j) {
+              __m512 a = _mm512_setzero_ps();
+              if (j < cnt) {
+                const scalar_t* kr = rows[t0 + j] + kv_off;
+                for (int c = 0; c < P; ++c)
+                  a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
               }
-          __m512 acc[16];
-          for (int64_t j = 0; j < 16; ++j) {
-            __m512 a = _mm512_setzero_ps();
-            if (j < cnt) {
-              const scalar_t* kr = rows[t0 + j] + kv_off;
-              for (int c = 0; c < P; ++c)
-                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+              acc[j] = a;
             }
-            acc[j] = a;
+            _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(acc), vscale));
           }
-          _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(acc), vscale));
+          for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
+          __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+          __m512 vsum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < n_pad; i += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+            _mm512_storeu_ps(s + i, e);
+            vsum = _mm512_add_ps(vsum, e);
+          }
+          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+          uint16_t* pg = probs.data() + g * n_pad;
+          for (int64_t i = 0; i < n_pad; i += 16)  // normalised, then rounded to bf16
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)));
         }
-        for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
-        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n_pad; i += 16) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-          _mm512_storeu_ps(s + i, e);
-          vsum = _mm512_add_ps(vsum, e);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-        for (int64_t i = 0; i < n_pad; i += 16)  // normalised, then rounded to bf16
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + i),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)));
-        __m512 o[C];
-        for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t += 2) {
-          uint32_t pair;
-          std::memcpy(&pair, probs.data() + t, sizeof(pair));  // (p_t, p_t+1); p_n = 0
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          const scalar_t* v0 = rows[t] + kv_stride + kv_off;
-          const scalar_t* v1 = rows[t + 1] + kv_stride + kv_off;
-          for (int c = 0; c < P; ++c) {
-            const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
-            o[2 * c] = _mm512_dpbf16_ps(o[2 * c], pp, (__m512bh)_mm512_permutex2var_epi16(x, ilo, y));
-            o[2 * c + 1] =
-                _mm512_dpbf16_ps(o[2 * c + 1], pp, (__m512bh)_mm512_permutex2var_epi16(x, ihi, y));
+        // out[head] = sum_t p_head,t v_t: each pair of V rows is interleaved once and
+        // used by up to G heads (16 accumulators in registers).
+        constexpr int G = 16 / C;
+        for (int64_t g0 = 0; g0 < group; g0 += G) {
+          const int64_t gc = std::min<int64_t>(G, group - g0);
+          __m512 o[G][C];
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+          for (int64_t t = 0; t < n; t += 2) {
+            const scalar_t* v0 = rows[t] + kv_stride + kv_off;
+            const scalar_t* v1 = rows[t + 1] + kv_stride + kv_off;
+            __m512bh vi[C];
+            for (int c = 0; c < P; ++c) {
+              const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
+              vi[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, ilo, y);
+              vi[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, ihi, y);
+            }
+            for (int g = 0; g < G; ++g) {
+              if (g >= gc) break;
+              uint32_t pair;  // (p_t, p_t+1); p_n = 0
+              std::memcpy(&pair, probs.data() + (g0 + g) * n_pad + t, sizeof(pair));
+              const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+              for (int c = 0; c < C; ++c) o[g][c] = _mm512_dpbf16_ps(o[g][c], pp, vi[c]);
+            }
+          }
+          for (int64_t g = 0; g < gc; ++g) {
+            scalar_t* oh = out_ptr + (b * num_heads + kvh * group + g0 + g) * head_dim;
+            for (int c = 0; c < C; ++c)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(oh + 16 * c),
+                                  (__m256i)_mm512_cvtneps_pbh(o[g][c]));
           }
         }
-        scalar_t* oh = out_ptr + (b * num_heads + head) * head_dim;
-        for (int c = 0; c < C; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(oh + 16 * c), (__m256i)_mm512_cvtneps_pbh(o[c]));
       }
     }
   }
@@ -348,35 +407,36 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
 template <typename scalar_t>
 static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     switch (q.size(2)) {
-      case 32: paged_decode_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
-      case 64: paged_decode_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
-      case 128: paged_decode_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+      case 32: paged_decode_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+      case 64: paged_decode_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+      case 128: paged_decode_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
       default: break;
     }
   }
 #endif
   switch (q.size(2)) {
-    case 16: paged_decode_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
-    case 32: paged_decode_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
-    case 64: paged_decode_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
-    case 128: paged_decode_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out); return true;
+    case 16: paged_decode_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 32: paged_decode_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 64: paged_decode_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 128: paged_decode_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
     default: return false;
   }
 }
 #else
 template <typename scalar_t>
 static bool paged_decode_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double, int64_t, at::Tensor&) {
+                              const at::Tensor&, double, int64_t, const at::Tensor&, at::Tensor&) {
   return false;
 }
 #endif
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                        at::Tensor seq_lens, double scale, int64_t sliding_window) {
+                        at::Tensor seq_lens, double scale, int64_t sliding_window,
+                        at::Tensor query_req) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
@@ -384,13 +444,22 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   kv_cache = kv_cache.contiguous();
   block_tables = block_tables.to(at::kLong).contiguous();
   seq_lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(seq_lens.numel() == q.size(0), "one seq_len per query");
+  if (query_req.numel()) {
+    query_req = query_req.to(at::kLong).contiguous();
+    TORCH_CHECK(query_req.numel() == q.size(0), "one block table row per query");
+    TORCH_CHECK(query_req.min().item<int64_t>() >= 0 &&
+                query_req.max().item<int64_t>() < block_tables.size(0), "query_req out of range");
+  } else {
+    TORCH_CHECK(block_tables.size(0) >= q.size(0), "a block table row per query");
+  }
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
-    if (!paged_decode_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out))
-      paged_decode_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out);
+    if (!paged_decode_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out))
+      paged_decode_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    if (!paged_decode_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out))
-      paged_decode_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out);
+    if (!paged_decode_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out))
+      paged_decode_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
   }
