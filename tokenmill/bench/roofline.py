@@ -1,15 +1,19 @@
 """`tokenmill bench roofline`: how far a decode step is from this machine's limits.
 
-It measures the ceilings on the machine it runs on (memory bandwidth: a large
-tensor copy; matmul rate: the model's own projection shapes at the batch
-size), then times a real decode step through the public API:
+It measures the ceilings on the machine it runs on (read bandwidth: a sum
+over a large tensor; matmul rate: the model's own projection shapes at the
+batch size), then times a real decode step through the public API:
 
     t_decode = (generate(max_tokens=K + 1) - generate(max_tokens=1)) / K
 
 with B requests of context ~L, prefix caching off (so both runs prefill).
 The roofline of one step is max(bytes / bandwidth, FLOPs / matmul rate), with
-bytes = all weights once + the K/V of every request's context, and FLOPs =
-2 * parameters * B + attention (4 * B * L * heads * head_dim per layer).
+bytes = all weights once + the K/V of every request's context (a decode step
+only reads them, so the bandwidth is the read bandwidth: a sum over 1 GiB),
+and FLOPs = 2 * parameters * B + attention (4 * B * L * heads * head_dim per
+layer). The matmul rate is the best torch reaches on the model's projection
+shapes at batch B with the weights in cache, so the roofline is a ceiling no
+step can beat on this machine.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any
 
 @dataclass
 class Ceilings:
-    bandwidth_gb_s: float
-    matmul_gflop_s: float  # at the decode batch size, over the model's projection shapes
+    bandwidth_gb_s: float  # read bandwidth, the one a decode step's bytes meet
+    copy_bandwidth_gb_s: float  # read + write of a copy, for reference
+    matmul_gflop_s: dict[int, float]  # per batch size, over the model's projection shapes
 
 
 @dataclass
@@ -43,6 +48,7 @@ class RooflineRow:
 
 
 def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Copy bandwidth: (read + write) bytes per second of a large tensor copy."""
     import torch
 
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
@@ -54,6 +60,20 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * num_bytes / best / 1e9  # read + write
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth: bytes per second of a sum over a large tensor (all threads)."""
+    import torch
+
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best / 1e9
 
 
 def measure_matmul(shapes: list[tuple[int, int]], batch: int, dtype: Any, repeats: int = 10) -> float:
@@ -96,10 +116,12 @@ def main_roofline(args: argparse.Namespace) -> int:
     q_out = info["num_heads"] * info["head_dim"]
     kv_out = info["num_kv_heads"] * info["head_dim"]
     shapes = [(hidden, q_out + 2 * kv_out), (q_out, hidden), (hidden, 2 * inter), (inter, hidden)]
-    bandwidth = measure_bandwidth()
+    copy_bandwidth = measure_bandwidth()
+    bandwidth = measure_read_bandwidth()
     rows: list[RooflineRow] = []
+    rates: dict[int, float] = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        rate = measure_matmul(shapes, batch, dtype)
+        rate = rates[batch] = measure_matmul(shapes, batch, dtype)
         prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(args.context)]}
                    for i in range(batch)]
 
@@ -126,16 +148,38 @@ def main_roofline(args: argparse.Namespace) -> int:
             bound="memory" if t_mem >= t_cmp else "compute",
             bytes_mb=(weight_bytes + kv_bytes) / 1e6, gflop=flop / 1e9))
         print(f"batch {batch}: matmul {rate:.0f} GFLOP/s", file=sys.stderr)
-    ceilings = Ceilings(bandwidth_gb_s=bandwidth, matmul_gflop_s=rate)
-    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s")
-    print("| batch | context | dtype | decode step ms | roofline ms | step / roofline | bound | "
-          "bytes MB | GFLOP |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r.batch} | {r.context} | {r.dtype} | {r.step_ms:.1f} | {r.roofline_ms:.1f} | "
-              f"{r.ratio:.2f}x | {r.bound} | {r.bytes_mb:.0f} | {r.gflop:.1f} |")
+    ceilings = Ceilings(bandwidth_gb_s=bandwidth, copy_bandwidth_gb_s=copy_bandwidth,
+                        matmul_gflop_s=rates)
+    print(format_table(ceilings, rows))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"roofline-{args.dtype}.json").write_text(
         json.dumps({"ceilings": asdict(ceilings), "rows": [asdict(r) for r in rows]}, indent=2))
     return 0
+
+
+def format_table(ceilings: Ceilings, rows: list[RooflineRow]) -> str:
+    rates = ", ".join(f"batch {b}: {r:.0f}" for b, r in ceilings.matmul_gflop_s.items())
+    lines = [
+        f"Ceilings measured here: read bandwidth {ceilings.bandwidth_gb_s:.1f} GB/s (copy "
+        f"{ceilings.copy_bandwidth_gb_s:.1f} GB/s read + write); {rows[0].dtype if rows else ''} "
+        f"matmul at the model's shapes, GFLOP/s: {rates}.",
+        "",
+        "| batch | context | dtype | decode step ms | roofline ms | step / roofline | bound | "
+        "bytes MB | GFLOP |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.batch} | {r.context} | {r.dtype} | {r.step_ms:.1f} | "
+                     f"{r.roofline_ms:.1f} | {r.ratio:.2f}x | {r.bound} | {r.bytes_mb:.0f} | "
+                     f"{r.gflop:.1f} |")
+    return "\n".join(lines)
+
+
+def load_results(path: Path) -> tuple[Ceilings, list[RooflineRow]]:
+    data = json.loads(path.read_text())
+    c = data["ceilings"]
+    ceilings = Ceilings(bandwidth_gb_s=c["bandwidth_gb_s"],
+                        copy_bandwidth_gb_s=c.get("copy_bandwidth_gb_s", float("nan")),
+                        matmul_gflop_s={int(k): v for k, v in c["matmul_gflop_s"].items()})
+    return ceilings, [RooflineRow(**r) for r in data["rows"]]
