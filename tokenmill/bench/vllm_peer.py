@@ -73,7 +73,7 @@ def vllm_env(venv: Path = DEFAULT_VENV, kv_cache_gib: int = 4) -> dict[str, str]
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB
     }
     preload = [p for p in (TCMALLOC, Path(venv).resolve() / "lib" / "libiomp5.so") if p.exists()]
-    if preload:
+    if preload and os.environ.get("TOKENMILL_VLLM_PRELOAD", "1") != "0":
         env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
     return env
 

@@ -21,12 +21,6 @@
 
 namespace {
 
-inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if (f != f) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
 inline float bf16_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -44,11 +38,10 @@ bool skinny_gemm_supported(at::Tensor x, at::Tensor weight) {
 }
 
 // One tile: MT rows of x times NT = 16 / MT rows of W (starting at w0), 16
-// accumulators; out[i * NT + j] = x[i] . w[j]. `pf`, if not null: the same
+// accumulators; lane i * NT + j of the result = x[i] . w[j]. `pf`, if not null: the same
 // rows of the next block, fetched into cache meanwhile.
 template <int MT>
-inline void tile(const uint16_t* const* xr, const uint16_t* w0, int64_t K, float* out,
-                 const uint16_t* pf) {
+inline __m512 tile(const uint16_t* const* xr, const uint16_t* w0, int64_t K, const uint16_t* pf) {
   constexpr int NT = 16 / MT;
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -61,7 +54,7 @@ inline void tile(const uint16_t* const* xr, const uint16_t* w0, int64_t K, float
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NT; ++j) acc[i * NT + j] = _mm512_dpbf16_ps(acc[i * NT + j], xv[i], wv[j]);
   }
-  _mm512_store_ps(out, hsum16(acc));
+  return hsum16(acc);
 }
 
 at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias) {
@@ -80,36 +73,39 @@ at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias) {
   // 4 x 4), then 2 (2 x 8), then 1 (1 x 16), so no lane computes a padding row.
 #pragma omp parallel for schedule(static)
   for (int64_t n0 = 0; n0 < N; n0 += 16) {
-    alignas(64) float out[16];
     // The first pass over this block's weights prefetches the next block's.
     const uint16_t* next = n0 + 16 < N ? wp + (n0 + 16) * K : nullptr;
-    auto emit = [&](int64_t m0, int mt, int64_t nb, int nt) {
+    // Lane i * nt + j -> y[m0 + i][nb + j]: bias added in float32, one rounding
+    // to bf16 (nearest even, as torch), nt outputs of a row stored together.
+    auto emit = [&](__m512 r, int64_t m0, int mt, int64_t nb, int nt) {
+      if (bp) {
+        alignas(64) float bias16[16];
+        for (int k = 0; k < 16; ++k) bias16[k] = bf16_float(bp[nb + k % nt]);
+        r = _mm512_add_ps(r, _mm512_load_ps(bias16));
+      }
+      alignas(32) uint16_t h[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h), (__m256i)_mm512_cvtneps_pbh(r));
       for (int i = 0; i < mt; ++i)
-        for (int j = 0; j < nt; ++j) {
-          float v = out[i * nt + j];
-          if (bp) v += bf16_float(bp[nb + j]);
-          yp[(m0 + i) * N + nb + j] = bf16_bits(v);
-        }
+        std::memcpy(yp + (m0 + i) * N + nb, h + i * nt, nt * sizeof(uint16_t));
     };
     int64_t m0 = 0;
     for (; m0 + 4 <= M; m0 += 4) {
       const uint16_t* xr[4] = {xp + m0 * K, xp + (m0 + 1) * K, xp + (m0 + 2) * K, xp + (m0 + 3) * K};
       for (int64_t nb = n0; nb < n0 + 16; nb += 4) {
-        tile<4>(xr, wp + nb * K, K, out, m0 == 0 && next ? next + (nb - n0) * K : nullptr);
-        emit(m0, 4, nb, 4);
+        emit(tile<4>(xr, wp + nb * K, K, m0 == 0 && next ? next + (nb - n0) * K : nullptr),
+             m0, 4, nb, 4);
       }
     }
     for (; m0 + 2 <= M; m0 += 2) {
       const uint16_t* xr[2] = {xp + m0 * K, xp + (m0 + 1) * K};
       for (int64_t nb = n0; nb < n0 + 16; nb += 8) {
-        tile<2>(xr, wp + nb * K, K, out, m0 == 0 && next ? next + (nb - n0) * K : nullptr);
-        emit(m0, 2, nb, 8);
+        emit(tile<2>(xr, wp + nb * K, K, m0 == 0 && next ? next + (nb - n0) * K : nullptr),
+             m0, 2, nb, 8);
       }
     }
     if (m0 < M) {
       const uint16_t* xr[1] = {xp + m0 * K};
-      tile<1>(xr, wp + n0 * K, K, out, m0 == 0 ? next : nullptr);
-      emit(m0, 1, n0, 16);
+      emit(tile<1>(xr, wp + n0 * K, K, m0 == 0 ? next : nullptr), m0, 1, n0, 16);
     }
   }
   return y;
