@@ -152,13 +152,16 @@ def test_skinny_gemm_matches_float32_matmul(rows: int, bias: bool) -> None:
     ops = cpu_kernels.skinny_gemm_ops(x, weight)
     if ops is None:
         pytest.skip("no AVX512-BF16 here (or the kernels could not be built)")
-    ours = ops.skinny_gemm(x, weight, b if b is not None else torch.empty(0))
+    ours = ops.skinny_gemm(x, weight, b if b is not None else torch.empty(0), False)
     # Exact products, float32 sums, one rounding to bf16: equal to the float32
     # matmul rounded once, up to the order of the sum (at most one bf16 step).
     ref = x.float() @ weight.float().T + (b.float() if b is not None else 0.0)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 48)
     torch.testing.assert_close(ours.float(), ref, rtol=2**-8, atol=1e-3)
     torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=2**-7, atol=1e-2)
+    logits = ops.skinny_gemm(x, weight, b if b is not None else torch.empty(0), True)
+    assert logits.dtype == torch.float32  # float32 out: the unrounded sums
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_uses_skinny_gemm_only_where_it_applies() -> None:

@@ -110,6 +110,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where vLLM's virtual environment is (or is made)")
     p.add_argument("--output-dir", default="bench-results")
     p.add_argument("--output-name", default=None, help="JSON file name (default peers-DTYPE.json)")
+    p.add_argument("--hf-max-cap", type=int, default=None,
+                   help="run the Hugging Face peers only up to this cap (vLLM runs at every cap)")
 
 
 def main_peers(args: argparse.Namespace) -> int:
@@ -129,6 +131,10 @@ def main_peers(args: argparse.Namespace) -> int:
     for cap in caps:
         rows.append(run_in_subprocess(args, "continuous", cap))
         for peer in peers:
+            hf_max_cap = getattr(args, "hf_max_cap", None)
+            if peer != VLLM and hf_max_cap is not None and cap > hf_max_cap:
+                print(f"== {peer}, cap {cap}: skipped (--hf-max-cap {hf_max_cap})", file=sys.stderr)
+                continue
             if peer == VLLM:
                 assert vllm_setup is not None
                 python, model_dir, env = vllm_setup

