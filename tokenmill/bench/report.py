@@ -293,8 +293,8 @@ def main_all(args: argparse.Namespace) -> int:
         ceilings, roof_rows = roofline.load_results(roofline_path)
         md += ["## Roofline: a decode step against this machine's limits", "",
                f"`tokenmill bench roofline --dtype {args.dtype} --batches {args.roofline_batches}`"
-               " measures the ceilings where it runs, then times a decode step of B requests "
-               "through the public API ((generate(K+1) - generate(1)) / K). Roofline = max(bytes "
+               " measures the ceilings where it runs, then times decode steps of B requests "
+               "through the public API (from every request's first token to its last, K steps). Roofline = max(bytes "
                "read / read bandwidth, FLOPs / matmul rate); 1.00x would be the machine's limit.",
                "", roofline.format_table(ceilings, roof_rows), ""]
     if serve_reports:

@@ -4,9 +4,10 @@ It measures the ceilings on the machine it runs on (read bandwidth: a sum
 over a large tensor; matmul rate: the model's own projection shapes at the
 batch size), then times a real decode step through the public API:
 
-    t_decode = (generate(max_tokens=K + 1) - generate(max_tokens=1)) / K
+    t_decode = (time of the last token - time of the first token) / K
 
-with B requests of context ~L, prefix caching off (so both runs prefill).
+for B requests of context ~L that all prefill in one step, then decode K steps
+together (RequestOutput.metrics; the better of two runs).
 The roofline of one step is max(bytes / bandwidth, FLOPs / matmul rate), with
 bytes = all weights once + the K/V of every request's context (a decode step
 only reads them, so the bandwidth is the read bandwidth: a sum over 1 GiB),
@@ -109,8 +110,11 @@ def main_roofline(args: argparse.Namespace) -> int:
     from tokenmill import LLM, SamplingParams
 
     dtype = getattr(torch, args.dtype)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(int(b) for b in args.batches.split(",")),
-              max_num_batched_tokens=8192, enable_prefix_caching=False)
+    max_batch = max(int(b) for b in args.batches.split(","))
+    # Every prompt prefilled in one step, so all requests decode together from then on.
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max_batch,
+              max_num_batched_tokens=max(8192, max_batch * args.context),
+              enable_prefix_caching=False)
     info = llm.model_info()
     hidden, inter = info["hidden_size"], info["intermediate_size"]
     q_out = info["num_heads"] * info["head_dim"]
@@ -125,14 +129,20 @@ def main_roofline(args: argparse.Namespace) -> int:
         prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(args.context)]}
                    for i in range(batch)]
 
-        def timed(max_tokens: int, prompts: list[dict[str, list[int]]] = prompts) -> float:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - t
+        def decode_step_s(steps: int, prompts: list[dict[str, list[int]]] = prompts) -> float:
+            """Mean time of `steps` decode steps of the whole batch: from the step
+            that gave every request its first token to the one that gave the last."""
+            params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            metrics = [o.metrics for o in outs if o.metrics is not None]
+            first = [m.first_token_time for m in metrics if m.first_token_time is not None]
+            last = [m.last_token_time for m in metrics if m.last_token_time is not None]
+            if len(first) != len(prompts) or len(last) != len(prompts):
+                raise RuntimeError("requests came back without token times")
+            return (max(last) - max(first)) / steps
 
-        timed(2)  # warm-up
-        step_s = (timed(args.steps + 1) - timed(1)) / args.steps
+        decode_step_s(2)  # warm-up
+        step_s = min(decode_step_s(args.steps) for _ in range(2))
         element = torch.empty((), dtype=dtype).element_size()
         ctx = args.context + args.steps // 2  # mean context over the timed steps
         kv_bytes = batch * ctx * info["kv_bytes_per_token"] * element
