@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -46,49 +45,14 @@ def machine_description() -> str:
             f"{torch.get_num_threads()} torch threads")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_serve_against_tokenmill(args: argparse.Namespace, out: Path) -> list[serve_bench.RateReport]:
     """Start `tokenmill serve` on a free loopback port, run serve-B, stop it."""
-    import httpx
-
-    port = _free_port()
+    port = serve_bench.free_port()
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"`{shlex.join(cmd)}` exited with {server.returncode}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError("the tokenmill server did not become healthy in 180 s")
-        sargs = argparse.Namespace(
-            base_url=base, model=None, rates=args.rates, num_requests=args.num_requests,
-            workload="serve-B", slo_ttft_ms=None, slo_tpot_ms=None, api_key=None,
-            label="tokenmill", output_dir=str(out))
-        serve_bench.main_serve(sargs)
-        data = json.loads((out / "serve-tokenmill.json").read_text())
-        return [serve_bench.RateReport(**d) for d in data]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    return serve_bench.run_against_server(cmd, f"http://127.0.0.1:{port}", "tokenmill", args, out)
 
 
 SIDE_BY_SIDE = ("continuous", VLLM, "hf-static")

