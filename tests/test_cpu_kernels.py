@@ -142,39 +142,62 @@ def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: in
     _same(cache, ref_cache)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_skinny_gemm_matches_float32_matmul(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 200])
+@pytest.mark.parametrize(("outputs", "bias"), [(48, False), (48, True), (40, True), (100, False)])
+def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool) -> None:
+    # 48 outputs: one group of three 16-row blocks; 40 and 100: a short last
+    # block (masked stores) and groups of one and two blocks; 200 rows of a
+    # small N: the rows split between threads.
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(48, 96, generator=gen) * 0.1).to(torch.bfloat16)
-    b = torch.randn(48, generator=gen).to(torch.bfloat16) if bias else None
-    ops = cpu_kernels.skinny_gemm_ops(x, weight)
+    weight = (torch.randn(outputs, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(outputs, generator=gen).to(torch.bfloat16) if bias else None
+    ops = cpu_kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no AVX512-BF16 here (or the kernels could not be built)")
-    ours = ops.skinny_gemm(x, weight, b if b is not None else torch.empty(0), False)
+    packed = cpu_kernels.pack_weight(weight)
+    assert packed.shape == (-(-outputs // 16), 48, 16, 2)
+    ours = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), False)
     # Exact products, float32 sums, one rounding to bf16: equal to the float32
     # matmul rounded once, up to the order of the sum (at most one bf16 step).
     ref = x.float() @ weight.float().T + (b.float() if b is not None else 0.0)
-    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 48)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, outputs)
     torch.testing.assert_close(ours.float(), ref, rtol=2**-8, atol=1e-3)
     torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=2**-7, atol=1e-2)
-    logits = ops.skinny_gemm(x, weight, b if b is not None else torch.empty(0), True)
+    logits = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), True)
     assert logits.dtype == torch.float32  # float32 out: the unrounded sums
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_linear_uses_skinny_gemm_only_where_it_applies() -> None:
-    from tokenmill.model.llama import SKINNY_MAX_ROWS, Linear
+def test_packed_gemm_refuses_mismatched_shapes() -> None:
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ops = cpu_kernels.packed_gemm_ops(x)
+    if ops is None:
+        pytest.skip("no AVX512-BF16 here (or the kernels could not be built)")
+    packed = cpu_kernels.pack_weight(torch.randn(32, 96).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K = 64"):
+        ops.packed_gemm(x, packed, 32, torch.empty(0), False)
+    with pytest.raises(RuntimeError, match="n_out"):
+        ops.packed_gemm(torch.randn(3, 96).to(torch.bfloat16), packed, 33, torch.empty(0), False)
 
-    layer = Linear(64, 32, bias=False, dtype=torch.bfloat16)
-    layer.weight.data.copy_(torch.randn(32, 64) * 0.1)
-    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):  # kernel, kernel, torch
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=2**-7, atol=1e-2)
+
+def test_linear_packs_its_weight_and_repacks_after_a_change() -> None:
+    from tokenmill.model.llama import Linear
+
+    layer = Linear(64, 40, bias=True, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(40, 64) * 0.1)
+    layer.bias.data.copy_(torch.randn(40))
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
+    if cpu_kernels.packed_gemm_ops(x) is not None:
+        assert layer.packed_weight() is not None
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # in place: the packed copy must follow
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
     x32 = torch.randn(3, 64)
     layer32 = Linear(64, 32, bias=False)
     layer32.weight.data.copy_(torch.randn(32, 64))
+    assert layer32.packed_weight() is None
     assert torch.equal(layer32(x32), F.linear(x32, layer32.weight))  # float32: torch's own
 
 

@@ -22,10 +22,10 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "skinny_gemm.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp")]
 _HEADERS = [_CSRC / "cpu_vec.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
-              "skinny_gemm", "skinny_gemm_supported"]
+              "packed_gemm", "packed_gemm_supported"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -97,28 +97,29 @@ def fused_ops(x: torch.Tensor) -> Any | None:
     return load()
 
 
-def skinny_gemm_ops(x: torch.Tensor, weight: torch.Tensor) -> Any | None:
-    """The module with skinny_gemm when it applies to x @ weight.T (contiguous
-    bf16 CPU tensors, K % 32 == 0, N % 16 == 0, AVX512-BF16), else None."""
-    if x.device.type != "cpu" or weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        return None
-    if x.shape[-1] % 32 or weight.shape[0] % 16 or not x.is_contiguous():
-        return None
-    if not weight.is_contiguous():
+def packed_gemm_ops(x: torch.Tensor) -> Any | None:
+    """The module with packed_gemm when it applies to x (a 2-D bf16 CPU tensor
+    with an even number of columns; the build has AVX512-BF16), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2:
         return None
     module = load()
-    if module is None or not _skinny_supported(module):
+    if module is None:
         return None
-    return module
+    global _packed_checked
+    if _packed_checked is None:
+        _packed_checked = bool(module.packed_gemm_supported())
+    return module if _packed_checked else None
 
 
-_skinny_checked: bool | None = None
+_packed_checked: bool | None = None
 
 
-def _skinny_supported(module: Any) -> bool:
-    """Whether the build has the AVX512-BF16 kernel (checked once on a tiny case)."""
-    global _skinny_checked
-    if _skinny_checked is None:
-        probe = torch.zeros(1, 32, dtype=torch.bfloat16)
-        _skinny_checked = bool(module.skinny_gemm_supported(probe, torch.zeros(16, 32, dtype=torch.bfloat16)))
-    return _skinny_checked
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (K even) -> [ceil(N/16), K/2, 16, 2], the layout packed_gemm
+    reads front to back: packed[b, k // 2, j, k % 2] = weight[16 b + j, k]; zero
+    rows pad N to a multiple of 16."""
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()

@@ -134,7 +134,7 @@ def load_weights(
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, (param_name, shard) in targets.items():
-            dest = params[param_name].data
+            dest: torch.Tensor = params[param_name]  # not .data: the copy counts as a change of the weight
             if shard is not None:
                 module = model.get_submodule(param_name.rpartition(".")[0])
                 assert isinstance(module, MergedLinear), param_name
@@ -155,6 +155,7 @@ def _short_list(names: list[str], limit: int = 10) -> str:
 def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
     model.eval()
     model.requires_grad_(False)
+    model.pack_weights()
     return model
 
 
