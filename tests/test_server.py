@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from tests.server_harness import ServerThread, metric_value
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server import build_app
 
 TIMEOUT_S = 60.0
@@ -508,3 +510,34 @@ def test_metrics_appear_and_move(served: Served) -> None:
     length = "tokenmill:request_success_total"
     assert (metric_value(after, length, finished_reason="length") or 0) - (
         metric_value(before, length, finished_reason="length") or 0) == 2
+
+
+def test_async_engine_builds_its_engine_on_its_own_thread() -> None:
+    # `tokenmill serve` passes a builder, so the model is loaded and run by one
+    # thread (one OpenMP pool); a builder that fails raises in the constructor.
+    built_on: list[str] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLM(dtype="float32", kv_cache_memory_bytes=64 << 20).engine
+
+    engine = AsyncEngine(build)
+    try:
+        assert built_on == ["tokenmill-engine"] and engine.is_running
+
+        async def one() -> str:
+            params = SamplingParams(temperature=0, max_tokens=4)
+            text = ""
+            async for out in await engine.add_request("built-here", HELLO, params):
+                text += out.outputs[0].text
+            return text
+
+        assert asyncio.run(one())
+    finally:
+        engine.shutdown()
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)

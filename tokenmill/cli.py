@@ -71,8 +71,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.model_tag is not None:
         args.model = args.model_tag
-    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
-    return run_server(AsyncEngine(llm.engine), config, args.graceful_shutdown_timeout)
+    kwargs = engine_kwargs(args)
+    # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
+    engine = AsyncEngine(lambda: LLM(**kwargs).engine)  # type: ignore[arg-type]
+    return run_server(engine, config, args.graceful_shutdown_timeout)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
