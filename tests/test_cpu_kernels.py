@@ -251,3 +251,17 @@ def test_one_kernel_call_serves_decodes_and_prefill_chunks(
     ref = TorchAttentionBackend(use_cpp_kernels=False).attend(q, kv_cache, meta, 0.3, sliding_window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_q_in_place_from_wider_rows(kernel_available: None, dtype: torch.dtype) -> None:
+    # The model passes q as a view of its fused qkv rows (no copy): the same
+    # numbers as a contiguous q.
+    q, kv_cache, meta = mixed_step_case(dtype, 64)
+    tokens, heads, head_dim = q.shape
+    wide = torch.randn(tokens, heads * head_dim + 2 * kv_cache.shape[3] * head_dim).to(dtype)
+    wide[:, : heads * head_dim] = q.reshape(tokens, -1)
+    view = wide[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert not view.is_contiguous()
+    backend = TorchAttentionBackend(use_cpp_kernels=True)
+    assert torch.equal(backend.attend(view, kv_cache, meta, 0.3, None), backend.attend(q, kv_cache, meta, 0.3, None))

@@ -3,7 +3,8 @@
 // a prefill chunk of n tokens is n queries of the same request, each seeing the
 // context up to its own position (causal), so one call serves a whole step.
 //
-//   q            [num_queries, num_heads, head_dim]        (float32 or bfloat16)
+//   q            [num_queries, num_heads, head_dim]        (float32 or bfloat16; rows may be
+//                                                          strided, e.g. a view of qkv rows)
 //   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables [num_reqs, max_num_blocks] int64
 //   seq_lens     [num_queries] int64   (query i sits at position seq_lens[i] - 1)
@@ -63,6 +64,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t row_stride = num_kv_heads * head_dim;  // one token: all KV heads
 
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const int64_t q_row = q.stride(0);  // q may be a view of wider rows
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_base = k_base + kv_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
@@ -80,7 +82,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     const int64_t n = seq_len - first;
     std::vector<float> qf(num_heads * head_dim), scores(num_heads * n), acc(num_heads * head_dim, 0.f);
     std::vector<float> row(row_stride);
-    to_float(q_ptr + b * num_heads * head_dim, qf.data(), num_heads * head_dim);
+    to_float(q_ptr + b * q_row, qf.data(), num_heads * head_dim);
     for (float& x : qf) x *= fscale;
     // scores[head][t] = q_head . k_{kv head of head}[t]
     for (int64_t t = first; t < seq_len; ++t) {
@@ -140,6 +142,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t row_stride = num_kv_heads * head_dim;
 
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const int64_t q_row = q.stride(0);  // q may be a view of wider rows
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_base = k_base + kv_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
@@ -181,7 +184,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
       prefetch(rows, 0, n);
       for (int64_t head = 0; head < num_heads; ++head) {
         const int64_t kv_off = (head / group) * head_dim;
-        const scalar_t* qh = q_ptr + (b * num_heads + head) * head_dim;
+        const scalar_t* qh = q_ptr + b * q_row + head * head_dim;
         __m512 qv[C];
         for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(load16(qh + 16 * c), vscale);
         float* s = scores.data();
@@ -251,6 +254,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t row_stride = num_kv_heads * head_dim;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const int64_t q_row = q.stride(0);  // q may be a view of wider rows
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
@@ -325,7 +329,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
         // Probabilities of every query head that reads this KV head.
         for (int64_t g = 0; g < group; ++g) {
           const int64_t head = kvh * group + g;
-          const scalar_t* qh = q_ptr + (b * num_heads + head) * head_dim;
+          const scalar_t* qh = q_ptr + b * q_row + head * head_dim;
           __m512bh qv[P];
           for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
           float* s = scores.data();
@@ -440,7 +444,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
-  q = q.contiguous();
+  // q may be a view of the fused qkv rows: each row's heads contiguous is enough.
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   kv_cache = kv_cache.contiguous();
   block_tables = block_tables.to(at::kLong).contiguous();
   seq_lens = seq_lens.to(at::kLong).contiguous();
@@ -448,12 +453,14 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   if (query_req.numel()) {
     query_req = query_req.to(at::kLong).contiguous();
     TORCH_CHECK(query_req.numel() == q.size(0), "one block table row per query");
-    TORCH_CHECK(query_req.min().item<int64_t>() >= 0 &&
-                query_req.max().item<int64_t>() < block_tables.size(0), "query_req out of range");
+    const int64_t* r = query_req.data_ptr<int64_t>();
+    bool in_range = true;
+    for (int64_t i = 0; i < query_req.numel(); ++i) in_range &= r[i] >= 0 && r[i] < block_tables.size(0);
+    TORCH_CHECK(in_range, "query_req out of range");
   } else {
     TORCH_CHECK(block_tables.size(0) >= q.size(0), "a block table row per query");
   }
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
     if (!paged_decode_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out))
       paged_decode_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out);
