@@ -3,7 +3,7 @@ cpp_extension (g++ and ninja), with the torch code as the fallback.
 
 `make setup` builds them ahead of time; otherwise the first use builds them
 (about a minute) into torch's extension cache. Set TOKENMILL_NO_CPP_KERNELS=1
-to use the portable torch code only.
+(before the process starts) to use the portable torch code only.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ _failed: str | None = None
 
 
 _enabled = True  # tests switch the kernels off to compare with the torch code
+# Read once: the check runs for every kernel call (~300 per step).
+_env_disabled = os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
 
 
 def set_enabled(enabled: bool) -> None:
@@ -40,7 +42,7 @@ def set_enabled(enabled: bool) -> None:
 
 
 def _disabled() -> bool:
-    return not _enabled or os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
+    return not _enabled or _env_disabled
 
 
 def load() -> Any | None:

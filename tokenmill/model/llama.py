@@ -43,7 +43,9 @@ class Linear(nn.Linear):
 
     def packed_weight(self, refresh: bool = False) -> torch.Tensor | None:
         """The packed copy of the weight, or None where the kernel does not apply."""
-        weight = self.weight
+        return self._packed_for(self.weight, refresh)
+
+    def _packed_for(self, weight: torch.Tensor, refresh: bool = False) -> torch.Tensor | None:
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
             return None
         key = (weight.data_ptr(), weight._version)
@@ -53,14 +55,16 @@ class Linear(nn.Linear):
         return self._packed
 
     def matmul(self, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
-        """x W^T + b; with float32_out, the sums in float32 (not rounded to bf16)."""
-        ops = cpu_kernels.packed_gemm_ops(x) if self.weight.dtype == torch.bfloat16 else None
-        packed = self.packed_weight() if ops is not None else None
+        """x W^T + b for 2-D x (the model calls this directly, not through
+        nn.Module's __call__: ~200 calls a step); with float32_out, the sums in
+        float32 (not rounded to bf16)."""
+        weight, bias = self.weight, self.bias
+        ops = cpu_kernels.packed_gemm_ops(x) if weight.dtype == torch.bfloat16 else None
+        packed = self._packed_for(weight) if ops is not None else None
         if ops is None or packed is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, weight, bias)
             return y.float() if float32_out else y
-        bias = self.bias if self.bias is not None else _NO_BIAS
-        return ops.packed_gemm(x, packed, self.out_features, bias, float32_out)
+        return ops.packed_gemm(x, packed, self.out_features, _NO_BIAS if bias is None else bias, float32_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -188,7 +192,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv_proj.matmul(hidden)  # [num_tokens, q_size + 2 * kv_size]
         ops = cpu_kernels.fused_ops(qkv)
         if ops is not None and self.q_norm is None and kv_cache.dtype == qkv.dtype:
             # RoPE on q and k in place and k, v into the cache: one C++ pass.
@@ -199,7 +203,7 @@ class LlamaAttention(nn.Module):
             q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             with record_function("tokenmill::attention"):
                 out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return self.o_proj.matmul(out.reshape(num_tokens, self.q_size))
         cos, sin = rope.cos_sin()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -212,7 +216,7 @@ class LlamaAttention(nn.Module):
         k = apply_rotary_emb(k, cos, sin)
         with record_function("tokenmill::attention"):
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.matmul(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -237,12 +241,12 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.matmul(x)
         ops = cpu_kernels.fused_ops(gate_up)
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.down_proj.matmul(ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.matmul(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
