@@ -2,8 +2,9 @@
 layers' projections of the default model (distinct weights per layer: cold, as
 in a real step), per number of rows.
 
-    PYTHONPATH=. .venv/bin/python scripts/packed_gemm.py
+    PYTHONPATH=. .venv/bin/python scripts/packed_gemm.py [float32]
 """
+import sys
 import time
 
 import torch
@@ -13,11 +14,11 @@ from tokenmill.model import cpu_kernels
 m = cpu_kernels.load()
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
 LAYERS = 30
-dt = torch.bfloat16
+dt = torch.float32 if sys.argv[1:] == ["float32"] else torch.bfloat16
 torch.manual_seed(0)
 ws = [[torch.randn(n, k, dtype=dt) * 0.05 for k, n in SHAPES] for _ in range(LAYERS)]
 packed = [[cpu_kernels.pack_weight(w) for w in layer] for layer in ws]
-nbytes = sum(w.numel() * 2 for w in ws[0]) * LAYERS
+nbytes = sum(w.numel() * w.element_size() for w in ws[0]) * LAYERS
 flops1 = sum(2 * k * n for k, n in SHAPES) * LAYERS
 
 

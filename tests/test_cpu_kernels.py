@@ -169,6 +169,24 @@ def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool)
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 200])
+@pytest.mark.parametrize(("outputs", "bias"), [(48, True), (40, False), (100, True)])
+def test_packed_gemm_float32_matches_torch(rows: int, outputs: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 96, generator=gen)
+    weight = torch.randn(outputs, 96, generator=gen) * 0.1
+    b = torch.randn(outputs, generator=gen) if bias else None
+    ops = cpu_kernels.packed_gemm_ops(x)
+    if ops is None:
+        pytest.skip("no AVX512-BF16 here (or the kernels could not be built)")
+    packed = cpu_kernels.pack_weight(weight)
+    assert packed.shape == (-(-outputs // 16), 96, 16)
+    ours = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), False)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, outputs)
+    # float32 sums in another order than torch's: equal up to rounding.
+    torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
 def test_packed_gemm_refuses_mismatched_shapes() -> None:
     x = torch.randn(3, 64).to(torch.bfloat16)
     ops = cpu_kernels.packed_gemm_ops(x)
@@ -197,8 +215,12 @@ def test_linear_packs_its_weight_and_repacks_after_a_change() -> None:
     x32 = torch.randn(3, 64)
     layer32 = Linear(64, 32, bias=False)
     layer32.weight.data.copy_(torch.randn(32, 64))
-    assert layer32.packed_weight() is None
-    assert torch.equal(layer32(x32), F.linear(x32, layer32.weight))  # float32: torch's own
+    torch.testing.assert_close(layer32(x32), F.linear(x32, layer32.weight), rtol=1e-5, atol=1e-5)
+    x16 = torch.randn(3, 63).to(torch.bfloat16)
+    odd = Linear(63, 32, bias=False, dtype=torch.bfloat16)  # odd K: torch's matmul
+    odd.weight.data.copy_(torch.randn(32, 63))
+    assert odd.packed_weight() is None
+    assert torch.equal(odd(x16), F.linear(x16, odd.weight))
 
 
 def mixed_step_case(

@@ -101,8 +101,10 @@ def fused_ops(x: torch.Tensor) -> Any | None:
 
 def packed_gemm_ops(x: torch.Tensor) -> Any | None:
     """The module with packed_gemm when it applies to x (a 2-D bf16 CPU tensor
-    with an even number of columns; the build has AVX512-BF16), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2:
+    with an even number of columns, or float32; the build has AVX512-BF16), else None."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        return None
+    if not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0)):
         return None
     module = load()
     if module is None:
@@ -117,11 +119,14 @@ _packed_checked: bool | None = None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (K even) -> [ceil(N/16), K/2, 16, 2], the layout packed_gemm
-    reads front to back: packed[b, k // 2, j, k % 2] = weight[16 b + j, k]; zero
-    rows pad N to a multiple of 16."""
+    """weight [N, K] -> the layout packed_gemm reads front to back, zero rows
+    padding N to a multiple of 16: bf16 (K even) [ceil(N/16), K/2, 16, 2] with
+    packed[b, k // 2, j, k % 2] = weight[16 b + j, k]; float32
+    [ceil(N/16), K, 16] with packed[b, k, j] = weight[16 b + j, k]."""
     n, k = weight.shape
     padded = -(-n // 16) * 16
     if padded != n:
         weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    if weight.dtype == torch.float32:
+        return weight.reshape(padded // 16, 16, k).permute(0, 2, 1).contiguous()
     return weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()

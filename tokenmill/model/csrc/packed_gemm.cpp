@@ -19,6 +19,10 @@
 //   x [M, K] bf16 contiguous, packed [ceil(N/16), K/2, 16, 2] bf16, n_out = N,
 //   bias [N] bf16 or empty -> y [M, N] bf16, or float32 with float32_out (the
 //   logits: no rounding of the sums at all). K must be even.
+//
+// float32 weights get the same treatment with one K per vector: packed
+// [ceil(N/16), K, 16] (packed[b][k][j] = W[16 b + j][k]), x[k] broadcast, FMAs,
+// y float32. (Built only where AVX512-BF16 is, like the rest of this file.)
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -32,8 +36,8 @@
 namespace {
 
 struct GemmArgs {
-  const uint16_t* x;  // [M, K]
-  const uint16_t* w;  // packed
+  const void* x;      // [M, K] bf16 or float32
+  const void* w;      // packed
   const float* bias;  // [N padded to 16] float32, or null
   uint16_t* y16;      // [M, N] bf16 out, or null
   float* y32;         // [M, N] float32 out, or null
@@ -41,23 +45,29 @@ struct GemmArgs {
 };
 
 // Rows m0 .. m0+MT of x times blocks b0 .. b0+NB. `pf`, if not null: the next
-// blocks' weights, one cache line each per K pair, fetched meanwhile.
-template <int MT, int NB>
-inline void tile(const GemmArgs& a, int64_t m0, int64_t b0, const uint16_t* pf) {
-  const int64_t K2 = a.K / 2, blk = a.K * 16;
-  const uint16_t* w = a.w + b0 * blk;
-  const int32_t* x = reinterpret_cast<const int32_t*>(a.x + m0 * a.K);  // pairs of bf16
+// blocks' weights, one cache line each per step, fetched meanwhile. A step is
+// one 64-byte vector of each block: a pair of K (bf16) or one K (float32).
+template <bool BF16, int MT, int NB>
+inline void tile(const GemmArgs& a, int64_t m0, int64_t b0, const char* pf) {
+  const int64_t steps = BF16 ? a.K / 2 : a.K, blk = steps * 64;  // bytes per block
+  const char* w = static_cast<const char*>(a.w) + b0 * blk;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < K2; ++kk) {
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * blk + kk * 32);
+  for (int64_t kk = 0; kk < steps; ++kk) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * blk + kk * 64);
     if (pf)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * blk + kk * 32), _MM_HINT_T0);
+      for (int j = 0; j < NB; ++j) _mm_prefetch(pf + j * blk + kk * 64, _MM_HINT_T0);
     for (int i = 0; i < MT; ++i) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[i * K2 + kk]);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
+      if constexpr (BF16) {  // x[i][2kk], x[i][2kk+1] as one 32-bit pair
+        const int32_t* x = static_cast<const int32_t*>(a.x) + (m0 + i) * steps;
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[kk]);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, (__m512bh)wv[j]);
+      } else {
+        const __m512 xb = _mm512_set1_ps(static_cast<const float*>(a.x)[(m0 + i) * a.K + kk]);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]);
+      }
     }
   }
   // Lanes are outputs 16 (b0 + j) .. +16; the last block of an N that is not a
@@ -77,53 +87,26 @@ inline void tile(const GemmArgs& a, int64_t m0, int64_t b0, const uint16_t* pf) 
 }
 
 // Rows [m0, m1) times NB blocks from b0: tiles of 6 rows, then one of the rest.
-template <int NB>
-void rows(const GemmArgs& a, int64_t m0, int64_t m1, int64_t b0, const uint16_t* pf) {
+template <bool BF16, int NB>
+void rows(const GemmArgs& a, int64_t m0, int64_t m1, int64_t b0, const char* pf) {
   constexpr int MT = 6;
-  for (; m0 + MT <= m1; m0 += MT, pf = nullptr) tile<MT, NB>(a, m0, b0, pf);
+  for (; m0 + MT <= m1; m0 += MT, pf = nullptr) tile<BF16, MT, NB>(a, m0, b0, pf);
   switch (m1 - m0) {
-    case 1: tile<1, NB>(a, m0, b0, pf); break;
-    case 2: tile<2, NB>(a, m0, b0, pf); break;
-    case 3: tile<3, NB>(a, m0, b0, pf); break;
-    case 4: tile<4, NB>(a, m0, b0, pf); break;
-    case 5: tile<5, NB>(a, m0, b0, pf); break;
+    case 1: tile<BF16, 1, NB>(a, m0, b0, pf); break;
+    case 2: tile<BF16, 2, NB>(a, m0, b0, pf); break;
+    case 3: tile<BF16, 3, NB>(a, m0, b0, pf); break;
+    case 4: tile<BF16, 4, NB>(a, m0, b0, pf); break;
+    case 5: tile<BF16, 5, NB>(a, m0, b0, pf); break;
     default: break;
   }
 }
 
-}  // namespace
-
-bool packed_gemm_supported() { return true; }
-
-at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_gemm runs on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "packed_gemm takes bfloat16 x and weights");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
-              "packed_gemm: x [M, K], packed [ceil(N/16), K/2, 16, 2]");
-  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K, "packed_gemm: x has K = ", K, ", the weights ", packed.size(1) * 2);
-  TORCH_CHECK(n_out > 16 * (nblocks - 1) && n_out <= 16 * nblocks, "packed_gemm: n_out does not fit the blocks");
-  x = x.contiguous();
-  packed = packed.contiguous();
-  at::Tensor bias32;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == n_out, "packed_gemm: one bias per output");
-    // Rounded to bf16 first (the model's dtype), added in float32, padded to whole blocks.
-    bias32 = at::zeros({nblocks * 16}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n_out).copy_(bias.to(at::kBFloat16).to(at::kFloat));
-  }
-  at::Tensor y = at::empty({M, n_out}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  GemmArgs a{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-             float32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-             float32_out ? y.data_ptr<float>() : nullptr, K, n_out};
-
-  // Tasks: groups of 3 blocks times stretches of rows. Rows are split only when
-  // there are too few groups to keep every thread busy (few outputs, many rows).
+// Tasks: groups of 3 blocks times stretches of rows. Rows are split only when
+// there are too few groups to keep every thread busy (few outputs, many rows).
+template <bool BF16>
+void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
   constexpr int64_t NB = 3;
+  const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
   const int64_t groups = (nblocks + NB - 1) / NB;
   const int64_t threads = omp_get_max_threads();
   int64_t row_chunk = M;
@@ -138,11 +121,45 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
     const int64_t b0 = g * NB, nb = std::min(NB, nblocks - b0);
     const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
     // The first tile over this group's weights prefetches the next group's.
-    const uint16_t* pf = c == 0 && b0 + nb + NB <= nblocks ? a.w + (b0 + nb) * K * 16 : nullptr;
-    if (nb == 3) rows<3>(a, m0, m1, b0, pf);
-    else if (nb == 2) rows<2>(a, m0, m1, b0, pf);
-    else rows<1>(a, m0, m1, b0, pf);
+    const char* pf = c == 0 && b0 + nb + NB <= nblocks ? static_cast<const char*>(a.w) + (b0 + nb) * blk : nullptr;
+    if (nb == 3) rows<BF16, 3>(a, m0, m1, b0, pf);
+    else if (nb == 2) rows<BF16, 2>(a, m0, m1, b0, pf);
+    else rows<BF16, 1>(a, m0, m1, b0, pf);
   }
+}
+
+}  // namespace
+
+bool packed_gemm_supported() { return true; }
+
+at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_gemm runs on the CPU");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
+              "packed_gemm takes bfloat16 or float32 x and weights of the same dtype");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
+              "packed_gemm: x [M, K], packed [ceil(N/16), K/2, 16, 2] (bf16) or [ceil(N/16), K, 16] (float32)");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
+  const int64_t packed_k = packed.size(1) * (bf16 ? 2 : 1);
+  TORCH_CHECK(packed_k == K, "packed_gemm: x has K = ", K, ", the weights ", packed_k);
+  TORCH_CHECK(n_out > 16 * (nblocks - 1) && n_out <= 16 * nblocks, "packed_gemm: n_out does not fit the blocks");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  at::Tensor bias32;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == n_out, "packed_gemm: one bias per output");
+    // In the model's dtype first (bf16 is rounded), added in float32, padded to whole blocks.
+    bias32 = at::zeros({nblocks * 16}, x.options().dtype(at::kFloat));
+    bias32.narrow(0, 0, n_out).copy_(bias.to(x.scalar_type()).to(at::kFloat));
+  }
+  const bool out32 = float32_out || !bf16;
+  at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  GemmArgs a{x.data_ptr(), packed.data_ptr(), bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+             out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+             out32 ? y.data_ptr<float>() : nullptr, K, n_out};
+  if (bf16) run<true>(a, M, nblocks);
+  else run<false>(a, M, nblocks);
   return y;
 }
 #else
