@@ -48,8 +48,9 @@ def machine_description() -> str:
 def run_serve_against_tokenmill(args: argparse.Namespace, out: Path) -> list[serve_bench.RateReport]:
     """Start `tokenmill serve` on a free loopback port, run serve-B, stop it."""
     port = serve_bench.free_port()
+    # Prefix caching off: serve-B sends the same prompts at every rate (see serve.py).
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", args.dtype]
+           "--port", str(port), "--dtype", args.dtype, "--no-enable-prefix-caching"]
     if args.model:
         cmd += ["--model", args.model]
     return serve_bench.run_against_server(cmd, f"http://127.0.0.1:{port}", "tokenmill", args, out)
@@ -263,7 +264,9 @@ def main_all(args: argparse.Namespace) -> int:
                "", roofline.format_table(ceilings, roof_rows), ""]
     if serve_reports:
         md += ["## serve-B: latency under Poisson load (tokenmill's server)", "",
-               f"{args.num_requests} streaming requests per rate; milliseconds.", "",
+               f"{args.num_requests} streaming requests per rate, the same prompts at every rate; "
+               "the server runs with prefix caching off (`tokenmill serve --no-enable-prefix-caching`), "
+               "else every rate after the first would be served from cache; milliseconds.", "",
                serve_bench.format_table(serve_reports), "",
                f"![latency vs rate]({out.as_posix()}/serve-tokenmill.png)", ""]
     if vllm_rows:
@@ -288,7 +291,7 @@ def main_all(args: argparse.Namespace) -> int:
         settings_path = out / "serve-vllm-cpu.settings.json"
         md += ["## serve-B: tokenmill's server beside vLLM's", "",
                f"The same client and requests against each server ({args.num_requests} streaming "
-               "requests per rate; milliseconds). Rebuild the vLLM half alone with `tokenmill "
+               "requests per rate; milliseconds), both with prefix caching off. Rebuild the vLLM half alone with `tokenmill "
                f"bench serve-vllm --rates {args.rates} --num-requests {args.num_requests} "
                f"--dtype {args.dtype}`.", ""]
         if settings_path.exists():

@@ -12,9 +12,12 @@ The roofline of one step is max(bytes / bandwidth, FLOPs / matmul rate), with
 bytes = all weights once + the K/V of every request's context (a decode step
 only reads them, so the bandwidth is the read bandwidth: a sum over 1 GiB),
 and FLOPs = 2 * parameters * B + attention (4 * B * L * heads * head_dim per
-layer). The matmul rate is the best torch reaches on the model's projection
-shapes at batch B with the weights in cache, so the roofline is a ceiling no
-step can beat on this machine.
+layer). The matmul rate is the best that torch's matmul or tokenmill's packed
+kernel reaches on the model's projection shapes at batch B with the weights
+in cache, so the roofline is a ceiling no step can beat on this machine. (The
+machine's speed moves from minute to minute on a shared VM: read bandwidth
+sampled here ranged 18-34 GB/s over half a minute, so the ceilings and the
+steps are measured back to back.)
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 
 @dataclass
@@ -77,24 +79,6 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / best / 1e9
 
 
-def measure_matmul(shapes: list[tuple[int, int]], batch: int, dtype: Any, repeats: int = 10) -> float:
-    import torch
-
-    total_flop = 0.0
-    total_s = 0.0
-    with torch.inference_mode():
-        for k, n in shapes:
-            x = torch.randn(batch, k, dtype=dtype)
-            w = torch.randn(n, k, dtype=dtype)
-            torch.nn.functional.linear(x, w)
-            t = time.perf_counter()
-            for _ in range(repeats):
-                torch.nn.functional.linear(x, w)
-            total_s += (time.perf_counter() - t) / repeats
-            total_flop += 2.0 * batch * k * n
-    return total_flop / total_s / 1e9
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16")
@@ -116,16 +100,13 @@ def main_roofline(args: argparse.Namespace) -> int:
               max_num_batched_tokens=max(8192, max_batch * args.context),
               enable_prefix_caching=False)
     info = llm.model_info()
-    hidden, inter = info["hidden_size"], info["intermediate_size"]
     q_out = info["num_heads"] * info["head_dim"]
-    kv_out = info["num_kv_heads"] * info["head_dim"]
-    shapes = [(hidden, q_out + 2 * kv_out), (q_out, hidden), (hidden, 2 * inter), (inter, hidden)]
     copy_bandwidth = measure_bandwidth()
     bandwidth = measure_read_bandwidth()
     rows: list[RooflineRow] = []
     rates: dict[int, float] = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        rate = rates[batch] = measure_matmul(shapes, batch, dtype)
+        rate = rates[batch] = llm.matmul_rate(batch)
         prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 40000 for j in range(args.context)]}
                    for i in range(batch)]
 
@@ -173,7 +154,7 @@ def format_table(ceilings: Ceilings, rows: list[RooflineRow]) -> str:
     lines = [
         f"Ceilings measured here: read bandwidth {ceilings.bandwidth_gb_s:.1f} GB/s (copy "
         f"{ceilings.copy_bandwidth_gb_s:.1f} GB/s read + write); {rows[0].dtype if rows else ''} "
-        f"matmul at the model's shapes, GFLOP/s: {rates}.",
+        f"matmul at the model's shapes (the faster of torch and the packed kernel), GFLOP/s: {rates}.",
         "",
         "| batch | context | dtype | decode step ms | roofline ms | step / roofline | bound | "
         "bytes MB | GFLOP |",

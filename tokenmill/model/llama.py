@@ -61,6 +61,12 @@ class Linear(nn.Linear):
         """x W^T + b for 2-D x (the model calls this directly, not through
         nn.Module's __call__: ~200 calls a step); with float32_out, the sums in
         float32 (not rounded to bf16)."""
+        if torch.autograd._profiler_enabled():  # a row of its own in `bench throughput --profile`
+            with record_function("tokenmill::linear"):
+                return self._matmul(x, float32_out)
+        return self._matmul(x, float32_out)
+
+    def _matmul(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         ops = cpu_kernels.packed_gemm_ops(x) if weight.dtype == x.dtype else None
         packed = self._packed_for(weight) if ops is not None else None
@@ -380,4 +386,4 @@ class LlamaForCausalLM(nn.Module):
         (whose steps of ~0.1 at this scale make near-ties exact ties) and the
         same numbers whatever the batch size."""
         with record_function("tokenmill::head"):
-            return self.lm_head.matmul(hidden, float32_out=True)
+            return self.lm_head._matmul(hidden, float32_out=True)  # its own row, not "linear"
