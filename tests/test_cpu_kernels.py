@@ -200,7 +200,7 @@ def test_packed_gemm_refuses_mismatched_shapes() -> None:
 
 
 def test_linear_packs_its_weight_and_repacks_after_a_change() -> None:
-    from tokenmill.model.llama import Linear
+    from tokenmill.model.llama import PACKED_MAX_ROWS, Linear
 
     layer = Linear(64, 40, bias=True, dtype=torch.bfloat16)
     layer.weight.data.copy_(torch.randn(40, 64) * 0.1)
@@ -212,6 +212,11 @@ def test_linear_packs_its_weight_and_repacks_after_a_change() -> None:
     with torch.no_grad():
         layer.weight.mul_(-1.0)  # in place: the packed copy must follow
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
+    many = torch.randn(PACKED_MAX_ROWS + 1, 64).to(torch.bfloat16)  # torch's matmul past the limit
+    assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+    logits = layer.matmul(many, float32_out=True)  # the head's path keeps the kernel's float32 sums
+    torch.testing.assert_close(logits, F.linear(many.float(), layer.weight.float(), layer.bias.float()),
+                               rtol=1e-5, atol=1e-4)
     x32 = torch.randn(3, 64)
     layer32 = Linear(64, 32, bias=False)
     layer32.weight.data.copy_(torch.randn(32, 64))
