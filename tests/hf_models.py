@@ -3,6 +3,7 @@ temp dir, for tests that use transformers as the oracle. Nothing is downloaded."
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,11 @@ import torch
 import transformers
 
 VOCAB_SIZE = 256
+
+# The device the engine runs on in the engine-level tests (transformers, the oracle,
+# stays on the CPU): `TOKENMILL_TEST_DEVICE=cuda pytest tests/test_correctness.py`
+# checks the CUDA path where a GPU is. CI has none and runs "cpu".
+TEST_DEVICE = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")
 
 COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.hf_models import ARCHS, VOCAB_SIZE, build_hf_model, hf_greedy, save_hf_model
+from tests.hf_models import (
+    ARCHS,
+    TEST_DEVICE,
+    VOCAB_SIZE,
+    build_hf_model,
+    hf_greedy,
+    save_hf_model,
+)
 from tokenmill import LLM, SamplingParams
 
 NUM_PROMPTS = 32
@@ -65,6 +72,7 @@ def test_greedy_matches_transformers(arch_case: dict[str, Any], scenario: str) -
     llm = LLM(
         arch_case["path"],
         dtype="float32",
+        device=TEST_DEVICE,
         skip_tokenizer_init=True,
         check_integrity=True,
         **SCENARIOS[scenario],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_models import build_hf_model, save_hf_model
+from tests.hf_models import TEST_DEVICE, build_hf_model, save_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.source import ModelNotFoundError, default_model_path
 
@@ -15,8 +15,8 @@ from tokenmill.model.source import ModelNotFoundError, default_model_path
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     path = save_hf_model(build_hf_model("llama"), Path(tmp_path_factory.mktemp("llama")))
-    return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
-               block_size=4, max_model_len=200, check_integrity=True)
+    return LLM(path, dtype="float32", device=TEST_DEVICE, skip_tokenizer_init=True,
+               num_kv_blocks=64, block_size=4, max_model_len=200, check_integrity=True)
 
 
 def greedy(n: int) -> SamplingParams:

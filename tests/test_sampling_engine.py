@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hf_models import VOCAB_SIZE, build_hf_model, save_hf_model
+from tests.hf_models import TEST_DEVICE, VOCAB_SIZE, build_hf_model, save_hf_model
 from tokenmill import LLM, RequestOutput, SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
@@ -32,7 +32,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module
 
 def make_llm(path: str, **kwargs: Any) -> LLM:
     kwargs.setdefault("num_kv_blocks", 512)
-    return LLM(path, dtype="float32", skip_tokenizer_init=True, check_integrity=True, **kwargs)
+    return LLM(path, dtype="float32", device=TEST_DEVICE, skip_tokenizer_init=True,
+               check_integrity=True, **kwargs)
 
 
 def ids(prompt: list[int]) -> dict[str, Any]:

@@ -164,7 +164,7 @@ def main_all(args: argparse.Namespace) -> int:
         return argparse.Namespace(model=args.model, caps=caps, policies=",".join(throughput.POLICIES),
                                   dtype=dtype, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  output_dir=str(out), workload="throughput-A")
+                                  output_dir=str(out), workload="throughput-A", device="cpu")
 
     if not args.report_only:
         throughput.main_throughput(targs(args.dtype, args.caps))

@@ -51,12 +51,12 @@ class ThroughputRow:
 
 
 def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
-            max_num_batched_tokens: int) -> ThroughputRow:
+            max_num_batched_tokens: int, device: str = "cpu") -> ThroughputRow:
     """One timed run in this process."""
     from tokenmill import LLM, SamplingParams
 
     workload: Workload = throughput_a(cap)
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
+    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, **POLICIES[policy])
     # Warm-up: first-call costs (thread pools, allocator) stay out of the timing. Its
     # prompts share no block with the workload's, so the prefix cache gains nothing.
@@ -73,8 +73,15 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     if generated != workload.num_output_tokens:
         raise RuntimeError(f"generated {generated} tokens, the workload asks {workload.num_output_tokens}")
     stats = llm.last_generate_stats
-    return make_row(policy, cap, dtype, workload, wall, stats.num_computed_tokens,
-                    stats.mean_batch_size, stats.num_steps, stats.num_preemptions)
+    row = make_row(policy, cap, dtype, workload, wall, stats.num_computed_tokens,
+                   stats.mean_batch_size, stats.num_steps, stats.num_preemptions)
+    if device != "cpu":
+        import torch
+
+        # Peak RSS is the host's; the GPU's own peak is what the allocator held.
+        row.settings = {"device": device,
+                        "peak_gpu_mib": round(torch.cuda.max_memory_reserved() / 2**20)}
+    return row
 
 
 def make_row(policy: str, cap: int, dtype: str, workload: Workload, wall: float, computed: int,
@@ -110,7 +117,7 @@ def profile_one(args: argparse.Namespace) -> int:
 
     cap = int(args.caps.split(",")[0])
     workload = throughput_a(cap)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -138,7 +145,8 @@ def run_in_subprocess(args: argparse.Namespace, policy: str, cap: int) -> Throug
     cmd = [sys.executable, "-m", "tokenmill.bench.throughput", "--one",
            "--policy", policy, "--cap", str(cap), "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--device", args.device]
     if args.model:
         cmd += ["--model", args.model]
     print(f"== {policy}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
@@ -155,8 +163,9 @@ def format_table(rows: list[ThroughputRow]) -> str:
     for r in rows:
         ratio = f"{r.ratio_vs_static:.2f}x" if r.ratio_vs_static else "-"
         delivered = r.prompt_tokens + r.generated_tokens
+        dtype = r.dtype if "device" not in r.settings else f"{r.dtype} ({r.settings['device']})"
         lines.append(
-            f"| {r.policy} | {r.cap} | {r.dtype} | {r.wall_s:.1f} | {r.generated_tok_s:.1f} | "
+            f"| {r.policy} | {r.cap} | {dtype} | {r.wall_s:.1f} | {r.generated_tok_s:.1f} | "
             f"{r.total_tok_s:.1f} | {ratio} | {r.computed_tokens} / {delivered} | "
             f"{r.mean_batch_size:.1f} | {r.num_preemptions} | {r.peak_rss_mib:.0f} |"
         )
@@ -193,6 +202,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--caps", default="32,128,512")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--output-dir", default="bench-results")
@@ -215,7 +225,7 @@ def main_throughput(args: argparse.Namespace) -> int:
             r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"throughput-{args.dtype}"
+    stem = f"throughput-{args.dtype}" + ("" if args.device == "cpu" else f"-{args.device}")
     (out / f"{stem}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     plot(rows, out / f"{stem}.png")
     print(format_table(rows))
@@ -233,7 +243,7 @@ def _main() -> int:
     if args.one:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         row = run_one(args.model, args.policy, args.cap, args.dtype, args.max_num_seqs,
-                      args.max_num_batched_tokens)
+                      args.max_num_batched_tokens, args.device)
         print(json.dumps(asdict(row)))
         return 0
     return main_throughput(args)
