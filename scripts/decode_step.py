@@ -7,7 +7,8 @@ import sys, time, torch
 from tokenmill import LLM
 from tokenmill.model.attention_metadata import AttentionMetadata
 B = int(sys.argv[1]); L = int(sys.argv[2]); prof = len(sys.argv) > 3
-llm = LLM(None, dtype="bfloat16", max_num_seqs=256, skip_tokenizer_init=True)
+import os
+llm = LLM(None, dtype="bfloat16", max_num_seqs=256, skip_tokenizer_init=True, block_size=int(os.environ.get("BS", "16")))
 runner = llm.engine.runner
 model = runner.model
 bs = runner.block_size

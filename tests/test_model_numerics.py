@@ -32,8 +32,10 @@ class PagedRunner:
     """A minimal stand-in for the worker: owns the paged cache, hands out blocks
     in a shuffled order (block 0 included) and builds AttentionMetadata."""
 
-    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, seed: int = 0,
+                 one_call: bool = False) -> None:
         self.model = model
+        self.one_call = one_call  # token_req / token_seq_lens as the engine sends them
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_caches = [
             torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=dtype)
@@ -83,6 +85,10 @@ class PagedRunner:
             decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64),
             block_size=BLOCK_SIZE,
         )
+        if self.one_call:
+            counts = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(batch))]
+            meta.token_req = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
+            meta.token_seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
@@ -99,9 +105,10 @@ def run_schedule(
     spec: ModelSpec,
     seqs: dict[str, list[int]],
     schedule: list[list[tuple[str, int]]],
+    one_call: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run `schedule` (steps of (request, num tokens)); each request's logits for all its tokens."""
-    runner = PagedRunner(model, spec)
+    runner = PagedRunner(model, spec, one_call=one_call)
     pieces: dict[str, list[torch.Tensor]] = {r: [] for r in seqs}
     for step in schedule:
         out = runner.step([(r, seqs[r], n) for r, n in step])
@@ -242,6 +249,43 @@ def test_chunks_and_decodes_match_transformers(
         cpu_kernels.set_enabled(True)
     for req_id, seq in seqs.items():
         torch.testing.assert_close(ours[req_id], hf_logits(hf_model, seq), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("one_call", [False, True], ids=["per-request-meta", "engine-meta"])
+def test_cpu_layers_give_the_modules_bits(
+    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str, one_call: bool,
+) -> None:
+    """The CPU kernels' layer loop (cpu_layers.py) returns exactly what the
+    modules return, and sees a weight changed in place."""
+    _, _, spec, path = tiny_pair
+    source = ModelSource(kind="hf", path=str(path), name=path.name)
+    model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
+    seqs = _seqs(spec.vocab_size)
+    fast_path = model.model._cpu_layers_for
+
+    def both() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        fast = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call)
+        model.model._cpu_layers_for = lambda dtype: None  # type: ignore[method-assign]
+        try:
+            modules = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call)
+        finally:
+            model.model._cpu_layers_for = fast_path  # type: ignore[method-assign]
+        return fast, modules
+
+    fast, modules = both()
+    for req_id in seqs:
+        assert torch.equal(fast[req_id], modules[req_id]), req_id
+    used = model.model._cpu_layers is not None
+    kernels = cpu_kernels.load() is not None and cpu_kernels.packed_gemm_ops(
+        torch.empty(1, 2, dtype=getattr(torch, dtype))) is not None
+    assert used == (kernels and not spec.qk_norm)  # Qwen3's q/k norms take the modules' path
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+    changed, modules = both()
+    for req_id in seqs:
+        assert torch.equal(changed[req_id], modules[req_id]), req_id
+    assert not torch.equal(changed["A"], fast["A"])
 
 
 # --- the default GGUF model --------------------------------------------------

@@ -96,11 +96,10 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        kernel = self._cpu_kernel(q, kv_cache)
-        if kernel is not None and meta.token_req is not None and meta.token_seq_lens is not None:
-            # Every token one query, prefill chunks included: one call per layer.
-            return kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, scale,
-                          sliding_window or 0, meta.token_req)
+        call = self.kernel_call(q, kv_cache, meta)
+        if call is not None:
+            kernel, tables, seq_lens, rows = call
+            return kernel(q, kv_cache, tables, seq_lens, scale, sliding_window or 0, rows)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # decodes only: no copy
@@ -118,6 +117,22 @@ class TorchAttentionBackend:
                 sliding_window,
             )
         return out
+
+    def kernel_call(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The C++ kernel and its arguments for this step (block tables, each
+        query's seq_len, each query's block table row) where one call per layer
+        serves the whole step, else None. The same for every layer of a step."""
+        kernel = self._cpu_kernel(q, kv_cache)
+        if kernel is None:
+            return None
+        if meta.token_req is not None and meta.token_seq_lens is not None:
+            # Every token one query, prefill chunks included.
+            return kernel, meta.block_tables, meta.token_seq_lens, meta.token_req
+        if meta.num_decodes == meta.num_reqs:  # decodes only: query i is request i
+            return kernel, meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY
+        return None
 
     def _cpu_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         if self.use_cpp_kernels and q.device.type == "cpu" and q.dtype == kv_cache.dtype:

@@ -21,6 +21,7 @@ from tokenmill.config import ModelSpec
 from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.cpu_layers import CpuLayers
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
@@ -316,6 +317,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device
         )
+        # The layers on the CPU kernels without the modules' per-call checks
+        # (cpu_layers.py): made on first use, None where they do not apply.
+        self._cpu_layers: CpuLayers | None = None
+        self._cpu_layers_key: tuple[torch.dtype, bool] | None = None
 
     def forward(
         self,
@@ -325,6 +330,9 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens(input_ids)
+        fast = self._cpu_layers_for(hidden.dtype)
+        if fast is not None and fast.applies(hidden, kv_caches):
+            return fast.forward(hidden, positions, kv_caches, meta)
         rope = RopeBatch(self.rotary_emb, positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -332,6 +340,16 @@ class LlamaModel(nn.Module):
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)[0]
+
+    def _cpu_layers_for(self, dtype: torch.dtype) -> CpuLayers | None:
+        if self.embed_tokens.weight.device.type != "cpu":
+            return None
+        key = (dtype, cpu_kernels.load() is not None)
+        fast = self._cpu_layers
+        if self._cpu_layers_key != key or (fast is not None and not fast.fresh()):
+            fast = self._cpu_layers = CpuLayers.build(self, dtype) if key[1] else None
+            self._cpu_layers_key = key
+        return fast
 
 
 class LlamaForCausalLM(nn.Module):
