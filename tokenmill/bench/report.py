@@ -66,7 +66,8 @@ def side_by_side_command(args: argparse.Namespace, dtype: str) -> str:
            "--hf-max-cap", str(args.hf_static_max_cap),
            "--dtype", dtype, "--max-num-seqs", str(args.vllm_max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--output-dir", args.output_dir, "--output-name", f"vllm-{dtype}.json"]
+           "--output-dir", args.output_dir, "--output-name", f"vllm-{dtype}.json",
+           "--repeats", str(args.side_by_side_repeats)]
     if args.model:
         cmd += ["--model", args.model]
     return shlex.join(cmd)
@@ -80,7 +81,7 @@ def side_by_side_table(rows: list[ThroughputRow]) -> str:
              "|" + "---|" * 8]
     for cap in sorted({r.cap for r in rows}):
         by = {r.policy: r for r in rows if r.cap == cap}
-        tok_s = {p: f"{by[p].generated_tok_s:.1f}" if p in by else "-" for p in SIDE_BY_SIDE}
+        tok_s = {p: _tok_s(by[p]) if p in by else "-" for p in SIDE_BY_SIDE}
         ratio = {p: "-" for p in SIDE_BY_SIDE}
         if "continuous" in by:
             ratio.update({p: f"{by['continuous'].generated_tok_s / by[p].generated_tok_s:.2f}x"
@@ -90,6 +91,13 @@ def side_by_side_table(rows: list[ThroughputRow]) -> str:
         lines.append(f"| {cap} | {dtype} | {tok_s['continuous']} | {tok_s[VLLM]} | "
                      f"{tok_s['hf-static']} | {ratio[VLLM]} | {ratio['hf-static']} | {mem} |")
     return "\n".join(lines)
+
+
+def _tok_s(row: ThroughputRow) -> str:
+    """Generated tok/s; where the best of several runs, every run's after it."""
+    runs = row.settings.get("runs_generated_tok_s")
+    text = f"{row.generated_tok_s:.1f}"
+    return text + f" (runs: {', '.join(f'{r:.1f}' for r in runs)})" if runs else text
 
 
 def serve_side_by_side_table(by_server: dict[str, list[serve_bench.RateReport]]) -> str:
@@ -147,6 +155,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "it needs ~10 minutes)")
     p.add_argument("--vllm-max-num-seqs", type=int, default=128,
                    help="max_num_seqs of every row in the side-by-side runs and of both servers")
+    p.add_argument("--side-by-side-repeats", type=int, default=2,
+                   help="tokenmill and vLLM each run this many times per row, alternating; "
+                        "the best run of each is compared")
     p.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV))
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the markdown from the JSON already in --output-dir")
@@ -200,7 +211,7 @@ def main_all(args: argparse.Namespace) -> int:
                 max_num_seqs=args.vllm_max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 vllm_max_num_batched_tokens=None, vllm_venv=args.vllm_venv,
-                output_dir=str(out), output_name=path.name))
+                output_dir=str(out), output_name=path.name, repeats=args.side_by_side_repeats))
         if (args.vllm or args.report_only) and path.exists():
             vllm_rows[dtype] = [ThroughputRow(**d) for d in json.loads(path.read_text())]
     roofline_path = out / f"roofline-{args.dtype}.json"
@@ -277,7 +288,10 @@ def main_all(args: argparse.Namespace) -> int:
                f"The same throughput-A requests (EOS ignored, per-request max_tokens), every row "
                f"with max_num_seqs {seqs}; tokenmill is its continuous policy "
                f"(max_num_batched_tokens {args.max_num_batched_tokens}), HF static is `generate` "
-               "on batches of max_num_seqs. Ratios are tokenmill's generated tok/s over the "
+               "on batches of max_num_seqs. tokenmill and vLLM run one after the other at each "
+               "CAP, as many times as `--repeats` says, alternating, and each one's fastest run is "
+               "compared (this machine's speed drifts by 10-15% within minutes; every run is "
+               "listed). Ratios are tokenmill's generated tok/s over the "
                "other's. Peak MiB: tokenmill and HF static, the process's peak RSS; vLLM, its "
                "processes' together (see below), which includes the KV cache it allocates up "
                "front (VLLM_CPU_KVCACHE_SPACE GiB).", ""]
