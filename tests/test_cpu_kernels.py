@@ -116,6 +116,20 @@ def test_fused_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     _same(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_argmax_rows_matches_torch(rows: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, 1000, generator=gen)
+    logits[:, 500] = logits.max(dim=-1).values  # ties: the first index wins
+    if rows > 2:
+        logits[1, 7] = float("nan")  # NaN counts as the largest
+        logits[2] = float("-inf")  # a fully masked row: index 0
+        logits[2, 900:] = float("inf")
+    ops: Any = _fused_or_skip(logits)
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits[:, :37]), logits[:, :37].argmax(dim=-1))  # strided
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: int) -> None:

@@ -137,7 +137,7 @@ def profile_one(args: argparse.Namespace) -> int:
         ms, count = totals.get(label, (0.0, 0))
         print(f"| {label.removeprefix('tokenmill::')} | {ms:.0f} | {ms / max(steps, 1):.2f} | "
               f"{100 * ms / 1e3 / wall:.1f} | {count} |")
-    print("(attention, linear and head are parts of forward)")
+    print("(attention and linear are parts of forward; head, the logits, comes after it)")
     return 0
 
 

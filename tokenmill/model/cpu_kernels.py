@@ -27,7 +27,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp")]
 _HEADERS = [_CSRC / "cpu_vec.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
-              "packed_gemm", "packed_gemm_supported"]
+              "argmax_rows", "packed_gemm", "packed_gemm_supported"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None

@@ -11,12 +11,17 @@
 //   rope_qkv_cache(qkv, ...)                  rotate q and k inside qkv in place (rotate_half
 //                                             RoPE), then store k, v at their cache slots
 //   silu_and_mul(gate_up)                  -> silu(gate) * up
+//   argmax_rows(logits)                    -> each row's first index of its largest value
+//                                             (a NaN counts as largest), as torch.argmax;
+//                                             parallel over rows: [128, 49152] float32
+//                                             ~1 ms where torch's took 2.8-5 ms here
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -156,6 +161,37 @@ void silu_and_mul_impl(const T* in, T* out, int64_t rows, int64_t inter) {
   }
 }
 
+// The first index of the row's maximum: a vectorised pass for the maximum
+// (x * 0 sums to NaN where a NaN or an infinity is in the row: then a plain
+// scan decides), then the first chunk of 64 that holds it.
+int64_t argmax_row(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+#pragma omp simd reduction(max : m) reduction(+ : z)
+  for (int64_t i = 0; i < n; ++i) {
+    m = m > x[i] ? m : x[i];
+    z += x[i] * 0.f;
+  }
+  if (z != z) {  // NaN or infinities: torch's rule, a NaN is the largest
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (x[i] != x[i]) return i;
+      if (x[i] > x[best]) best = i;
+    }
+    return best;
+  }
+  constexpr int64_t chunk = 64;
+  for (int64_t c = 0; c < n; c += chunk) {
+    const int64_t end = std::min(n, c + chunk);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = c; i < end; ++i) hit |= x[i] == m;
+    if (hit)
+      for (int64_t i = c; i < end; ++i)
+        if (x[i] == m) return i;
+  }
+  return 0;
+}
+
 void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -217,6 +253,20 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
   else
     rope_qkv_cache_impl<at::BFloat16>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
                                       kv_cache, slot_mapping);
+}
+
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "argmax_rows takes float32 [rows, n] on the CPU");
+  logits = logits.contiguous();
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0, "argmax_rows: rows of length 0");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for if (worth_threads(rows * n))
+  for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(x + r * n, n);
+  return out;
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
