@@ -335,3 +335,22 @@ def test_best_of_keeps_the_fastest_run_and_lists_them_all() -> None:
     assert best_of([row("continuous", 3.0)]).settings == {}  # one run: nothing added
     table = side_by_side_table([ours, theirs])
     assert "100.0 (runs: 50.0, 100.0)" in table and "| 4.00x |" in table
+
+
+def test_one_run_command_from_every_benchmark_command() -> None:
+    """`bench peers` and `bench all` have no --device: their runs are on the CPU."""
+    import argparse
+
+    from tokenmill.bench import peers, report, throughput
+
+    for add_args, argv in ((throughput.add_args, ["--device", "cuda"]), (peers.add_args, []),
+                           (report.add_args, [])):
+        p = argparse.ArgumentParser()
+        add_args(p)
+        args = p.parse_args(argv)
+        if not hasattr(args, "max_num_seqs"):
+            continue
+        cmd = throughput.one_run_command(args, "continuous", 32)
+        device = cmd[cmd.index("--device") + 1]
+        assert device == ("cuda" if argv else "cpu")
+        assert cmd[cmd.index("--cap") + 1] == "32"

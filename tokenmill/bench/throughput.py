@@ -117,7 +117,8 @@ def profile_one(args: argparse.Namespace) -> int:
 
     cap = int(args.caps.split(",")[0])
     workload = throughput_a(cap)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, device=getattr(args, "device", "cpu"),
+              max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -141,14 +142,21 @@ def profile_one(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_in_subprocess(args: argparse.Namespace, policy: str, cap: int) -> ThroughputRow:
+def one_run_command(args: argparse.Namespace, policy: str, cap: int) -> list[str]:
+    """The command of one timed run; `args` may come from `bench throughput`,
+    `bench peers` or `bench all` (only the first has --device)."""
     cmd = [sys.executable, "-m", "tokenmill.bench.throughput", "--one",
            "--policy", policy, "--cap", str(cap), "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--device", args.device]
+           "--device", getattr(args, "device", "cpu")]
     if args.model:
         cmd += ["--model", args.model]
+    return cmd
+
+
+def run_in_subprocess(args: argparse.Namespace, policy: str, cap: int) -> ThroughputRow:
+    cmd = one_run_command(args, policy, cap)
     print(f"== {policy}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
@@ -225,7 +233,8 @@ def main_throughput(args: argparse.Namespace) -> int:
             r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"throughput-{args.dtype}" + ("" if args.device == "cpu" else f"-{args.device}")
+    device = getattr(args, "device", "cpu")
+    stem = f"throughput-{args.dtype}" + ("" if device == "cpu" else f"-{device}")
     (out / f"{stem}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     plot(rows, out / f"{stem}.png")
     print(format_table(rows))
