@@ -74,6 +74,9 @@ class CpuLayers:
         self.final_norm = model.norm.weight
         self.eps = model.norm.eps
         self.rotary = model.rotary_emb
+        from tokenmill.model.llama import PACKED_MAX_ROWS  # llama imports this module
+
+        self.max_rows = PACKED_MAX_ROWS  # more rows go to torch's matmul (the modules' code)
 
     def _watch(self, module: torch.nn.Module) -> None:
         for name, param in module._parameters.items():
@@ -89,8 +92,8 @@ class CpuLayers:
             return None
         for layer in cast("list[LlamaDecoderLayer]", list(model.layers)):
             a = layer.self_attn
-            params = [p for p in layer.parameters()]
-            if a.q_norm is not None or any(p.device.type != "cpu" or p.dtype != dtype for p in params):
+            if a.q_norm is not None or any(p.device.type != "cpu" or p.dtype != dtype
+                                           for p in layer.parameters()):
                 return None
         try:
             return cls(model, dtype)
@@ -103,10 +106,9 @@ class CpuLayers:
         return all(params[name] is w and w._version == v for params, name, w, v in self.sources)
 
     def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
-        from tokenmill.model.llama import PACKED_MAX_ROWS
-
+        """Whether this forward fits the kernels (LlamaModel has checked that they are loaded)."""
         return (hidden.dtype == self.dtype and hidden.device.type == "cpu"
-                and hidden.shape[0] <= PACKED_MAX_ROWS and cpu_kernels.load() is not None
+                and hidden.shape[0] <= self.max_rows
                 and all(c.dtype == self.dtype for c in kv_caches))
 
     def forward(
