@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from tokenmill.config import ModelConfig, ModelSpec
-from tokenmill.model import cpu_kernels
+from tokenmill.model import cpu_kernels, cpu_layers
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
@@ -286,6 +286,73 @@ def test_cpu_layers_give_the_modules_bits(
     for req_id in seqs:
         assert torch.equal(changed[req_id], modules[req_id]), req_id
     assert not torch.equal(changed["A"], fast["A"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_layer_stack_gives_the_same_bits(
+    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layers with the rows split between threads (csrc/layer_stack.cpp)
+    return exactly what the one-thread-team layer loop returns; steps with
+    prefills keep the layer loop (see cpu_layers.split_bounds)."""
+    _, _, spec, path = tiny_pair
+    if cpu_kernels.load() is None or cpu_kernels.packed_gemm_ops(
+            torch.empty(1, 2, dtype=getattr(torch, dtype))) is None or spec.qk_norm:
+        pytest.skip("the C++ kernels' layer loop does not apply")
+    source = ModelSource(kind="hf", path=str(path), name=path.name)
+    model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
+    seqs = _seqs(spec.vocab_size)
+    splits: list[list[int]] = []
+    real_call = cpu_layers.CpuLayers._split_call
+
+    def spy(self: cpu_layers.CpuLayers, *args: Any) -> torch.Tensor | None:
+        out = real_call(self, *args)
+        if out is not None:
+            splits.append(args[-2].query_start_loc)
+        return out
+
+    monkeypatch.setattr(cpu_layers.CpuLayers, "_split_call", spy)
+    monkeypatch.setattr(cpu_layers, "threads", lambda: 2)
+    monkeypatch.setattr(cpu_layers, "SPLIT_MAX_SHARE", 1.0)
+    monkeypatch.setattr(cpu_layers, "SPLIT_MIN_ROWS", 10**9)
+    whole = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True)
+    assert not splits
+    monkeypatch.setattr(cpu_layers, "SPLIT_MIN_ROWS", 1)
+    split = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True)
+    decode_steps = [step for step in MIXED_SCHEDULE if all(n == 1 for _, n in step)]
+    assert len(splits) == len(decode_steps) == 3
+    for req_id in seqs:
+        assert torch.equal(split[req_id], whole[req_id]), req_id
+
+
+def _meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    empty = torch.empty(0, dtype=torch.int64)
+    return AttentionMetadata(
+        num_decodes=sum(q == 1 for q in query_lens), query_start_loc=starts, seq_lens=seq_lens,
+        max_decode_seq_len=0, slot_mapping=empty, block_tables=empty, decode_seq_lens=empty,
+        block_size=16)
+
+
+def test_split_bounds_balance_whole_requests() -> None:
+    split = cpu_layers.split_bounds
+    # 64 equal decodes: half each.
+    assert split(_meta([1] * 64, [200] * 64), 2, 460.0) == [0, 32, 64]
+    # Longer contexts weigh more: the 16 long ones get a thread nearly to themselves.
+    bounds = split(_meta([1] * 64, [2000] * 16 + [100] * 48), 2, 460.0)
+    assert bounds is not None and 10 <= bounds[1] <= 20
+    # One request that outweighs the rest: no split.
+    assert split(_meta([1] * 40, [200000] + [300] * 39), 2, 460.0) is None
+    # Any prefill (it may read K/V another request writes this step): no split.
+    assert split(_meta([1] * 60 + [32] + [1] * 60, [300] * 60 + [64] + [300] * 60), 2, 460.0) is None
+    # Too few rows, or one thread: no split.
+    assert split(_meta([1] * 8, [300] * 8), 2, 460.0) is None
+    assert split(_meta([1] * 64, [300] * 64), 1, 460.0) is None
+    # Three threads: thirds.
+    assert split(_meta([1] * 96, [300] * 96), 3, 460.0) == [0, 32, 64, 96]
 
 
 # --- the default GGUF model --------------------------------------------------

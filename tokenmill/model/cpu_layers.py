@@ -7,7 +7,9 @@ decode step at batch 1 (scripts/decode_step.py). When a whole forward can run
 on the C++ kernels (bf16 or float32 on the CPU, the plain Llama layer: no q/k
 norm), `CpuLayers` runs the very same kernels in the same order from a list
 resolved once, so the results are the same bits (tests/test_model_numerics.py
-compares both paths).
+compares both paths). Where a step has enough rows to share out (decodes
+mostly), the whole stack runs in one C++ call instead, each thread taking its
+own requests through every layer (csrc/layer_stack.cpp): the same bits again.
 """
 
 from __future__ import annotations
@@ -76,6 +78,23 @@ class CpuLayers:
         self.rotary = model.rotary_emb
         from tokenmill.model.llama import PACKED_MAX_ROWS  # llama imports this module
 
+        # The same, flat, for csrc/layer_stack.cpp: 8 tensors, 5 ints and a scale a layer.
+        weights: list[torch.Tensor] = []
+        ints: list[int] = []
+        for lay in self.layers:
+            weights += [lay.norm1, lay.qkv, lay.qkv_bias, lay.o, lay.o_bias, lay.norm2, lay.gate_up,
+                        lay.down]
+            ints += [lay.qkv_n, lay.o_n, lay.gate_up_n, lay.down_n, lay.attn.sliding_window or 0]
+        self.flat = (weights, ints, [float(lay.attn.scale) for lay in self.layers])
+        # A query row through a layer's projections (2 FLOPs a parameter at ~200
+        # GFLOP/s a thread) against attention reading one context token's K and
+        # V (at ~10 GB/s a thread, measured): ~460 context tokens for the default model.
+        self.row_cost = 0.0
+        if self.layers:
+            first = self.layers[0]
+            params = sum(w.numel() for w in (first.qkv, first.o, first.gate_up, first.down))
+            kv_bytes = 2 * first.attn.num_kv_heads * first.attn.head_dim * first.qkv.element_size()
+            self.row_cost = params / (10.0 * kv_bytes)
         self.max_rows = PACKED_MAX_ROWS  # more rows go to torch's matmul (the modules' code)
 
     def _watch(self, module: torch.nn.Module) -> None:
@@ -111,6 +130,28 @@ class CpuLayers:
                 and hidden.shape[0] <= self.max_rows
                 and all(c.dtype == self.dtype for c in kv_caches))
 
+    def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata, ops: Any) -> torch.Tensor | None:
+        """The whole stack in one C++ call with the rows split between threads
+        (csrc/layer_stack.cpp), where the step divides well; else None."""
+        if not self.layers or not self.one_backend or torch.autograd._profiler_enabled():
+            return None  # (under the profiler: the per-op rows of `bench --profile`)
+        a0 = self.layers[0].attn
+        if not hasattr(a0.backend, "kernel_call"):
+            return None
+        bounds = split_bounds(meta, threads(), self.row_cost)
+        if bounds is None:
+            return None
+        call = a0.backend.kernel_call(hidden, kv_caches[0], meta)  # (checks device and dtype only)
+        if call is None:
+            return None
+        _, tables, seq_lens, rows = call
+        weights, ints, scales = self.flat
+        return cast("torch.Tensor", ops.layer_stack(
+            hidden, positions, weights, ints, scales, kv_caches, self.final_norm, self.eps,
+            a0.num_heads, a0.num_kv_heads, a0.head_dim, self.rotary.cos_cache, self.rotary.sin_cache,
+            meta.slot_mapping, tables, seq_lens, rows, bounds))
+
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings
@@ -119,6 +160,9 @@ class CpuLayers:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         ops: Any = cpu_kernels.load()
+        split = self._split_call(hidden, positions, kv_caches, meta, ops)
+        if split is not None:
+            return split
         gemm = ops.packed_gemm
         profiling = torch.autograd._profiler_enabled()
         if profiling:  # the same rows as the modules' code in `bench throughput --profile`
@@ -158,6 +202,54 @@ class CpuLayers:
             return ops.rms_norm(hidden, self.final_norm, eps)
         ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
         return hidden
+
+
+def threads() -> int:
+    """The threads a forward may use (tests set more than a machine has)."""
+    return torch.get_num_threads()
+
+
+# Split the rows between threads only from this many rows a thread: below it
+# the projections are bound by reading the weights, which each thread would
+# read for itself (decode step B=16: 25.3 -> 27.7 ms split; B=32 41.0 -> 38.1).
+SPLIT_MIN_ROWS = 16
+SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
+
+
+def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float) -> list[int] | None:
+    """Row bounds [0, ..., num_tokens] giving each of `threads` threads whole
+    requests of about equal cost (a query row costs `row_cost`, each context
+    token it attends to 1), or None where the step does not divide well (too
+    few rows, one request outweighs the rest) or has prefills.
+
+    Decodes only: a prefill may read K/V that another request writes in the
+    same step (a prefix-cache hit on a block registered when allocated, as
+    kv_cache_manager does), which the layer loop orders (every row's K/V of a
+    layer is written before any row attends) and separate threads would not.
+    A decode reads only blocks computed in earlier steps, and its own new slot.
+    (Prefill steps measured no faster split anyway: 2 x 128 tokens 169.9 ->
+    163.7 ms, with 20 decodes 198.8 -> 205.7.)"""
+    if (threads < 2 or meta.num_tokens < SPLIT_MIN_ROWS * threads
+            or meta.num_decodes != meta.num_reqs):
+        return None
+    starts = meta.query_start_loc
+    costs = []
+    for r, seq_len in enumerate(meta.seq_lens):
+        q = starts[r + 1] - starts[r]  # 1 (decodes); queries at positions seq_len - q .. seq_len - 1
+        costs.append(q * row_cost + q * seq_len - q * (q - 1) // 2)
+    total = float(sum(costs))
+    bounds, shares, acc, last = [0], [], 0.0, 0.0
+    for r, c in enumerate(costs):
+        if len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads:
+            bounds.append(starts[r])
+            shares.append(acc - last)
+            last = acc
+        acc += c
+    bounds.append(starts[-1])
+    shares.append(acc - last)
+    if len(bounds) != threads + 1 or max(shares) > SPLIT_MAX_SHARE * total:
+        return None
+    return bounds
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor:

@@ -283,11 +283,15 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t lo = num_decodes * tid / nth, hi = num_decodes * (tid + 1) / nth;
     int64_t pf_t = 0, pf_end = 0;  // next query's tokens [pf_t, pf_end) not yet prefetched
+    int64_t pf_blk = 0, pf_off = 0;  // pf_t's block (in the table) and offset in it
     const int64_t* pf_table = nullptr;
     auto prefetch_rows = [&](int64_t count) {
-      for (; count > 0 && pf_t < pf_end; --count, ++pf_t) {
-        const char* k = reinterpret_cast<const char*>(
-            k_base + pf_table[pf_t / block_size] * block_stride + (pf_t % block_size) * row_stride);
+      for (; count > 0 && pf_t < pf_end; --count, ++pf_t) {  // (no division per row: ~40 cycles each)
+        const char* k = reinterpret_cast<const char*>(k_base + pf_table[pf_blk] * block_stride + pf_off * row_stride);
+        if (++pf_off == block_size) {
+          pf_off = 0;
+          ++pf_blk;
+        }
         const char* v = k + kv_stride * static_cast<int64_t>(sizeof(scalar_t));
         for (int64_t off = 0; off < row_bytes; off += 64) {
           _mm_prefetch(k + off, _MM_HINT_T1);
@@ -317,6 +321,8 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
         pf_table = bt + row_of(b + 1) * max_blocks;
         pf_end = lens[b + 1];
         pf_t = sliding_window > 0 ? std::max<int64_t>(0, pf_end - sliding_window) : 0;
+        pf_blk = pf_t / block_size;
+        pf_off = pf_t % block_size;
       }
       if (!prefetched)
         for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j)

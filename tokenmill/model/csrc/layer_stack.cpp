@@ -1,0 +1,124 @@
+// The decoder layers with the step's rows split between the threads: each
+// thread takes its own rows (whole requests) through every layer alone, on the
+// same kernels as cpu_layers.py runs, single-threaded (an OpenMP region nested
+// in this one gets one thread). What it saves: the fork and barrier of each of
+// the ~270 OpenMP regions of a step (9 a layer), the threads' uneven shares of
+// each small op, and the Python between the ops. Measured (decode steps of the
+// default model, bf16, context 264, A/B alternating in one process, medians):
+// B=32 43.0 -> 41.7 ms, B=48 59.3 -> 54.6, B=128 146.7 -> 138.7; B=64 from
+// -8% to +1% between runs (the machine's speed moves 10-25% from run to run).
+// Not a win below ~16 rows a thread: each thread then reads all the weights
+// for itself (B=16 25.3 -> 27.7 ms). cpu_layers.split_bounds sends only
+// decode-only steps here: a prefill may read K/V that another request writes
+// in the same step (a prefix-cache hit), which needs every thread's writes of
+// a layer before any thread's attention, as the layer loop has them.
+//
+// It does not overlap attention (memory) with projections (compute) as one
+// might hope: the attention kernel is bound by each core's own misses in
+// flight (~10 GB/s a core, measured), not by the memory bus, so it gains
+// nothing from the other core being busy elsewhere.
+//
+// Every row's result is the same bits as through the layer loop: each kernel
+// computes a row (a query, a token) the same way whatever rows are around it
+// (tests/test_model_numerics.py: test_split_layer_stack_gives_the_same_bits).
+//
+//   hidden      [n, hidden] the embeddings (changed in place, as cpu_layers.py does)
+//   weights     per layer: norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, down
+//               (packed weights; a bias may be empty)
+//   ints        per layer: qkv_n, o_n, gate_up_n, down_n, sliding_window (0: none)
+//   scales      per layer: the attention scale
+//   tables, seq_lens, query_req: paged_decode's arguments for all n queries
+//   bounds      [0, r1, ..., n]: thread t takes rows [bounds[t], bounds[t+1]),
+//               each a run of whole requests
+//   -> [n, hidden] after the final norm
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+#include <omp.h>
+
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                        double scale, int64_t sliding_window, at::Tensor query_req);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                    at::Tensor slot_mapping);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
+
+namespace {
+constexpr size_t kWeights = 8, kInts = 5;
+}
+
+at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> weights,
+                       std::vector<int64_t> ints, std::vector<double> scales,
+                       std::vector<at::Tensor> kv_caches, at::Tensor final_norm, double eps,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
+                       at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables, at::Tensor seq_lens,
+                       at::Tensor query_req, std::vector<int64_t> bounds) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layers > 0 && weights.size() == kWeights * layers && ints.size() == kInts * layers &&
+                  scales.size() == layers,
+              "layer_stack: 8 weights, 5 ints and a scale per layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "layer_stack: hidden [n, hidden], contiguous");
+  const int64_t n = hidden.size(0);
+  TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == n, "layer_stack: bounds 0 .. n");
+  for (size_t t = 1; t < bounds.size(); ++t) TORCH_CHECK(bounds[t] >= bounds[t - 1], "layer_stack: bounds ascend");
+  TORCH_CHECK(positions.numel() == n && slot_mapping.numel() == n && seq_lens.numel() == n,
+              "layer_stack: a position, a slot and a seq_len per row");
+  const bool per_query_row = query_req.numel() == 0;  // query i reads block table row i
+  TORCH_CHECK(per_query_row || query_req.numel() == n, "layer_stack: query_req per row or empty");
+  const int64_t q_size = num_heads * head_dim;
+  at::Tensor result = at::empty_like(hidden);
+  const int threads = static_cast<int>(bounds.size() - 1);
+  std::vector<std::exception_ptr> errors(threads);
+  // Thread-local modes of the caller, for the other threads too.
+  const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    try {
+      omp_set_num_threads(1);  // the kernels' own regions run on this thread alone
+      c10::InferenceMode inference_mode(inference);
+      at::AutoGradMode grad_mode(grad);
+      const int64_t r0 = bounds[t], m = bounds[t + 1] - r0;
+      if (m > 0) {
+        at::Tensor h = hidden.narrow(0, r0, m), residual = h;
+        const at::Tensor pos = positions.narrow(0, r0, m), slots = slot_mapping.narrow(0, r0, m);
+        const at::Tensor lens = seq_lens.narrow(0, r0, m);
+        const at::Tensor req = per_query_row ? query_req : query_req.narrow(0, r0, m);
+        const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
+        for (size_t i = 0; i < layers; ++i) {
+          const at::Tensor* w = &weights[kWeights * i];
+          const int64_t* k = &ints[kInts * i];
+          at::Tensor x;
+          if (i == 0) {
+            x = rms_norm(h, w[0], eps);
+          } else {
+            fused_add_rms_norm(h, residual, w[0], eps);
+            x = h;
+          }
+          at::Tensor qkv = packed_gemm(x, w[1], k[0], w[2], false);
+          rope_qkv_cache(qkv, num_heads, num_kv_heads, head_dim, pos, cos, sin, kv_caches[i], slots);
+          at::Tensor q = qkv.narrow(1, 0, q_size).view({m, num_heads, head_dim});
+          at::Tensor out = paged_decode(q, kv_caches[i], tab, lens, scales[i], k[4], req);
+          h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
+          fused_add_rms_norm(h, residual, w[5], eps);
+          at::Tensor gate_up = packed_gemm(h, w[6], k[2], at::Tensor(), false);
+          h = packed_gemm(silu_and_mul(gate_up), w[7], k[3], at::Tensor(), false);
+        }
+        fused_add_rms_norm(h, residual, final_norm, eps);
+        result.narrow(0, r0, m).copy_(h);
+      }
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  }
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return result;
+}
