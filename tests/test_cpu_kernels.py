@@ -243,14 +243,16 @@ def test_linear_packs_its_weight_and_repacks_after_a_change() -> None:
 
 
 def mixed_step_case(
-    dtype: torch.dtype, head_dim: int, block_size: int = 4
+    dtype: torch.dtype, head_dim: int, block_size: int = 4,
+    reqs: list[tuple[int, int]] | None = None, num_heads: int = 6, num_kv_heads: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Three decodes, then prefill chunks: a fresh prompt (7 tokens), a chunk of 5
-    after 9 cached tokens, and a one-token chunk after 3 (a chunk, not a decode)."""
+    after 9 cached tokens, and a one-token chunk after 3 (a chunk, not a decode).
+    `reqs`: other (tokens computed before this step, tokens scheduled now), decodes first."""
     gen = torch.Generator().manual_seed(5)
-    num_heads, num_kv_heads, num_blocks = 6, 2, 40
     # (tokens computed before this step, tokens scheduled now)
-    reqs = [(10, 1), (1, 1), (20, 1), (0, 7), (9, 5), (3, 1)]
+    reqs = reqs or [(10, 1), (1, 1), (20, 1), (0, 7), (9, 5), (3, 1)]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in reqs) + 4
     seq_lens = [c + n for c, n in reqs]
     max_blocks = -(-max(seq_lens) // block_size)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -266,14 +268,15 @@ def mixed_step_case(
     positions = torch.tensor([c + j for c, n in reqs for j in range(n)])
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(query_start_loc[-1], num_heads, head_dim, generator=gen).to(dtype)
+    num_decodes = next((i for i, (_, n) in enumerate(reqs) if n > 1), len(reqs))
     meta = AttentionMetadata(
-        num_decodes=3,
+        num_decodes=num_decodes,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        max_decode_seq_len=max(seq_lens[:3]),
+        max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
         slot_mapping=torch.zeros(len(token_req), dtype=torch.int64),  # unused by attend
         block_tables=torch.tensor(tables, dtype=torch.int64),
-        decode_seq_lens=torch.tensor(seq_lens[:3], dtype=torch.int64),
+        decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64),
         block_size=block_size,
         token_req=token_req,
         token_seq_lens=positions + 1,
@@ -292,6 +295,41 @@ def test_one_kernel_call_serves_decodes_and_prefill_chunks(
     ref = TorchAttentionBackend(use_cpp_kernels=False).attend(q, kv_cache, meta, 0.3, sliding_window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# Long chunks: several 16-query tiles, keys past one 8-key group, odd and even
+# contexts, 3 and 1 query heads a KV head.
+LONG_CHUNKS = [(40, 1), (7, 1), (0, 37), (30, 40), (100, 2), (5, 17)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
+def test_prefill_chunks_in_tiles_match_torch(
+    kernel_available: None, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    q, kv_cache, meta = mixed_step_case(torch.bfloat16, head_dim, 16, LONG_CHUNKS, num_heads,
+                                        num_kv_heads)
+    ours = TorchAttentionBackend(use_cpp_kernels=True).attend(q, kv_cache, meta, 0.125, None)
+    ref = TorchAttentionBackend(use_cpp_kernels=False).attend(q, kv_cache, meta, 0.125, None)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None) -> None:
+    """A query of a prefill chunk gets the same bits whichever queries share its
+    tile: here the chunk alone, and the chunk after other requests' queries
+    (which moves where its tiles and the threads' shares start)."""
+    kernel = cpu_kernels.paged_decode_kernel()
+    assert kernel is not None
+    q, kv_cache, meta = mixed_step_case(torch.bfloat16, 64, 16, LONG_CHUNKS, 9, 3)
+    assert meta.token_req is not None and meta.token_seq_lens is not None
+    whole = kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, 0.125, 0, meta.token_req)
+    start, end = meta.query_start_loc[3], meta.query_start_loc[4]  # the 40-token chunk after 30
+    alone = kernel(q[start:end], kv_cache, meta.block_tables, meta.token_seq_lens[start:end], 0.125, 0,
+                   meta.token_req[start:end])
+    assert torch.equal(alone, whole[start:end])
+    shifted = kernel(q[start + 5:end], kv_cache, meta.block_tables, meta.token_seq_lens[start + 5:end],
+                     0.125, 0, meta.token_req[start + 5:end])
+    assert torch.equal(shifted, whole[start + 5:end])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

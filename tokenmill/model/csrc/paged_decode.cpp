@@ -12,6 +12,14 @@
 //   -> out       [num_queries, num_heads, head_dim]
 //
 // Scores, softmax and the weighted sum are accumulated in float32.
+//
+// In bfloat16 (AVX512-BF16), the queries of a prefill chunk (2 tokens or more
+// of one request at consecutive positions, no sliding window) go in tiles of
+// 16 with the queries in vector lanes (prefill_tile_bf16): K and V read once
+// for the tile and no horizontal sums. Measured (default model, prefill step,
+// attention over 30 layers, scripts/prefill_step.py ... p): 512-token prompt
+// 102 -> 42 ms, 128-token 8.4-10.2 -> 5.8 ms. Threads take ranges of equal
+// work (a query costs its context), not of equal query counts.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -233,6 +241,156 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
 }
 
 #if defined(__AVX512BF16__)
+// Scores of HC heads (one KV head's) for 8 keys at a time, queries in lanes:
+// s[h][t] lane i = sum over pairs p of q_i,h pair p . k_t pair p (vdpbf16ps of
+// the queries' pair p, transposed once a tile, times key t's pair broadcast).
+template <int HC, int PD>
+static inline void tile_scores(const uint32_t* qt,  // [HC][PD][16]: the heads' pairs, lanes = queries
+                               const at::BFloat16* const* rows, int64_t kv_off, int64_t n8,
+                               const __m512 vscale, float* s, int64_t s_head) {
+  for (int64_t t0 = 0; t0 < n8; t0 += 8) {
+    __m512 acc[HC][8];
+    for (int h = 0; h < HC; ++h)
+      for (int j = 0; j < 8; ++j) acc[h][j] = _mm512_setzero_ps();
+    const uint32_t* k[8];
+    for (int j = 0; j < 8; ++j) k[j] = reinterpret_cast<const uint32_t*>(rows[t0 + j] + kv_off);
+    for (int p = 0; p < PD; ++p) {
+      __m512bh qv[HC];
+      for (int h = 0; h < HC; ++h) qv[h] = (__m512bh)_mm512_loadu_si512(qt + (h * PD + p) * 16);
+      for (int j = 0; j < 8; ++j) {
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j][p]));
+        for (int h = 0; h < HC; ++h) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], qv[h], kb);
+      }
+    }
+    for (int h = 0; h < HC; ++h)
+      for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + h * s_head + (t0 + j) * 16, _mm512_mul_ps(acc[h][j], vscale));
+  }
+}
+
+// Attention of up to 16 consecutive queries of one request at consecutive
+// positions (part of a prefill chunk), no sliding window: every K and V row is
+// read once for all of them, and no horizontal sums. Queries sit in lanes for
+// the scores and the softmax (which runs down the keys, 16 queries at a time);
+// the weighted sum of V is the decode kernel's (two keys an instruction, dims
+// in lanes). Query i sees keys t < lens[b0 + i]; the rest of its lane is -inf.
+// Each query's numbers depend on its own q and context only, not on which
+// queries share its tile. Probabilities are normalised, then rounded to bf16,
+// as in the decode kernel; the dot products sum in another order than there.
+template <int C>
+static void prefill_tile_bf16(const at::BFloat16* q_ptr, int64_t q_row, int64_t b0, int64_t nq,
+                              const int64_t* lens, const at::BFloat16* const* rows,  // n rows + padding to a multiple of 8 (+1)
+                              int64_t kv_stride, int64_t num_heads, int64_t num_kv_heads, __m512 vscale,
+                              __m512i ilo, __m512i ihi, at::BFloat16* out_ptr, std::vector<uint32_t>& qt,
+                              std::vector<float>& scores, std::vector<uint32_t>& probs,
+                              std::vector<__m512i>& vbuf) {
+  constexpr int64_t D = 16 * C, PD = D / 2, P = C / 2;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t n = lens[b0 + nq - 1], first_len = lens[b0];
+  const int64_t n8 = (n + 7) & ~int64_t(7), npairs = (n + 1) / 2;
+  qt.assign(num_heads * PD * 16, 0u);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const uint32_t* qi = reinterpret_cast<const uint32_t*>(q_ptr + (b0 + i) * q_row + h * D);
+      for (int64_t p = 0; p < PD; ++p) qt[(h * PD + p) * 16 + i] = qi[p];
+    }
+  const int64_t s_head = n8 * 16;
+  scores.resize(num_heads * s_head);
+  probs.resize(num_heads * npairs * 16);
+  vbuf.resize(npairs * C);
+  // Lane i's key limit, and a lane mask of the queries that see key t.
+  alignas(64) int32_t lim[16];
+  for (int i = 0; i < 16; ++i) lim[i] = i < nq ? static_cast<int32_t>(lens[b0 + i]) : 0;
+  const __m512i vlim = _mm512_load_si512(lim);
+  const __mmask16 real = static_cast<__mmask16>((1u << nq) - 1);
+  alignas(64) int16_t pair_idx[32];  // [0 16 1 17 ...]: words i and 16 + i side by side
+  for (int i = 0; i < 16; ++i) {
+    pair_idx[2 * i] = static_cast<int16_t>(i);
+    pair_idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+  }
+  const __m512i ipair = _mm512_load_si512(pair_idx);
+  for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+    const int64_t kv_off = kvh * D, h0 = kvh * group;
+    for (int64_t g = 0; g < group; g += 3) {
+      const int64_t hc = std::min<int64_t>(3, group - g);
+      const uint32_t* q0 = qt.data() + (h0 + g) * PD * 16;
+      float* s0 = scores.data() + (h0 + g) * s_head;
+      if (hc == 3) tile_scores<3, PD>(q0, rows, kv_off, n8, vscale, s0, s_head);
+      else if (hc == 2) tile_scores<2, PD>(q0, rows, kv_off, n8, vscale, s0, s_head);
+      else tile_scores<1, PD>(q0, rows, kv_off, n8, vscale, s0, s_head);
+    }
+    // Softmax down the keys, per head, 16 queries at a time; masked lanes -inf
+    // (exp gives 0 after rounding), lanes past nq 0 (finite, never stored).
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t h = h0; h < h0 + group; ++h) {
+      float* s = scores.data() + h * s_head;
+      __m512 vmax = ninf;
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 x = _mm512_loadu_ps(s + t * 16);
+        if (t >= first_len) {
+          const __mmask16 sees = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(static_cast<int>(t)));
+          x = _mm512_mask_blend_ps(sees, ninf, x);
+        }
+        x = _mm512_mask_blend_ps(real, _mm512_setzero_ps(), x);
+        _mm512_storeu_ps(s + t * 16, x);
+        vmax = _mm512_max_ps(vmax, x);
+      }
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t * 16), vmax));
+        _mm512_storeu_ps(s + t * 16, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), vsum);
+      // Pairs (p_t, p_t+1) of each query, as bf16 words side by side: lane i of
+      // probs[h][t / 2] is query i's pair (p_n = 0 past the last key).
+      uint32_t* pr = probs.data() + h * npairs * 16;
+      for (int64_t tp = 0; tp < npairs; ++tp) {
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(s + 2 * tp * 16), inv);
+        const __m512 b = 2 * tp + 1 < n ? _mm512_mul_ps(_mm512_loadu_ps(s + (2 * tp + 1) * 16), inv)
+                                        : _mm512_setzero_ps();
+        // cvtne2ps: words 0-15 from a (p_t), 16-31 from b (p_t+1); interleave them.
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+        _mm512_storeu_si512(pr + tp * 16, _mm512_permutexvar_epi16(ipair, w));
+      }
+    }
+    // V rows t, t+1 interleaved element by element, once for all the heads and queries.
+    for (int64_t tp = 0; tp < npairs; ++tp) {
+      const at::BFloat16* v0 = rows[2 * tp] + kv_stride + kv_off;
+      const at::BFloat16* v1 = rows[2 * tp + 1] + kv_stride + kv_off;
+      for (int c = 0; c < P; ++c) {
+        const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
+        vbuf[tp * C + 2 * c] = _mm512_permutex2var_epi16(x, ilo, y);
+        vbuf[tp * C + 2 * c + 1] = _mm512_permutex2var_epi16(x, ihi, y);
+      }
+    }
+    // out[i][h] = sum_t p_i,h,t v_t, four queries at a time (4 x C accumulators).
+    for (int64_t h = h0; h < h0 + group; ++h) {
+      const uint32_t* pr = probs.data() + h * npairs * 16;
+      for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+        const int64_t qc = std::min<int64_t>(4, nq - i0);
+        __m512 o[4][C];
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
+        for (int64_t tp = 0; tp < npairs; ++tp) {
+          __m512bh vi[C];
+          for (int c = 0; c < C; ++c) vi[c] = (__m512bh)vbuf[tp * C + c];
+          for (int i = 0; i < 4; ++i) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[tp * 16 + i0 + i]));
+            for (int c = 0; c < C; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pp, vi[c]);
+          }
+        }
+        for (int64_t i = 0; i < qc; ++i) {
+          at::BFloat16* oh = out_ptr + ((b0 + i0 + i) * num_heads + h) * D;
+          for (int c = 0; c < C; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(oh + 16 * c), (__m256i)_mm512_cvtneps_pbh(o[i][c]));
+        }
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
 // bfloat16 with AVX512-BF16: dot products straight on bf16 pairs (vdpbf16ps,
 // float32 accumulation), no conversion of K or V. The weighted sum takes two
 // tokens per instruction: V rows t and t+1 interleaved element by element,
@@ -271,6 +429,16 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
 
   auto row_of = [&](int64_t b) { return req ? req[b] : b; };
+  auto query_cost = [&](int64_t b) { return std::min<int64_t>(lens[b], sliding_window > 0 ? sliding_window : lens[b]) + 16; };
+  // Whether query b is one of a run of queries of one request at consecutive
+  // positions (a prefill chunk of 2 tokens or more): those go in tiles.
+  auto in_chunk = [&](int64_t b) {
+    if (!req || sliding_window > 0) return false;
+    return (b > 0 && req[b - 1] == req[b] && lens[b - 1] + 1 == lens[b]) ||
+           (b + 1 < num_decodes && req[b + 1] == req[b] && lens[b] + 1 == lens[b + 1]);
+  };
+  int64_t cost_total = 0;
+  for (int64_t b = 0; b < num_decodes; ++b) cost_total += query_cost(b);
 
   // Each thread takes a contiguous range of queries, and while it computes one
   // (mostly from its L2 cache after the first pass over K) it prefetches the
@@ -280,8 +448,22 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
     std::vector<float> scores;
     std::vector<uint16_t> probs;  // bf16 bits, padded to an even count
     std::vector<const scalar_t*> rows;
+    // Prefill tiles' buffers.
+    std::vector<uint32_t> qt, tile_probs;
+    std::vector<float> tile_scores;
+    std::vector<__m512i> vbuf;
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t lo = num_decodes * tid / nth, hi = num_decodes * (tid + 1) / nth;
+    // Contiguous ranges of about equal work (a query costs its context and a
+    // fixed 16): the queries of a prefill chunk cost more the later they sit.
+    int64_t lo = 0, hi = 0;
+    {
+      const int64_t total = cost_total;
+      int64_t acc = 0, b = 0;
+      for (; b < num_decodes && acc * nth < total * tid; ++b) acc += query_cost(b);
+      lo = b;
+      for (; b < num_decodes && acc * nth < total * (tid + 1); ++b) acc += query_cost(b);
+      hi = tid == nth - 1 ? num_decodes : b;
+    }
     int64_t pf_t = 0, pf_end = 0;  // next query's tokens [pf_t, pf_end) not yet prefetched
     int64_t pf_blk = 0, pf_off = 0;  // pf_t's block (in the table) and offset in it
     const int64_t* pf_table = nullptr;
@@ -300,6 +482,23 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
       }
     };
     for (int64_t b = lo; b < hi; ++b) {
+      if (in_chunk(b)) {  // up to 16 queries of this chunk in one tile
+        int64_t e = b + 1;
+        while (e < hi && e - b < 16 && req[e] == req[b] && lens[e] == lens[e - 1] + 1) ++e;
+        const int64_t n = lens[e - 1], n_rows = std::max<int64_t>((n + 7) & ~int64_t(7), n + 1);
+        rows.resize(n_rows);
+        const int64_t* table = bt + req[b] * max_blocks;
+        for (int64_t t = 0; t < n;) {
+          const scalar_t* base = k_base + table[t / block_size] * block_stride;
+          for (int64_t off = t % block_size; off < block_size && t < n; ++off, ++t) rows[t] = base + off * row_stride;
+        }
+        for (int64_t t = n; t < n_rows; ++t) rows[t] = rows[n - 1];
+        prefill_tile_bf16<C>(q_ptr, q_row, b, e - b, lens, rows.data(), kv_stride, num_heads, num_kv_heads,
+                             vscale, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
+        pf_table = nullptr;  // the next query prefetches for itself
+        b = e - 1;
+        continue;
+      }
       const int64_t seq_len = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t n = seq_len - first;
