@@ -75,6 +75,9 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);
+  // A whole forward (up to ~150 ms) without Python: let the server's other
+  // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
+  pybind11::gil_scoped_release no_gil;
   // Thread-local modes of the caller, for the other threads too.
   const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
 
