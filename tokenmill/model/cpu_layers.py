@@ -232,20 +232,16 @@ def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float) -> list
     if (threads < 2 or meta.num_tokens < SPLIT_MIN_ROWS * threads
             or meta.num_decodes != meta.num_reqs):
         return None
-    starts = meta.query_start_loc
-    costs = []
-    for r, seq_len in enumerate(meta.seq_lens):
-        q = starts[r + 1] - starts[r]  # 1 (decodes); queries at positions seq_len - q .. seq_len - 1
-        costs.append(q * row_cost + q * seq_len - q * (q - 1) // 2)
+    costs = [row_cost + seq_len for seq_len in meta.seq_lens]  # one query row each (decodes)
     total = float(sum(costs))
     bounds, shares, acc, last = [0], [], 0.0, 0.0
     for r, c in enumerate(costs):
         if len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads:
-            bounds.append(starts[r])
+            bounds.append(r)  # decodes only: request r is row r
             shares.append(acc - last)
             last = acc
         acc += c
-    bounds.append(starts[-1])
+    bounds.append(len(costs))
     shares.append(acc - last)
     if len(bounds) != threads + 1 or max(shares) > SPLIT_MAX_SHARE * total:
         return None

@@ -432,10 +432,20 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   auto query_cost = [&](int64_t b) { return std::min<int64_t>(lens[b], sliding_window > 0 ? sliding_window : lens[b]) + 16; };
   // Whether query b is one of a run of queries of one request at consecutive
   // positions (a prefill chunk of 2 tokens or more): those go in tiles.
+  auto follows = [&](int64_t b) {  // query b (> 0) is query b - 1's next position, same request
+    return req[b] == req[b - 1] && lens[b] == lens[b - 1] + 1;
+  };
   auto in_chunk = [&](int64_t b) {
     if (!req || sliding_window > 0) return false;
-    return (b > 0 && req[b - 1] == req[b] && lens[b - 1] + 1 == lens[b]) ||
-           (b + 1 < num_decodes && req[b + 1] == req[b] && lens[b] + 1 == lens[b + 1]);
+    return (b > 0 && follows(b)) || (b + 1 < num_decodes && follows(b + 1));
+  };
+  // rows[t - first] = K row of context token t, for t in [first, last): a division per block, not per token.
+  auto fill_rows = [&](const int64_t* table, int64_t first, int64_t last, std::vector<const scalar_t*>& rows) {
+    for (int64_t t = first; t < last;) {
+      const scalar_t* base = k_base + table[t / block_size] * block_stride;
+      for (int64_t off = t % block_size; off < block_size && t < last; ++off, ++t)
+        rows[t - first] = base + off * row_stride;
+    }
   };
   int64_t cost_total = 0;
   for (int64_t b = 0; b < num_decodes; ++b) cost_total += query_cost(b);
@@ -484,14 +494,10 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
     for (int64_t b = lo; b < hi; ++b) {
       if (in_chunk(b)) {  // up to 16 queries of this chunk in one tile
         int64_t e = b + 1;
-        while (e < hi && e - b < 16 && req[e] == req[b] && lens[e] == lens[e - 1] + 1) ++e;
+        while (e < hi && e - b < 16 && follows(e)) ++e;
         const int64_t n = lens[e - 1], n_rows = std::max<int64_t>((n + 7) & ~int64_t(7), n + 1);
         rows.resize(n_rows);
-        const int64_t* table = bt + req[b] * max_blocks;
-        for (int64_t t = 0; t < n;) {
-          const scalar_t* base = k_base + table[t / block_size] * block_stride;
-          for (int64_t off = t % block_size; off < block_size && t < n; ++off, ++t) rows[t] = base + off * row_stride;
-        }
+        fill_rows(bt + req[b] * max_blocks, 0, n, rows);
         for (int64_t t = n; t < n_rows; ++t) rows[t] = rows[n - 1];
         prefill_tile_bf16<C>(q_ptr, q_row, b, e - b, lens, rows.data(), kv_stride, num_heads, num_kv_heads,
                              vscale, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
@@ -506,12 +512,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
       scores.resize(n_pad);
       probs.resize(group * n_pad);
       rows.resize(n + 1);
-      for (int64_t t = first; t < seq_len;) {  // a division per block, not per token
-        const int64_t* table = bt + row_of(b) * max_blocks;
-        const scalar_t* base = k_base + table[t / block_size] * block_stride;
-        for (int64_t off = t % block_size; off < block_size && t < seq_len; ++off, ++t)
-          rows[t - first] = base + off * row_stride;
-      }
+      fill_rows(bt + row_of(b) * max_blocks, first, seq_len, rows);
       rows[n] = rows[n - 1];  // the odd token's partner: a real row times probability 0
       const bool prefetched = b > lo && pf_table != nullptr;  // by the previous query
       pf_table = nullptr;
