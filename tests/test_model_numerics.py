@@ -33,9 +33,11 @@ class PagedRunner:
     in a shuffled order (block 0 included) and builds AttentionMetadata."""
 
     def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, seed: int = 0,
-                 one_call: bool = False) -> None:
+                 one_call: bool = False, rows_out: bool = False) -> None:
         self.model = model
         self.one_call = one_call  # token_req / token_seq_lens as the engine sends them
+        # Ask the model for the last row of every other request only (output_rows).
+        self.rows_out = rows_out
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_caches = [
             torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=dtype)
@@ -89,6 +91,13 @@ class PagedRunner:
             counts = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(batch))]
             meta.token_req = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
             meta.token_seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
+        if self.rows_out:
+            rows = [query_start_loc[i + 1] - 1 for i in range(0, len(batch), 2)]
+            with torch.inference_mode():
+                hidden = self.model(torch.tensor(input_ids), torch.tensor(positions),
+                                    self.kv_caches, meta, torch.tensor(rows))
+                logits = self.model.compute_logits(hidden)
+            return {batch[i][0]: logits[j : j + 1] for j, i in enumerate(range(0, len(batch), 2))}
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
@@ -324,6 +333,58 @@ def test_split_layer_stack_gives_the_same_bits(
     assert len(splits) == len(decode_steps) == 3
     for req_id in seqs:
         assert torch.equal(split[req_id], whole[req_id]), req_id
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("one_call", [False, True], ids=["per-request-meta", "engine-meta"])
+@pytest.mark.parametrize("path", ["cpu-layers", "modules"])
+def test_output_rows_give_the_same_bits_and_cache(
+    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str, one_call: bool,
+    path: str,
+) -> None:
+    """forward(..., output_rows) returns exactly those rows of the full forward
+    (the C++ layer loop runs its last layer for them only) and writes the same
+    K/V for every token: later steps, which read it, agree to the bit too."""
+    _, _, spec, tiny_path = tiny_pair
+    source = ModelSource(kind="hf", path=str(tiny_path), name=tiny_path.name)
+    model, spec = load_model(ModelConfig(model=str(tiny_path), dtype=dtype), source)
+    if path == "modules":
+        model.model._cpu_layers_for = lambda dtype: None  # type: ignore[method-assign]
+    seqs = _seqs(spec.vocab_size)
+    full, part = PagedRunner(model, spec, one_call=one_call), PagedRunner(
+        model, spec, one_call=one_call, rows_out=True)
+    seen = 0
+    for step in MIXED_SCHEDULE:
+        batch = [(r, seqs[r], n) for r, n in step]
+        whole, rows = full.step(batch), part.step(batch)
+        for req_id, logits in rows.items():
+            assert torch.equal(logits[0], whole[req_id][-1]), (step, req_id)
+            seen += 1
+        assert len(rows) < len(whole) or len(whole) == 1  # some requests gave no row
+    assert seen >= len(MIXED_SCHEDULE)
+    for a, b in zip(full.kv_caches, part.kv_caches, strict=True):
+        assert torch.equal(a, b)
+    with torch.inference_mode():  # no row at all: the K/V still written, nothing out
+        meta_ids = torch.tensor(seqs["A"][:3])
+        runner = PagedRunner(model, spec, one_call=one_call)
+        runner.step([("A", seqs["A"], 3)])  # (to get the blocks)
+        before = [c.clone() for c in runner.kv_caches]
+        for c in runner.kv_caches:
+            c.zero_()
+        table = torch.tensor([runner.block_tables["A"]])
+        meta = AttentionMetadata(
+            num_decodes=0, query_start_loc=[0, 3], seq_lens=[3], max_decode_seq_len=0,
+            slot_mapping=torch.tensor([table[0, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                                       for p in range(3)]),
+            block_tables=table, decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+            block_size=BLOCK_SIZE)
+        if one_call:
+            meta.token_req, meta.token_seq_lens = torch.zeros(3, dtype=torch.int64), torch.arange(1, 4)
+        out = model(meta_ids, torch.arange(3), runner.kv_caches, meta,
+                    torch.empty(0, dtype=torch.int64))
+        assert out.shape == (0, spec.hidden_size)
+        for a, b in zip(before, runner.kv_caches, strict=True):
+            assert torch.equal(a, b)
 
 
 def _meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:

@@ -158,11 +158,20 @@ class CpuLayers:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden] after the final norm
+        """With `output_rows`, the last layer writes every token's K/V but takes
+        only those rows on through attention, o_proj and the MLP (a prefill
+        chunk needs one row out of hundreds: ~3% of its FLOPs in a 30-layer
+        model). Each row's numbers are the same bits either way: every kernel
+        computes a row alone (tests/test_model_numerics.py)."""
         ops: Any = cpu_kernels.load()
-        split = self._split_call(hidden, positions, kv_caches, meta, ops)
-        if split is not None:
-            return split
+        if output_rows is not None and output_rows.numel() == hidden.shape[0]:
+            output_rows = None  # all of them (a decode step)
+        if output_rows is None:
+            split = self._split_call(hidden, positions, kv_caches, meta, ops)
+            if split is not None:
+                return split
         gemm = ops.packed_gemm
         profiling = torch.autograd._profiler_enabled()
         if profiling:  # the same rows as the modules' code in `bench throughput --profile`
@@ -173,6 +182,7 @@ class CpuLayers:
         eps, n = self.eps, hidden.shape[0]
         residual = hidden
         call = None  # the attention kernel's arguments: the same for every layer of a step
+        last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             a = layer.attn
             # HF's h = h + attn(norm(h)); h = h + mlp(norm(h)); each residual add
@@ -188,6 +198,13 @@ class CpuLayers:
             q = qkv[:, : a.q_size].view(n, a.num_heads, a.head_dim)
             if i == 0 and self.one_backend and hasattr(a.backend, "kernel_call"):
                 call = a.backend.kernel_call(q, kv_cache, meta)
+            if i == last and output_rows is not None and call is not None:
+                # Every K/V is written: the rest of the layer for the rows out only.
+                kernel, tables, seq_lens, rows = call  # rows empty: query i reads table row i
+                call = (kernel, tables, seq_lens[output_rows],
+                        rows[output_rows] if rows.numel() else output_rows)
+                q, residual, n = q[output_rows], residual[output_rows], output_rows.numel()
+                output_rows = None  # done
             with record_function("tokenmill::attention") if profiling else nullcontext():
                 if call is not None:
                     kernel, tables, seq_lens, rows = call
@@ -198,6 +215,8 @@ class CpuLayers:
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
             gate_up = gemm(hidden, layer.gate_up, layer.gate_up_n, _NO_BIAS, False)
             hidden = gemm(ops.silu_and_mul(gate_up), layer.down, layer.down_n, _NO_BIAS, False)
+        if output_rows is not None:  # (no attention kernel call: the backend's own code ran)
+            hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:
             return ops.rms_norm(hidden, self.final_norm, eps)
         ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)

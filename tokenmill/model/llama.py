@@ -328,15 +328,19 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+        output_rows: torch.Tensor | None = None,  # see LlamaForCausalLM.forward
+    ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden]
         hidden = self.embed_tokens(input_ids)
         fast = self._cpu_layers_for(hidden.dtype)
         if fast is not None and fast.applies(hidden, kv_caches):
-            return fast.forward(hidden, positions, kv_caches, meta)
+            return fast.forward(hidden, positions, kv_caches, meta, output_rows)
         rope = RopeBatch(self.rotary_emb, positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
+        if output_rows is not None:  # (the C++ layers skip the other rows' last layer)
+            hidden = hidden[output_rows]
+            residual = None if residual is None else residual[output_rows]
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)[0]
@@ -399,8 +403,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden], or [len(output_rows), hidden]
+        """The last hidden states of every token, or only of the rows in
+        `output_rows` (int64 indices; e.g. the rows that are sampled): the
+        K/V of every token are written all the same."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32.

@@ -81,18 +81,27 @@ class ModelRunner:
         states = [self._state(r) for r in reqs]
         with record_function("tokenmill::prepare_inputs"):
             input_ids, positions, meta = self._prepare_inputs(reqs)
-        with record_function("tokenmill::forward"):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-
-        for j, (r, state) in enumerate(zip(reqs, states, strict=True)):
-            if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
-                self._gather_prompt_logprobs(r, state, hidden, meta.query_start_loc[j])
-
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
+        rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], dtype=torch.int64,
+                            device=self.device)
+        # Only the sampled rows' last hidden states are used, unless a request
+        # wants its prompt's logprobs (every row of its chunk): then all rows.
+        wants_prompt_logprobs = [
+            j for j, (r, state) in enumerate(zip(reqs, states, strict=True))
+            if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
+        ]
+        with record_function("tokenmill::forward"):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta,
+                                output_rows=None if wants_prompt_logprobs else rows)
+
+        for j in wants_prompt_logprobs:
+            self._gather_prompt_logprobs(reqs[j], states[j], hidden, meta.query_start_loc[j])
+
         if not sample:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        if wants_prompt_logprobs:
+            hidden = hidden[rows]
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
         with record_function("tokenmill::sample"):
             out = self.sampler(logits, sample_states, self.eos_token_ids)

@@ -17,6 +17,8 @@
 //                                             ~1 ms where torch's took 2.8-5 ms here
 #include <torch/extension.h>
 
+#include "no_gil.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -202,6 +204,7 @@ void check(const at::Tensor& t, const char* name) {
 }  // namespace
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  NoGil no_gil;
   check(x, "x");
   check(weight, "weight");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype differs from x");
@@ -217,6 +220,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
 }
 
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  NoGil no_gil;
   check(x, "x");
   check(residual, "residual");
   check(weight, "weight");
@@ -234,6 +238,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                     at::Tensor slot_mapping) {
+  NoGil no_gil;
   check(qkv, "qkv");
   check(kv_cache, "kv_cache");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
@@ -256,6 +261,7 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
 }
 
 at::Tensor argmax_rows(at::Tensor logits) {
+  NoGil no_gil;
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
               "argmax_rows takes float32 [rows, n] on the CPU");
   logits = logits.contiguous();
@@ -270,6 +276,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
+  NoGil no_gil;
   check(gate_up, "gate_up");
   const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
   auto sizes = gate_up.sizes().vec();

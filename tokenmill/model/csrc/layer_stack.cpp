@@ -33,6 +33,8 @@
 //   -> [n, hidden] after the final norm
 #include <torch/extension.h>
 
+#include "no_gil.h"
+
 #include <cstdint>
 #include <exception>
 #include <vector>
@@ -77,7 +79,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   std::vector<std::exception_ptr> errors(threads);
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
-  pybind11::gil_scoped_release no_gil;
+  NoGil no_gil;
   // Thread-local modes of the caller, for the other threads too.
   const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
 

@@ -25,6 +25,8 @@
 // y float32. (Built only where AVX512-BF16 is, like the rest of this file.)
 #include <torch/extension.h>
 
+#include "no_gil.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -142,6 +144,7 @@ void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
 bool packed_gemm_supported() { return true; }
 
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
+  NoGil no_gil;
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_gemm runs on the CPU");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),

@@ -22,6 +22,8 @@
 // work (a query costs its context), not of equal query counts.
 #include <torch/extension.h>
 
+#include "no_gil.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -647,6 +649,7 @@ static bool paged_decode_fast(const at::Tensor&, const at::Tensor&, const at::Te
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t sliding_window,
                         at::Tensor query_req) {
+  NoGil no_gil;
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
