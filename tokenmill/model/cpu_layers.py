@@ -96,6 +96,10 @@ class CpuLayers:
             kv_bytes = 2 * first.attn.num_kv_heads * first.attn.head_dim * first.qkv.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
         self.max_rows = PACKED_MAX_ROWS  # more rows go to torch's matmul (the modules' code)
+        # bf16 with gate and up on whole blocks of 16 outputs: the MLP's activation
+        # comes out of the gate_up GEMM (packed_gemm_silu), as layer_stack.cpp does.
+        self.fused_silu = dtype == torch.bfloat16 and all(
+            lay.gate_up_n % 32 == 0 for lay in self.layers)
 
     def _watch(self, module: torch.nn.Module) -> None:
         for name, param in module._parameters.items():
@@ -172,12 +176,16 @@ class CpuLayers:
             split = self._split_call(hidden, positions, kv_caches, meta, ops)
             if split is not None:
                 return split
-        gemm = ops.packed_gemm
+        gemm, gemm_silu = ops.packed_gemm, ops.packed_gemm_silu
         profiling = torch.autograd._profiler_enabled()
         if profiling:  # the same rows as the modules' code in `bench throughput --profile`
             def gemm(*args: Any) -> torch.Tensor:
                 with record_function("tokenmill::linear"):
                     return ops.packed_gemm(*args)
+
+            def gemm_silu(*args: Any) -> torch.Tensor:
+                with record_function("tokenmill::linear"):  # (the activation inside: ~2% of it)
+                    return ops.packed_gemm_silu(*args)
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         eps, n = self.eps, hidden.shape[0]
         residual = hidden
@@ -213,8 +221,11 @@ class CpuLayers:
                     out = a.backend.attend(q, kv_cache, meta, a.scale, a.sliding_window)
             hidden = gemm(out.reshape(n, a.q_size), layer.o, layer.o_n, layer.o_bias, False)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            gate_up = gemm(hidden, layer.gate_up, layer.gate_up_n, _NO_BIAS, False)
-            hidden = gemm(ops.silu_and_mul(gate_up), layer.down, layer.down_n, _NO_BIAS, False)
+            if self.fused_silu:  # silu(gate) * up from the GEMM's tiles, the same bits
+                act = gemm_silu(hidden, layer.gate_up, layer.gate_up_n // 2)
+            else:
+                act = ops.silu_and_mul(gemm(hidden, layer.gate_up, layer.gate_up_n, _NO_BIAS, False))
+            hidden = gemm(act, layer.down, layer.down_n, _NO_BIAS, False)
         if output_rows is not None:  # (no attention kernel call: the backend's own code ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:

@@ -50,6 +50,7 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
                     at::Tensor slot_mapping);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
+at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 
 namespace {
 constexpr size_t kWeights = 8, kInts = 5;
@@ -113,8 +114,11 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
           at::Tensor out = paged_decode(q, kv_caches[i], tab, lens, scales[i], k[4], req);
           h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
           fused_add_rms_norm(h, residual, w[5], eps);
-          at::Tensor gate_up = packed_gemm(h, w[6], k[2], at::Tensor(), false);
-          h = packed_gemm(silu_and_mul(gate_up), w[7], k[3], at::Tensor(), false);
+          // bf16 and gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
+          const bool fused_silu = hidden.scalar_type() == at::kBFloat16 && k[2] % 32 == 0;
+          const at::Tensor act = fused_silu ? packed_gemm_silu(h, w[6], k[2] / 2)
+                                            : silu_and_mul(packed_gemm(h, w[6], k[2], at::Tensor(), false));
+          h = packed_gemm(act, w[7], k[3], at::Tensor(), false);
         }
         fused_add_rms_norm(h, residual, final_norm, eps);
         result.narrow(0, r0, m).copy_(h);

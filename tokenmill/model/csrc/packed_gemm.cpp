@@ -10,6 +10,11 @@
 // adds to 16 outputs at once: the accumulators hold outputs directly, no
 // horizontal sums. Tiles of up to 6 rows of x times 3 blocks (18 float32
 // accumulators) reuse each weight vector 6 times and each x pair 3 times.
+// packed_gemm_silu: the MLP's gate_up projection with silu(gate) * up done on
+// the tile's accumulators (2 (gate, up) pairs a tile: 24 accumulators), so its
+// [M, 2 * inter] output is never written (128 rows, one layer, hot weights:
+// 1344 -> 1200 us; prefill step of 2 x 128 tokens 151.7 -> 146.7 ms, decode
+// step B=128 148.3 -> 144.7, 1 x 128 79.5 -> 78.7; medians, A/B in one process).
 //
 // Measured on a 2-core Zen 4 (scripts/packed_gemm.py: the default model's 30
 // layers of projections, cold weights, 2 threads): 1 row 7.2 ms (torch 17.1),
@@ -46,24 +51,50 @@ struct GemmArgs {
   int64_t K, N;
 };
 
-// Rows m0 .. m0+MT of x times blocks b0 .. b0+NB. `pf`, if not null: the next
-// blocks' weights, one cache line each per step where step % every == phase,
-// fetched into L2 meanwhile (into L1 they would push out the weights in use:
-// measured 9.9 -> 8.5 ms at 1 row, 11.1 -> 8.9 at 8, 41.7 -> 38.8 at 64 over
-// the default model's 30 layers). A step is one 64-byte vector of each block: a
-// pair of K (bf16) or one K (float32).
-template <bool BF16, int MT, int NB>
-inline void tile(const GemmArgs& a, int64_t m0, int64_t b0, const char* pf, int phase = 0, int every = 1) {
-  const int64_t steps = BF16 ? a.K / 2 : a.K, blk = steps * 64;  // bytes per block
-  const char* w = static_cast<const char*>(a.w) + b0 * blk;
+// silu(g) * u as fused_ops.cpp's silu_and_mul computes it from bf16 g and u,
+// lane by lane, to the bit: the same float operations in the same order (no
+// fused multiply-adds, as there: built with -ffp-contract=off), rounded to bf16.
+inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even) and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
+  const __m512 x = round_bf16(g);
+  __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), x);  // exp_approx(-x)
+  e = _mm512_min_ps(_mm512_max_ps(e, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(e, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(e, _mm512_mul_ps(fn, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(fn, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
+  e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu), round_bf16(u)));
+}
+
+// Rows m0 .. m0+MT of x times the NB blocks starting at w[0..NB). `pf`, if
+// not null: the next blocks' weights (pf[j] for w[j]), one cache line each per
+// step where step % every == phase, fetched into L2 meanwhile (into L1 they
+// would push out the weights in use: measured 9.9 -> 8.5 ms at 1 row, 11.1 ->
+// 8.9 at 8, 41.7 -> 38.8 at 64 over the default model's 30 layers). A step is
+// one 64-byte vector of each block: a pair of K (bf16) or one K (float32).
+// SILU: the blocks are (gate, up) pairs, and the tile writes silu(gate) * up
+// (one block of outputs a pair) instead of the sums: `col` is the first output
+// block (in y's columns / 16) of block 0 (of pair 0 with SILU).
+template <bool BF16, int MT, int NB, bool SILU = false>
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* const* pf,
+                 int phase = 0, int every = 1) {
+  const int64_t steps = BF16 ? a.K / 2 : a.K;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < steps; ++kk) {
     __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * blk + kk * 64);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w[j] + kk * 64);
     if (pf && kk % every == phase)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(pf + j * blk + kk * 64, _MM_HINT_T1);
+      for (int j = 0; j < NB; ++j) _mm_prefetch(pf[j] + kk * 64, _MM_HINT_T1);
     for (int i = 0; i < MT; ++i) {
       if constexpr (BF16) {  // x[i][2kk], x[i][2kk+1] as one 32-bit pair
         const int32_t* x = static_cast<const int32_t*>(a.x) + (m0 + i) * steps;
@@ -75,10 +106,19 @@ inline void tile(const GemmArgs& a, int64_t m0, int64_t b0, const char* pf, int 
       }
     }
   }
-  // Lanes are outputs 16 (b0 + j) .. +16; the last block of an N that is not a
+  if constexpr (SILU) {  // (bf16 only; N: the outputs, one per pair lane; no bias)
+    for (int j = 0; j < NB; j += 2) {
+      const int64_t n0 = (col + j / 2) * 16;
+      const __mmask16 mask = a.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.N - n0)) - 1);
+      for (int i = 0; i < MT; ++i)
+        _mm256_mask_storeu_epi16(a.y16 + (m0 + i) * a.N + n0, mask, silu_mul_bf16(acc[i][j], acc[i][j + 1]));
+    }
+    return;
+  }
+  // Lanes are outputs 16 (col + j) .. +16; the last block of an N that is not a
   // multiple of 16 stores only its real lanes.
   for (int j = 0; j < NB; ++j) {
-    const int64_t n0 = (b0 + j) * 16;
+    const int64_t n0 = (col + j) * 16;
     const __mmask16 mask = a.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.N - n0)) - 1);
     const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
     for (int i = 0; i < MT; ++i) {
@@ -91,34 +131,38 @@ inline void tile(const GemmArgs& a, int64_t m0, int64_t b0, const char* pf, int 
   }
 }
 
-// Rows [m0, m1) times NB blocks from b0: tiles of 6 rows, then one of the rest.
-// The next group's weights are prefetched over the first tiles, a quarter in
-// each of the first four where there are three or more (64 rows: 36.8 -> 35.3 ms).
-template <bool BF16, int NB>
-void rows(const GemmArgs& a, int64_t m0, int64_t m1, int64_t b0, const char* pf) {
+// Rows [m0, m1) times the NB blocks at w: tiles of MT rows, then one of the
+// rest. The next group's weights are prefetched over the first tiles, a
+// quarter in each of the first four where there are three or more (64 rows:
+// 36.8 -> 35.3 ms).
+template <bool BF16, int NB, bool SILU = false>
+void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
   const int64_t ntiles = (m1 - m0 + MT - 1) / MT;
   const int every = ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
   int t = 0;
-  for (; m0 + MT <= m1; m0 += MT, ++t) tile<BF16, MT, NB>(a, m0, b0, t < every ? pf : nullptr, t, every);
+  for (; m0 + MT <= m1; m0 += MT, ++t) tile<BF16, MT, NB, SILU>(a, m0, w, col, t < every ? pf : nullptr, t, every);
   if (t >= every) pf = nullptr;
   switch (m1 - m0) {
-    case 1: tile<BF16, 1, NB>(a, m0, b0, pf, t, every); break;
-    case 2: tile<BF16, 2, NB>(a, m0, b0, pf, t, every); break;
-    case 3: tile<BF16, 3, NB>(a, m0, b0, pf, t, every); break;
-    case 4: tile<BF16, 4, NB>(a, m0, b0, pf, t, every); break;
-    case 5: tile<BF16, 5, NB>(a, m0, b0, pf, t, every); break;
+    case 1: tile<BF16, 1, NB, SILU>(a, m0, w, col, pf, t, every); break;
+    case 2: tile<BF16, 2, NB, SILU>(a, m0, w, col, pf, t, every); break;
+    case 3: tile<BF16, 3, NB, SILU>(a, m0, w, col, pf, t, every); break;
+    case 4: tile<BF16, 4, NB, SILU>(a, m0, w, col, pf, t, every); break;
+    case 5: tile<BF16, 5, NB, SILU>(a, m0, w, col, pf, t, every); break;
     default: break;
   }
 }
 
-// Tasks: groups of 3 blocks times stretches of rows. Rows are split only when
-// there are too few groups to keep every thread busy (few outputs, many rows).
-template <bool BF16>
+// Tasks: groups of GB output blocks (3 blocks; with SILU 2 (gate, up) pairs,
+// gate block b paired with up block b + nblocks / 2) times stretches of rows.
+// Rows are split only when there are too few groups to keep every thread busy
+// (few outputs, many rows).
+template <bool BF16, bool SILU = false>
 void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
-  constexpr int64_t NB = 3;
+  constexpr int64_t GB = SILU ? 2 : 3;  // output blocks a group
   const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
-  const int64_t groups = (nblocks + NB - 1) / NB;
+  const int64_t outs = SILU ? nblocks / 2 : nblocks, half = SILU ? nblocks / 2 : 0;
+  const int64_t groups = (outs + GB - 1) / GB;
   const int64_t threads = omp_get_max_threads();
   int64_t row_chunk = M;
   if (groups < 4 * threads) {
@@ -126,16 +170,54 @@ void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
     row_chunk = std::max<int64_t>(48, ((M + per_group - 1) / per_group + 5) / 6 * 6);
   }
   const int64_t chunks = (M + row_chunk - 1) / row_chunk;
+  const char* base = static_cast<const char*>(a.w);
+  // The weight blocks a group's tiles read, in tile order (with SILU: g, u, g, u).
+  auto blocks = [&](int64_t g, const char** w) {
+    const int64_t b0 = g * GB, nb = std::min(GB, outs - b0);
+    for (int64_t j = 0; j < nb; ++j) {
+      if (SILU) {
+        w[2 * j] = base + (b0 + j) * blk;
+        w[2 * j + 1] = base + (b0 + j + half) * blk;
+      } else {
+        w[j] = base + (b0 + j) * blk;
+      }
+    }
+    return nb;
+  };
 #pragma omp parallel for schedule(static)
   for (int64_t task = 0; task < groups * chunks; ++task) {
     const int64_t g = task / chunks, c = task % chunks;
-    const int64_t b0 = g * NB, nb = std::min(NB, nblocks - b0);
-    const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
-    // The first tile over this group's weights prefetches the next group's.
-    const char* pf = c == 0 && b0 + nb + NB <= nblocks ? static_cast<const char*>(a.w) + (b0 + nb) * blk : nullptr;
-    if (nb == 3) rows<BF16, 3>(a, m0, m1, b0, pf);
-    else if (nb == 2) rows<BF16, 2>(a, m0, m1, b0, pf);
-    else rows<BF16, 1>(a, m0, m1, b0, pf);
+    const char* w[2 * GB];
+    const char* next[2 * GB];
+    const int64_t nb = blocks(g, w), col = g * GB;
+    // The first tile over this group's weights prefetches the next group's (a whole one).
+    const char* const* pf = c == 0 && g + 1 < groups && blocks(g + 1, next) == GB ? next : nullptr;
+    if constexpr (SILU) {
+      if (nb == 2) rows<BF16, 4, true>(a, c * row_chunk, std::min(M, (c + 1) * row_chunk), w, col, pf);
+      else rows<BF16, 2, true>(a, c * row_chunk, std::min(M, (c + 1) * row_chunk), w, col, pf);
+    } else {
+      const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
+      if (nb == 3) rows<BF16, 3>(a, m0, m1, w, col, pf);
+      else if (nb == 2) rows<BF16, 2>(a, m0, m1, w, col, pf);
+      else rows<BF16, 1>(a, m0, m1, w, col, pf);
+    }
+  }
+}
+
+// Each group of blocks reads all of its rows of x: past a few hundred rows x
+// no longer stays in cache between groups (8192 x 576 rows times 3072 outputs:
+// 221 GFLOP/s in one pass, 275 in stretches of 512; torch 301, so the model
+// sends more than 4096 rows to torch: llama.PACKED_MAX_ROWS). f(part, rows).
+template <typename F>
+void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::Tensor& y, F f) {
+  constexpr int64_t stretch = 512;
+  const int64_t x_row = x.size(1) * x.element_size(), y_row = y.size(1) * y.element_size();
+  for (int64_t m0 = 0; m0 < M; m0 += stretch) {
+    GemmArgs part = a;
+    part.x = static_cast<const char*>(a.x) + m0 * x_row;
+    if (part.y16) part.y16 = reinterpret_cast<uint16_t*>(reinterpret_cast<char*>(a.y16) + m0 * y_row);
+    if (part.y32) part.y32 = reinterpret_cast<float*>(reinterpret_cast<char*>(a.y32) + m0 * y_row);
+    f(part, std::min(stretch, M - m0));
   }
 }
 
@@ -170,27 +252,42 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
   GemmArgs a{x.data_ptr(), packed.data_ptr(), bias32.defined() ? bias32.data_ptr<float>() : nullptr,
              out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-  // Each group of blocks reads all of its rows of x: past a few hundred rows x
-  // no longer stays in cache between groups (8192 x 576 rows times 3072 outputs:
-  // 221 GFLOP/s in one pass, 275 in stretches of 512; torch 301, so the model
-  // sends more than 4096 rows to torch: llama.PACKED_MAX_ROWS).
-  constexpr int64_t stretch = 512;
-  const int64_t x_row = K * x.element_size(), y_row = n_out * y.element_size();
-  for (int64_t m0 = 0; m0 < M; m0 += stretch) {
-    GemmArgs part = a;
-    part.x = static_cast<const char*>(a.x) + m0 * x_row;
-    if (part.y16) part.y16 = reinterpret_cast<uint16_t*>(reinterpret_cast<char*>(a.y16) + m0 * y_row);
-    if (part.y32) part.y32 = reinterpret_cast<float*>(reinterpret_cast<char*>(a.y32) + m0 * y_row);
-    const int64_t rows = std::min(stretch, M - m0);
-    if (bf16) run<true>(part, rows, nblocks);
-    else run<false>(part, rows, nblocks);
-  }
+  if (bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true>(part, rows, nblocks); });
+  else in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks); });
+  return y;
+}
+
+// silu(gate) * up straight from the gate_up projection (LlamaMLP's act_fn(gate)
+// * up): the same bits as silu_and_mul(packed_gemm(x, packed, 2 * inter)), with
+// no [M, 2 * inter] intermediate written and read back. bf16 only; the packed
+// gate_up weights as they are, gate blocks first, each gate block b paired with
+// up block b + nblocks / 2 in the tiles (so inter a multiple of 16).
+at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
+  NoGil no_gil;
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
+              packed.scalar_type() == at::kBFloat16 && x.dim() == 2 && packed.dim() == 4 &&
+              packed.size(2) == 16 && packed.size(3) == 2,
+              "packed_gemm_silu: bf16 x [M, K] and packed gate_up weights [N/16, K/2, 16, 2]");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K, "packed_gemm_silu: x has K = ", K, ", the weights ", packed.size(1) * 2);
+  TORCH_CHECK(inter % 16 == 0 && nblocks * 16 == 2 * inter, "packed_gemm_silu: inter must be N / 2, a multiple of 16");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  at::Tensor y = at::empty({M, inter}, x.options());
+  if (M == 0) return y;
+  GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+             nullptr, K, inter};
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
   return y;
 }
 #else
 bool packed_gemm_supported() { return false; }
 at::Tensor packed_gemm(at::Tensor x, at::Tensor, int64_t, at::Tensor, bool) {
   TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 (built without it)");
+  return x;
+}
+at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor, int64_t) {
+  TORCH_CHECK(false, "packed_gemm_silu needs AVX512-BF16 (built without it)");
   return x;
 }
 #endif
