@@ -10,6 +10,9 @@ resolved once, so the results are the same bits (tests/test_model_numerics.py
 compares both paths). Where a step has enough rows to share out (decodes
 mostly), the whole stack runs in one C++ call instead, each thread taking its
 own requests through every layer (csrc/layer_stack.cpp): the same bits again.
+In bf16 the MLP's activation comes out of the gate_up GEMM's tiles
+(packed_gemm_silu), and with `output_rows` (the rows the runner samples) the
+last layer runs past its K/V write for those rows only.
 """
 
 from __future__ import annotations

@@ -90,16 +90,17 @@ class ModelRunner:
             j for j, (r, state) in enumerate(zip(reqs, states, strict=True))
             if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
         ]
+        all_rows = bool(wants_prompt_logprobs) or len(sample) == input_ids.shape[0]  # (decodes)
         with record_function("tokenmill::forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta,
-                                output_rows=None if wants_prompt_logprobs else rows)
+                                output_rows=None if all_rows else rows)
 
         for j in wants_prompt_logprobs:
             self._gather_prompt_logprobs(reqs[j], states[j], hidden, meta.query_start_loc[j])
 
         if not sample:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        if wants_prompt_logprobs:
+        if all_rows:
             hidden = hidden[rows]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
