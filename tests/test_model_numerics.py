@@ -260,13 +260,31 @@ def test_chunks_and_decodes_match_transformers(
         torch.testing.assert_close(ours[req_id], hf_logits(hf_model, seq), atol=1e-4, rtol=1e-4)
 
 
+def _loop_in(loop: str, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The layer loop in C++ (layer_loop) or in Python (cpu_layers.py's own, as
+    under the profiler); returns a list that records each C++ call's use."""
+    used: list[bool] = []
+    real = cpu_layers.CpuLayers._loop_call
+
+    def spy(self: cpu_layers.CpuLayers, *args: Any) -> torch.Tensor | None:
+        out = real(self, *args) if loop == "c++" else None
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_layers.CpuLayers, "_loop_call", spy)
+    return used
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("one_call", [False, True], ids=["per-request-meta", "engine-meta"])
+@pytest.mark.parametrize("loop", ["c++", "python"])
 def test_cpu_layers_give_the_modules_bits(
     tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str, one_call: bool,
+    loop: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The CPU kernels' layer loop (cpu_layers.py) returns exactly what the
-    modules return, and sees a weight changed in place."""
+    """The CPU kernels' layer loop (cpu_layers.py, or in one C++ call) returns
+    exactly what the modules return, and sees a weight changed in place."""
+    calls = _loop_in(loop, monkeypatch)
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
@@ -289,6 +307,7 @@ def test_cpu_layers_give_the_modules_bits(
     kernels = cpu_kernels.load() is not None and cpu_kernels.packed_gemm_ops(
         torch.empty(1, 2, dtype=getattr(torch, dtype))) is not None
     assert used == (kernels and not spec.qk_norm)  # Qwen3's q/k norms take the modules' path
+    assert any(calls) == (used and loop == "c++")
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
     changed, modules = both()
@@ -337,14 +356,15 @@ def test_split_layer_stack_gives_the_same_bits(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("one_call", [False, True], ids=["per-request-meta", "engine-meta"])
-@pytest.mark.parametrize("path", ["cpu-layers", "modules"])
+@pytest.mark.parametrize("path", ["c++-loop", "python-loop", "modules"])
 def test_output_rows_give_the_same_bits_and_cache(
     tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str, one_call: bool,
-    path: str,
+    path: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """forward(..., output_rows) returns exactly those rows of the full forward
-    (the C++ layer loop runs its last layer for them only) and writes the same
-    K/V for every token: later steps, which read it, agree to the bit too."""
+    (the C++ kernels' layer loop runs its last layer for them only) and writes
+    the same K/V for every token: later steps, which read it, agree to the bit too."""
+    _loop_in("python" if path == "python-loop" else "c++", monkeypatch)
     _, _, spec, tiny_path = tiny_pair
     source = ModelSource(kind="hf", path=str(tiny_path), name=tiny_path.name)
     model, spec = load_model(ModelConfig(model=str(tiny_path), dtype=dtype), source)

@@ -28,7 +28,8 @@ _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "pack
                                             "layer_stack.cpp")]
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
-              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_supported", "layer_stack"]
+              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_supported", "layer_stack",
+              "layer_loop"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None

@@ -47,6 +47,7 @@ class _Layer(NamedTuple):
 
 
 _NO_BIAS = torch.empty(0)
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 class CpuLayers:
@@ -159,6 +160,28 @@ class CpuLayers:
             a0.num_heads, a0.num_kv_heads, a0.head_dim, self.rotary.cos_cache, self.rotary.sin_cache,
             meta.slot_mapping, tables, seq_lens, rows, bounds))
 
+    def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                   meta: AttentionMetadata, ops: Any, output_rows: torch.Tensor | None,
+                   ) -> torch.Tensor | None:
+        """The layer loop below in one C++ call (csrc/layer_stack.cpp layer_loop:
+        no Python between the kernels, ~1 ms a step), where one attention
+        kernel call serves every layer; else None."""
+        if not self.layers or not self.one_backend:
+            return None
+        a0 = self.layers[0].attn
+        if not hasattr(a0.backend, "kernel_call"):
+            return None
+        call = a0.backend.kernel_call(hidden, kv_caches[0], meta)  # (checks device and dtype only)
+        if call is None:
+            return None
+        _, tables, seq_lens, rows = call
+        weights, ints, scales = self.flat
+        return cast("torch.Tensor", ops.layer_loop(
+            hidden, positions, weights, ints, scales, kv_caches, self.final_norm, self.eps,
+            a0.num_heads, a0.num_kv_heads, a0.head_dim, self.rotary.cos_cache, self.rotary.sin_cache,
+            meta.slot_mapping, tables, seq_lens, rows,
+            _NO_ROWS if output_rows is None else output_rows, output_rows is None))
+
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings
@@ -179,8 +202,12 @@ class CpuLayers:
             split = self._split_call(hidden, positions, kv_caches, meta, ops)
             if split is not None:
                 return split
-        gemm, gemm_silu = ops.packed_gemm, ops.packed_gemm_silu
         profiling = torch.autograd._profiler_enabled()
+        looped = None if profiling else self._loop_call(hidden, positions, kv_caches, meta, ops,
+                                                         output_rows)
+        if looped is not None:
+            return looped
+        gemm, gemm_silu = ops.packed_gemm, ops.packed_gemm_silu
         if profiling:  # the same rows as the modules' code in `bench throughput --profile`
             def gemm(*args: Any) -> torch.Tensor:
                 with record_function("tokenmill::linear"):
