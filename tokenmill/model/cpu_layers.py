@@ -138,34 +138,10 @@ class CpuLayers:
                 and hidden.shape[0] <= self.max_rows
                 and all(c.dtype == self.dtype for c in kv_caches))
 
-    def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                    meta: AttentionMetadata, ops: Any) -> torch.Tensor | None:
-        """The whole stack in one C++ call with the rows split between threads
-        (csrc/layer_stack.cpp), where the step divides well; else None."""
-        if not self.layers or not self.one_backend or torch.autograd._profiler_enabled():
-            return None  # (under the profiler: the per-op rows of `bench --profile`)
-        a0 = self.layers[0].attn
-        if not hasattr(a0.backend, "kernel_call"):
-            return None
-        bounds = split_bounds(meta, threads(), self.row_cost)
-        if bounds is None:
-            return None
-        call = a0.backend.kernel_call(hidden, kv_caches[0], meta)  # (checks device and dtype only)
-        if call is None:
-            return None
-        _, tables, seq_lens, rows = call
-        weights, ints, scales = self.flat
-        return cast("torch.Tensor", ops.layer_stack(
-            hidden, positions, weights, ints, scales, kv_caches, self.final_norm, self.eps,
-            a0.num_heads, a0.num_kv_heads, a0.head_dim, self.rotary.cos_cache, self.rotary.sin_cache,
-            meta.slot_mapping, tables, seq_lens, rows, bounds))
-
-    def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                   meta: AttentionMetadata, ops: Any, output_rows: torch.Tensor | None,
-                   ) -> torch.Tensor | None:
-        """The layer loop below in one C++ call (csrc/layer_stack.cpp layer_loop:
-        no Python between the kernels, ~1 ms a step), where one attention
-        kernel call serves every layer; else None."""
+    def _stack_args(self, hidden: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> list[Any] | None:
+        """The arguments csrc/layer_stack.cpp's calls share, where one attention
+        kernel call serves every layer of the step; else None."""
         if not self.layers or not self.one_backend:
             return None
         a0 = self.layers[0].attn
@@ -176,11 +152,30 @@ class CpuLayers:
             return None
         _, tables, seq_lens, rows = call
         weights, ints, scales = self.flat
-        return cast("torch.Tensor", ops.layer_loop(
-            hidden, positions, weights, ints, scales, kv_caches, self.final_norm, self.eps,
-            a0.num_heads, a0.num_kv_heads, a0.head_dim, self.rotary.cos_cache, self.rotary.sin_cache,
-            meta.slot_mapping, tables, seq_lens, rows,
-            _NO_ROWS if output_rows is None else output_rows, output_rows is None))
+        return [hidden, positions, weights, ints, scales, kv_caches, self.final_norm, self.eps,
+                a0.num_heads, a0.num_kv_heads, a0.head_dim, self.rotary.cos_cache,
+                self.rotary.sin_cache, meta.slot_mapping, tables, seq_lens, rows]
+
+    def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata, ops: Any) -> torch.Tensor | None:
+        """The whole stack in one C++ call with the rows split between threads
+        (csrc/layer_stack.cpp), where the step divides well; else None."""
+        if torch.autograd._profiler_enabled():
+            return None  # (under the profiler: the per-op rows of `bench --profile`)
+        bounds = split_bounds(meta, threads(), self.row_cost)
+        args = None if bounds is None else self._stack_args(hidden, positions, kv_caches, meta)
+        return None if args is None else cast("torch.Tensor", ops.layer_stack(*args, bounds))
+
+    def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                   meta: AttentionMetadata, ops: Any, output_rows: torch.Tensor | None,
+                   ) -> torch.Tensor | None:
+        """The layer loop below in one C++ call (csrc/layer_stack.cpp layer_loop:
+        no Python between the kernels, 0.4-1.4 ms a step); else None."""
+        args = self._stack_args(hidden, positions, kv_caches, meta)
+        if args is None:
+            return None
+        rows_out = _NO_ROWS if output_rows is None else output_rows
+        return cast("torch.Tensor", ops.layer_loop(*args, rows_out, output_rows is None))
 
     def forward(
         self,
