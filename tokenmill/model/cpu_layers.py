@@ -100,10 +100,6 @@ class CpuLayers:
             kv_bytes = 2 * first.attn.num_kv_heads * first.attn.head_dim * first.qkv.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
         self.max_rows = PACKED_MAX_ROWS  # more rows go to torch's matmul (the modules' code)
-        # bf16 with gate and up on whole blocks of 16 outputs: the MLP's activation
-        # comes out of the gate_up GEMM (packed_gemm_silu), as layer_stack.cpp does.
-        self.fused_silu = dtype == torch.bfloat16 and all(
-            lay.gate_up_n % 32 == 0 for lay in self.layers)
 
     def _watch(self, module: torch.nn.Module) -> None:
         for name, param in module._parameters.items():
@@ -191,9 +187,7 @@ class CpuLayers:
         model). Each row's numbers are the same bits either way: every kernel
         computes a row alone (tests/test_model_numerics.py)."""
         ops: Any = cpu_kernels.load()
-        if output_rows is not None and output_rows.numel() == hidden.shape[0]:
-            output_rows = None  # all of them (a decode step)
-        if output_rows is None:
+        if output_rows is None:  # (the runner asks for all rows where it samples all: decodes)
             split = self._split_call(hidden, positions, kv_caches, meta, ops)
             if split is not None:
                 return split
@@ -246,7 +240,9 @@ class CpuLayers:
                     out = a.backend.attend(q, kv_cache, meta, a.scale, a.sliding_window)
             hidden = gemm(out.reshape(n, a.q_size), layer.o, layer.o_n, layer.o_bias, False)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            if self.fused_silu:  # silu(gate) * up from the GEMM's tiles, the same bits
+            # bf16 and gate/up on whole blocks of 16 outputs: silu(gate) * up from the
+            # GEMM's tiles (the same bits), as layer_stack.cpp decides it.
+            if self.dtype == torch.bfloat16 and layer.gate_up_n % 32 == 0:
                 act = gemm_silu(hidden, layer.gate_up, layer.gate_up_n // 2)
             else:
                 act = ops.silu_and_mul(gemm(hidden, layer.gate_up, layer.gate_up_n, _NO_BIAS, False))

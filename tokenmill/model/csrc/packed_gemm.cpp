@@ -192,11 +192,11 @@ void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
     const int64_t nb = blocks(g, w), col = g * GB;
     // The first tile over this group's weights prefetches the next group's (a whole one).
     const char* const* pf = c == 0 && g + 1 < groups && blocks(g + 1, next) == GB ? next : nullptr;
+    const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
     if constexpr (SILU) {
-      if (nb == 2) rows<BF16, 4, true>(a, c * row_chunk, std::min(M, (c + 1) * row_chunk), w, col, pf);
-      else rows<BF16, 2, true>(a, c * row_chunk, std::min(M, (c + 1) * row_chunk), w, col, pf);
+      if (nb == 2) rows<BF16, 4, true>(a, m0, m1, w, col, pf);
+      else rows<BF16, 2, true>(a, m0, m1, w, col, pf);
     } else {
-      const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
       if (nb == 3) rows<BF16, 3>(a, m0, m1, w, col, pf);
       else if (nb == 2) rows<BF16, 2>(a, m0, m1, w, col, pf);
       else rows<BF16, 1>(a, m0, m1, w, col, pf);
