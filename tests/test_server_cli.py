@@ -79,3 +79,19 @@ def test_serve_help_lists_the_server_options() -> None:
                    "--max-queued-requests", "--max-num-seqs", "--dtype"):
         assert option in result.stdout
 
+
+
+def test_serve_takes_the_cpu_serving_budget_unless_given_one() -> None:
+    from tokenmill.cli import build_parser, engine_kwargs, serve_engine_kwargs
+    from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def serve(*argv: str) -> dict[str, object]:
+        return serve_engine_kwargs(build_parser().parse_args(["serve", *argv]))
+
+    assert serve()["max_num_batched_tokens"] == CPU_SERVE_MAX_NUM_BATCHED_TOKENS == 160
+    assert serve("--device", "cuda")["max_num_batched_tokens"] == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert serve("--max-num-batched-tokens", "4096")["max_num_batched_tokens"] == 4096
+    assert serve("some-model")["model"] == "some-model"
+    # Offline (`tokenmill generate`, LLM) keeps the throughput default.
+    generate = build_parser().parse_args(["generate", "hello"])
+    assert engine_kwargs(generate)["max_num_batched_tokens"] == DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048

@@ -23,6 +23,7 @@ import pytest
 from tokenmill.bench import report, vllm_peer
 from tokenmill.bench.throughput import ThroughputRow
 from tokenmill.bench.workloads import throughput_a
+from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 
 RUNNER = Path(vllm_peer.__file__).with_name("vllm_runner.py")
 
@@ -293,6 +294,8 @@ def test_serve_b_against_a_fake_vllm_server(tmp_path: Path) -> None:
     assert seen["max_tokens"] == [4, *lens]  # the warm-up, then serve-B's drawn lengths
     assert seen["opts"]["--model"] == str(model_dir)
     assert seen["opts"]["--dtype"] == "float32" and seen["opts"]["--max-num-seqs"] == "128"
+    # The token budget tokenmill's server uses on the CPU, so both schedule alike.
+    assert seen["opts"]["--max-num-batched-tokens"] == str(CPU_SERVE_MAX_NUM_BATCHED_TOKENS)
     settings = json.loads((tmp_path / "out" / "serve-vllm-cpu.settings.json").read_text())
     assert settings["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "vllm.entrypoints.openai.api_server" in settings["command"]

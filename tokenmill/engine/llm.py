@@ -9,7 +9,12 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import GenerateStats, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -27,7 +32,7 @@ class LLM:
         seed: int = 0,
         block_size: int = 16,
         max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_model_len: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
