@@ -25,6 +25,7 @@ from tokenmill.bench import roofline, throughput, vllm_peer
 from tokenmill.bench import serve as serve_bench
 from tokenmill.bench.peers import PEERS, VLLM
 from tokenmill.bench.throughput import ThroughputRow
+from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 
 
 def machine_description() -> str:
@@ -277,7 +278,9 @@ def main_all(args: argparse.Namespace) -> int:
         md += ["## serve-B: latency under Poisson load (tokenmill's server)", "",
                f"{args.num_requests} streaming requests per rate, the same prompts at every rate; "
                "the server runs with prefix caching off (`tokenmill serve --no-enable-prefix-caching`), "
-               "else every rate after the first would be served from cache; milliseconds.", "",
+               "else every rate after the first would be served from cache, and its default token "
+               f"budget on the CPU ({CPU_SERVE_MAX_NUM_BATCHED_TOKENS} a step, see README); "
+               "milliseconds.", "",
                serve_bench.format_table(serve_reports), "",
                f"![latency vs rate]({out.as_posix()}/serve-tokenmill.png)", ""]
     if vllm_rows:
@@ -305,7 +308,9 @@ def main_all(args: argparse.Namespace) -> int:
         settings_path = out / "serve-vllm-cpu.settings.json"
         md += ["## serve-B: tokenmill's server beside vLLM's", "",
                f"The same client and requests against each server ({args.num_requests} streaming "
-               "requests per rate; milliseconds), both with prefix caching off. Rebuild the vLLM half alone with `tokenmill "
+               "requests per rate; milliseconds), both with prefix caching off and the same token "
+               f"budget ({CPU_SERVE_MAX_NUM_BATCHED_TOKENS} a step, tokenmill serve's CPU default; "
+               "vLLM's own is 2048). Rebuild the vLLM half alone with `tokenmill "
                f"bench serve-vllm --rates {args.rates} --num-requests {args.num_requests} "
                f"--dtype {args.dtype}`.", ""]
         if settings_path.exists():
