@@ -14,7 +14,7 @@ model = runner.model
 bs = runner.block_size
 nb = -(-L // bs)
 assert B * nb <= runner.num_blocks, (B*nb, runner.num_blocks)
-bt = torch.arange(B * nb).reshape(B, nb)
+bt = (torch.randperm(B * nb, generator=torch.Generator().manual_seed(0)) if os.environ.get("SCATTER") == "1" else torch.arange(B * nb)).reshape(B, nb)  # SCATTER=1: blocks as after churn
 seq = torch.full((B,), L, dtype=torch.int64)
 pos = seq - 1
 slot = bt[torch.arange(B), pos // bs] * bs + pos % bs
