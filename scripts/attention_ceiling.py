@@ -19,11 +19,14 @@ without gain: prefetching evenly over the V pass too, a prefetch stream a fixed
 number of rows ahead across queries (worse with 2 threads), T0 hints (worse).
 The engine's KV cache is already in huge pages (numpy's calloc asks for them).
 """
-import os, sys, time
+import os
+import sys
+import time
 
 import numpy as np
 import torch
 from torch.utils.cpp_extension import load_inline
+
 from tokenmill.model import cpu_kernels
 
 PROBE = r"""
