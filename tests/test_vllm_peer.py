@@ -296,6 +296,7 @@ def test_serve_b_against_a_fake_vllm_server(tmp_path: Path) -> None:
     assert seen["opts"]["--dtype"] == "float32" and seen["opts"]["--max-num-seqs"] == "128"
     # The token budget tokenmill's server uses on the CPU, so both schedule alike.
     assert seen["opts"]["--max-num-batched-tokens"] == str(CPU_SERVE_MAX_NUM_BATCHED_TOKENS)
+    assert vllm_peer.SERVE_MAX_NUM_BATCHED_TOKENS == CPU_SERVE_MAX_NUM_BATCHED_TOKENS
     settings = json.loads((tmp_path / "out" / "serve-vllm-cpu.settings.json").read_text())
     assert settings["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "vllm.entrypoints.openai.api_server" in settings["command"]

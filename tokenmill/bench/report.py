@@ -25,7 +25,6 @@ from tokenmill.bench import roofline, throughput, vllm_peer
 from tokenmill.bench import serve as serve_bench
 from tokenmill.bench.peers import PEERS, VLLM
 from tokenmill.bench.throughput import ThroughputRow
-from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 
 
 def machine_description() -> str:
@@ -279,7 +278,7 @@ def main_all(args: argparse.Namespace) -> int:
                f"{args.num_requests} streaming requests per rate, the same prompts at every rate; "
                "the server runs with prefix caching off (`tokenmill serve --no-enable-prefix-caching`), "
                "else every rate after the first would be served from cache, and its default token "
-               f"budget on the CPU ({CPU_SERVE_MAX_NUM_BATCHED_TOKENS} a step, see README); "
+               f"budget on the CPU ({vllm_peer.SERVE_MAX_NUM_BATCHED_TOKENS} a step, see README); "
                "milliseconds.", "",
                serve_bench.format_table(serve_reports), "",
                f"![latency vs rate]({out.as_posix()}/serve-tokenmill.png)", ""]
@@ -309,7 +308,7 @@ def main_all(args: argparse.Namespace) -> int:
         md += ["## serve-B: tokenmill's server beside vLLM's", "",
                f"The same client and requests against each server ({args.num_requests} streaming "
                "requests per rate; milliseconds), both with prefix caching off and the same token "
-               f"budget ({CPU_SERVE_MAX_NUM_BATCHED_TOKENS} a step, tokenmill serve's CPU default; "
+               f"budget ({vllm_peer.SERVE_MAX_NUM_BATCHED_TOKENS} a step, tokenmill serve's CPU default; "
                "vLLM's own is 2048). Rebuild the vLLM half alone with `tokenmill "
                f"bench serve-vllm --rates {args.rates} --num-requests {args.num_requests} "
                f"--dtype {args.dtype}`.", ""]

