@@ -80,7 +80,6 @@ def test_serve_help_lists_the_server_options() -> None:
         assert option in result.stdout
 
 
-
 def test_serve_takes_the_cpu_serving_budget_unless_given_one() -> None:
     from tokenmill.cli import build_parser, engine_kwargs, serve_engine_kwargs
     from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
