@@ -90,6 +90,8 @@ def test_serve_takes_the_cpu_serving_budget_unless_given_one() -> None:
     assert serve()["max_num_batched_tokens"] == CPU_SERVE_MAX_NUM_BATCHED_TOKENS == 160
     assert serve("--device", "cuda")["max_num_batched_tokens"] == DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert serve("--max-num-batched-tokens", "4096")["max_num_batched_tokens"] == 4096
+    # Never below max_num_seqs: every running request can decode in every step.
+    assert serve("--max-num-seqs", "256")["max_num_batched_tokens"] == 256
     assert serve("some-model")["model"] == "some-model"
     # Offline (`tokenmill generate`, LLM) keeps the throughput default.
     generate = build_parser().parse_args(["generate", "hello"])

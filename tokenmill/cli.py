@@ -16,8 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step (default: 2048; `serve` on the CPU: 160, "
-                             "for time to first token; see tokenmill/config.py)")
+                        help="tokens per step (default: 2048; `serve` on the CPU: 160 or "
+                             "max_num_seqs if larger, for time to first token; see "
+                             "tokenmill/config.py)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
@@ -52,7 +53,7 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     if args.model_tag is not None:
         args.model = args.model_tag
     if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = serve_max_num_batched_tokens(args.device)
+        args.max_num_batched_tokens = serve_max_num_batched_tokens(args.device, args.max_num_seqs)
     return engine_kwargs(args)
 
 

@@ -36,9 +36,13 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
 
 
-def serve_max_num_batched_tokens(device: str) -> int:
-    """`tokenmill serve`'s token budget when none is given, for this device."""
-    return CPU_SERVE_MAX_NUM_BATCHED_TOKENS if device == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS
+def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
+    """`tokenmill serve`'s token budget when none is given, for this device: never
+    below max_num_seqs, so every running request can decode in every step (as
+    vLLM requires of any budget)."""
+    if device != "cpu":
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(CPU_SERVE_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
 
 
 @dataclass(frozen=True)
