@@ -338,6 +338,23 @@ def test_prefill_chunks_in_tiles_match_torch(
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+def test_heads_sharing_a_kv_head_get_the_bits_of_one_head_alone(
+    kernel_available: None, head_dim: int, group: int
+) -> None:
+    """bf16 decode scores up to 3 query heads of a KV head in one pass over K:
+    each head gets the bits it gets when it has a KV head of its own (the cache
+    repeated once per head)."""
+    kernel = cpu_kernels.paged_decode_kernel()
+    assert kernel is not None
+    q, kv_cache, meta = decode_case(torch.bfloat16, 2 * group, 2, None, head_dim)
+    args = (meta.block_tables, meta.decode_seq_lens, 0.125, 0, torch.empty(0, dtype=torch.int64))
+    grouped = kernel(q, kv_cache, *args)
+    alone = kernel(q, kv_cache.repeat_interleave(group, dim=3).contiguous(), *args)
+    assert torch.equal(grouped, alone)
+
+
 def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None) -> None:
     """A query of a prefill chunk gets the same bits whichever queries share its
     tile: here the chunk alone, and the chunk after other requests' queries

@@ -21,6 +21,24 @@ inline __m512 hsum16(__m512* v) {
                        _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
+// The 8 dot products in v[0..7] (16 partial sums each) summed to 8 floats: the
+// first half of hsum16's tree, the same additions for each of them.
+inline __m256 hsum8(const __m512* v) {
+  __m512 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                 _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+  return _mm512_castps512_ps256(_mm512_add_ps(_mm512_shuffle_f32x4(c, c, 0x88),
+                                              _mm512_shuffle_f32x4(c, c, 0xdd)));
+}
+
 // exp(x) for x <= 0 (scores minus their max); relative error ~1e-7.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
