@@ -30,7 +30,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # -> 193/200/196; throughput-A CAP 128 offline 481 -> 460-471 gen tok/s (-2-4%).
 # Against the server (`tokenmill bench serve --rates 2`) the difference is of
 # the size of the machine's noise: p99 at 2048 188-233 ms over 4 runs, at 160
-# 188-240 over 10 (<= 200 in 5), and 270 once in a slow minute. On a GPU a
+# 188-241 over 12 (<= 200 in 5), and 270 once in a slow minute. On a GPU a
 # step's cost grows little with its tokens, so the server keeps 2048 there.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
