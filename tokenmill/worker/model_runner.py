@@ -100,8 +100,10 @@ class ModelRunner:
 
         if not sample:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        if all_rows:
+        if wants_prompt_logprobs:
             hidden = hidden[rows]
+        # (Else with all rows, every request is sampled and has one row: rows is 0..n-1,
+        # and the hidden states are already the sampled ones, in order.)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
         with record_function("tokenmill::sample"):
