@@ -69,6 +69,32 @@ def test_paged_decode_kernel_matches_torch(
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("per_query_row", [True, False])
+def test_kv_prefetch_stream_visits_the_rows_attention_reads(
+    kernel_available: None, sliding_window: int | None, per_query_row: bool,
+) -> None:
+    """The stream of K/V rows that layer_stack's projections prefetch for the
+    next layer (csrc/kv_prefetch.h) visits exactly the cache rows each query
+    attends to, query by query in the kernel's order: a wrong row would only
+    cost speed, silently, so it is checked here."""
+    _, kv_cache, meta = decode_case(torch.bfloat16, 4, 2, sliding_window)
+    bs = meta.block_size
+    lens = meta.decode_seq_lens.tolist()
+    # Queries read table rows 0..n-1 in order, or (as a step's query_req) other rows.
+    req = list(range(len(lens))) if per_query_row else [3, 3, 0, 7, 5, 5, 1, 2]
+    lens = lens if per_query_row else [meta.seq_lens[r] - (1 if i in (0, 4) else 0)
+                                       for i, r in enumerate(req)]
+    expected = []
+    for r, n in zip(req, lens, strict=True):
+        first = max(0, n - sliding_window) if sliding_window else 0
+        expected += [int(meta.block_tables[r, t // bs]) * bs + t % bs for t in range(first, n)]
+    visited = cpu_kernels.load().kv_prefetch_rows(
+        kv_cache, meta.block_tables, torch.tensor(lens),
+        torch.empty(0, dtype=torch.int64) if per_query_row else torch.tensor(req), sliding_window or 0)
+    assert visited.tolist() == expected
+
+
 def _fused_or_skip(x: torch.Tensor) -> object:
     ops = cpu_kernels.fused_ops(x)
     if ops is None:

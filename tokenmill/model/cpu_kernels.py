@@ -26,10 +26,10 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp",
                                             "layer_stack.cpp")]
-_HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h"]
+_HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h", _CSRC / "kv_prefetch.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
               "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_supported", "layer_stack",
-              "layer_loop"]
+              "layer_loop", "kv_prefetch_rows"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None

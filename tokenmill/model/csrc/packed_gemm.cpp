@@ -30,6 +30,7 @@
 // y float32. (Built only where AVX512-BF16 is, like the rest of this file.)
 #include <torch/extension.h>
 
+#include "kv_prefetch.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -90,7 +91,9 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  KvPrefetch* const kv_pf = tl_kv_prefetch;  // the next layer's K/V rows (kv_prefetch.h), or null
   for (int64_t kk = 0; kk < steps; ++kk) {
+    if (kv_pf && (kk & 15) == 0) kv_pf->next_row();
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w[j] + kk * 64);
     if (pf && kk % every == phase)
