@@ -10,9 +10,9 @@
 // the order the kernel will read them. The rows land in L2 and spill to L3,
 // from where the kernel reads them about twice as fast as from memory
 // (B=64, context 264: the kernel 0.62 ms a layer cold, 0.30 in cache). Only
-// where the layer's K/V fits L3 with room to spare (see layer_stack.cpp):
-// at B=128 (26 MB a layer in a 32 MB L3) it gained nothing, as the rows
-// pushed out the weights and each other.
+// where the layer's K/V fits L3 with room to spare and a thread has at most
+// 48 rows (layer_stack.cpp says what was measured): with 64 rows a thread
+// the projections slowed by as much as the attention gained.
 //
 // Prefetches change no result: every number is the same bits with or without.
 #pragma once

@@ -22,8 +22,8 @@
 // flight (~10 GB/s a core, measured), not by the memory bus, so it gains
 // nothing from the other core being busy elsewhere. Instead each thread's
 // projections ask for the next layer's K/V of its queries (kv_prefetch.h),
-// where a layer's K/V fits the L3: decode B=32 37.1 -> 33.6 ms, B=64 70.8 ->
-// 66.1, B=96 105.1 -> 97.8 (medians, A/B in one process, context 264).
+// where a layer's K/V fits the L3 and a thread has at most 48 rows: decode
+// steps at context 264 B=32 ~-10%, B=64 ~-6% (see layer_stack below).
 //
 // Every row's result is the same bits as through the layer loop: each kernel
 // computes a row (a query, a token) the same way whatever rows are around it
@@ -64,6 +64,7 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 
 namespace {
 constexpr size_t kWeights = 8, kInts = 5;
+constexpr int64_t kPrefetchMaxRows = 48;  // a thread's rows, past which the K/V prefetch did not pay
 
 // This machine's L3 in bytes (Linux sysfs), or 0 where unknown.
 int64_t l3_bytes() {
@@ -232,12 +233,15 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
                   std::is_sorted(bounds.begin(), bounds.end()),
               "layer_stack: bounds [0, ..., n], ascending");
   const bool per_query_row = query_req.numel() == 0;  // query i reads block table row i
-  // The next layer's K/V asked for during each layer's projections where a
-  // layer's K/V (all threads') fits 3/4 of L3 (kv_prefetch.h). Measured (decode
-  // steps, context 264, A/B in one process, medians): B=32 37.5 -> 34.6 ms,
-  // B=48 53.8 -> 50.4, B=64 72.6 -> 67.9, B=96 (19.5 MB) 104.8 -> 100.4;
-  // B=128 (26 MB of 32): the attention 43.6 -> 39.2 ms a thread, its
-  // projections 61.1 -> 71.6, no gain.
+  // The next layer's K/V asked for during each layer's projections
+  // (kv_prefetch.h) where a layer's K/V (all threads') fits 3/4 of L3 and a
+  // thread has at most kPrefetchMaxRows rows. Measured (decode steps against
+  // the code before, medians of 12, alternating processes, 3 rounds): context
+  // 264: B=32 38.8-39.6 -> 34.6-36.0 ms, B=64 71.8-73.6 -> 67.9-68.9, B=96
+  // 102.5-105.6 -> 97.6-107.9; context 400: B=32 42.6-44.1 -> 40.6-40.8.
+  // At 64 rows a thread it did not pay, even with the K/V well inside L3
+  // (B=128, context 160, 15.7 MB: the attention 24.0 -> 23.6 ms a thread, its
+  // projections 60.0 -> 64.6).
   bool prefetch_kv = false;
   {
     const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
@@ -270,7 +274,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
         const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
         result.narrow(0, r0, m).copy_(run_layers(s, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
                                                  slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
-                                                 req, tab, nullptr, prefetch_kv));
+                                                 req, tab, nullptr, prefetch_kv && m <= kPrefetchMaxRows));
       }
     } catch (...) {
       errors[t] = std::current_exception();

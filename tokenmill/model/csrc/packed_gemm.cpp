@@ -84,16 +84,16 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
 // SILU: the blocks are (gate, up) pairs, and the tile writes silu(gate) * up
 // (one block of outputs a pair) instead of the sums: `col` is the first output
 // block (in y's columns / 16) of block 0 (of pair 0 with SILU).
-template <bool BF16, int MT, int NB, bool SILU = false>
+// KV: this thread feeds its K/V prefetch stream (kv_prefetch.h) one row every
+// 16 steps, outside the inner loop (a check inside it cost 12% at 64+ rows).
+template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* const* pf,
                  int phase = 0, int every = 1) {
   const int64_t steps = BF16 ? a.K / 2 : a.K;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  KvPrefetch* const kv_pf = tl_kv_prefetch;  // the next layer's K/V rows (kv_prefetch.h), or null
-  for (int64_t kk = 0; kk < steps; ++kk) {
-    if (kv_pf && (kk & 15) == 0) kv_pf->next_row();
+  auto step = [&](int64_t kk) __attribute__((always_inline)) {
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w[j] + kk * 64);
     if (pf && kk % every == phase)
@@ -108,6 +108,15 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
         for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]);
       }
     }
+  };
+  if constexpr (KV) {
+    for (int64_t k0 = 0; k0 < steps; k0 += 16) {
+      tl_kv_prefetch->next_row();
+      const int64_t k1 = std::min<int64_t>(steps, k0 + 16);
+      for (int64_t kk = k0; kk < k1; ++kk) step(kk);
+    }
+  } else {
+    for (int64_t kk = 0; kk < steps; ++kk) step(kk);
   }
   if constexpr (SILU) {  // (bf16 only; N: the outputs, one per pair lane; no bias)
     for (int j = 0; j < NB; j += 2) {
@@ -138,22 +147,29 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
 // rest. The next group's weights are prefetched over the first tiles, a
 // quarter in each of the first four where there are three or more (64 rows:
 // 36.8 -> 35.3 ms).
-template <bool BF16, int NB, bool SILU = false>
+template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
   const int64_t ntiles = (m1 - m0 + MT - 1) / MT;
   const int every = ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
   int t = 0;
-  for (; m0 + MT <= m1; m0 += MT, ++t) tile<BF16, MT, NB, SILU>(a, m0, w, col, t < every ? pf : nullptr, t, every);
+  for (; m0 + MT <= m1; m0 += MT, ++t) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, t < every ? pf : nullptr, t, every);
   if (t >= every) pf = nullptr;
   switch (m1 - m0) {
-    case 1: tile<BF16, 1, NB, SILU>(a, m0, w, col, pf, t, every); break;
-    case 2: tile<BF16, 2, NB, SILU>(a, m0, w, col, pf, t, every); break;
-    case 3: tile<BF16, 3, NB, SILU>(a, m0, w, col, pf, t, every); break;
-    case 4: tile<BF16, 4, NB, SILU>(a, m0, w, col, pf, t, every); break;
-    case 5: tile<BF16, 5, NB, SILU>(a, m0, w, col, pf, t, every); break;
+    case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
+    case 2: tile<BF16, 2, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
+    case 3: tile<BF16, 3, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
+    case 4: tile<BF16, 4, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
+    case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
     default: break;
   }
+}
+
+// rows<> with the K/V prefetch stream fed where this thread has one.
+template <bool BF16, int NB, bool SILU = false>
+void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
+  if (tl_kv_prefetch) rows<BF16, NB, SILU, true>(a, m0, m1, w, col, pf);
+  else rows<BF16, NB, SILU, false>(a, m0, m1, w, col, pf);
 }
 
 // Tasks: groups of GB output blocks (3 blocks; with SILU 2 (gate, up) pairs,
@@ -197,12 +213,12 @@ void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
     const char* const* pf = c == 0 && g + 1 < groups && blocks(g + 1, next) == GB ? next : nullptr;
     const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
     if constexpr (SILU) {
-      if (nb == 2) rows<BF16, 4, true>(a, m0, m1, w, col, pf);
-      else rows<BF16, 2, true>(a, m0, m1, w, col, pf);
+      if (nb == 2) rows_kv<BF16, 4, true>(a, m0, m1, w, col, pf);
+      else rows_kv<BF16, 2, true>(a, m0, m1, w, col, pf);
     } else {
-      if (nb == 3) rows<BF16, 3>(a, m0, m1, w, col, pf);
-      else if (nb == 2) rows<BF16, 2>(a, m0, m1, w, col, pf);
-      else rows<BF16, 1>(a, m0, m1, w, col, pf);
+      if (nb == 3) rows_kv<BF16, 3>(a, m0, m1, w, col, pf);
+      else if (nb == 2) rows_kv<BF16, 2>(a, m0, m1, w, col, pf);
+      else rows_kv<BF16, 1>(a, m0, m1, w, col, pf);
     }
   }
 }
