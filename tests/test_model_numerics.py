@@ -354,6 +354,47 @@ def test_split_layer_stack_gives_the_same_bits(
         assert torch.equal(split[req_id], whole[req_id]), req_id
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_steps_with_the_kv_prefetch_give_the_modules_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, split: bool,
+) -> None:
+    """Decode-only steps of 8-48 rows in bf16 with head_dim 64 are where the
+    C++ layers prefetch the next layer's K/V during the projections
+    (csrc/kv_prefetch.h: each thread of the layer loop for its part of the
+    attention kernel's queries, or each thread of a split step for its own).
+    Prefetches are hints: the logits must be the modules' to the bit."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _randomize(hf_model, seed=7)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    model, spec = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"),
+                             ModelSource(kind="hf", path=str(tmp_path), name="llama64"))
+    if cpu_kernels.load() is None or cpu_kernels.packed_gemm_ops(
+            torch.empty(1, 2, dtype=torch.bfloat16)) is None:
+        pytest.skip("the C++ kernels' layer loop does not apply")
+    assert spec.head_dim == 64
+    rng = random.Random(3)
+    seqs = {f"r{i}": [rng.randrange(spec.vocab_size) for _ in range(14 + i)] for i in range(12)}
+    schedule = [[(r, len(ids) - 3) for r, ids in seqs.items()]] + [[(r, 1) for r in seqs]] * 3
+    monkeypatch.setitem(globals(), "NUM_BLOCKS", 128)  # PagedRunner's cache: room for 12 requests
+    monkeypatch.setattr(cpu_layers, "threads", lambda: 2)
+    monkeypatch.setattr(cpu_layers, "SPLIT_MIN_ROWS", 1 if split else 10**9)
+    fast = run_schedule(model, spec, seqs, schedule, one_call=True)
+    fast_path = model.model._cpu_layers_for
+    model.model._cpu_layers_for = lambda dtype: None  # type: ignore[method-assign]
+    try:
+        modules = run_schedule(model, spec, seqs, schedule, one_call=True)
+    finally:
+        model.model._cpu_layers_for = fast_path  # type: ignore[method-assign]
+    assert model.model._cpu_layers is not None
+    for req_id in seqs:
+        assert torch.equal(fast[req_id], modules[req_id]), req_id
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("one_call", [False, True], ids=["per-request-meta", "engine-meta"])
 @pytest.mark.parametrize("path", ["c++-loop", "python-loop", "modules"])

@@ -4,15 +4,18 @@
 // The decode attention kernel is bound by each core's own misses in flight
 // (~10 GB/s a core), not by the memory bus, while the projections after it
 // (o_proj, gate_up, down) are bound by compute and leave the bus nearly idle.
-// So in layer_stack's split steps (each thread its own requests through every
-// layer) a thread's GEMM tiles ask, every 16 of their steps, for one context
-// row (K and V, every cache line) of its own queries in the next layer, in
-// the order the kernel will read them. The rows land in L2 and spill to L3,
+// So in decode steps a thread's GEMM tiles ask, every 16 of their steps, for
+// one context row (K and V, every cache line) of the next layer, in the order
+// the kernel will read them: of its own queries in layer_stack's split steps
+// (each thread its own requests through every layer), of the queries its part
+// of the attention kernel takes (query_range) in the layer loop. The rows land in L2 and spill to L3,
 // from where the kernel reads them about twice as fast as from memory
 // (B=64, context 264: the kernel 0.62 ms a layer cold, 0.30 in cache). Only
 // where the layer's K/V fits L3 with room to spare and a thread has at most
 // 48 rows (layer_stack.cpp says what was measured): with 64 rows a thread
-// the projections slowed by as much as the attention gained.
+// the projections slowed by as much as the attention gained. In the layer
+// loop only from 8 rows: below, the projections are bound by reading the
+// weights, and the prefetch competes with them.
 //
 // Prefetches change no result: every number is the same bits with or without.
 #pragma once
@@ -62,13 +65,38 @@ struct KvPrefetch {
   }
 };
 
+// The queries [lo, hi) that thread tid of nth takes in paged_decode's bf16
+// kernel: contiguous ranges of about equal work, a query costing its context
+// (its window's) and a fixed 16 (the queries of a prefill chunk cost more the
+// later they sit). Shared with the layer loop's streams, so that each thread
+// prefetches the rows its own attention will read.
+inline void query_range(const int64_t* lens, int64_t n, int64_t window, int64_t tid, int64_t nth,
+                        int64_t& lo, int64_t& hi) {
+  auto cost = [&](int64_t b) { return (window > 0 && lens[b] > window ? window : lens[b]) + 16; };
+  int64_t total = 0;
+  for (int64_t b = 0; b < n; ++b) total += cost(b);
+  int64_t acc = 0, b = 0;
+  for (; b < n && acc * nth < total * tid; ++b) acc += cost(b);
+  lo = b;
+  for (; b < n && acc * nth < total * (tid + 1); ++b) acc += cost(b);
+  hi = tid == nth - 1 ? n : b;
+}
+
 // The stream this thread's GEMM tiles feed (packed_gemm.cpp), or null.
 inline thread_local KvPrefetch* tl_kv_prefetch = nullptr;
 
-// Sets this thread's stream for a scope (and clears it, also on an exception).
+// Sets this thread's stream for a scope (and clears it, also on an exception);
+// with `own` false it leaves the pointer alone (a team's streams are set elsewhere).
 struct KvPrefetchScope {
-  explicit KvPrefetchScope(KvPrefetch* p) { tl_kv_prefetch = p; }
-  ~KvPrefetchScope() { tl_kv_prefetch = nullptr; }
+  explicit KvPrefetchScope(KvPrefetch* p, bool own = true) : own_(own) {
+    if (own_) tl_kv_prefetch = p;
+  }
+  ~KvPrefetchScope() {
+    if (own_) tl_kv_prefetch = nullptr;
+  }
   KvPrefetchScope(const KvPrefetchScope&) = delete;
   KvPrefetchScope& operator=(const KvPrefetchScope&) = delete;
+
+ private:
+  bool own_;
 };

@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <exception>
 #include <fstream>
+#include <memory>
 #include <vector>
 
 #include <omp.h>
@@ -65,6 +66,9 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 namespace {
 constexpr size_t kWeights = 8, kInts = 5;
 constexpr int64_t kPrefetchMaxRows = 48;  // a thread's rows, past which the K/V prefetch did not pay
+// Below this many rows the projections are bound by reading the weights, and
+// the prefetch competes with them (layer loop, decode B=4: 10.6-11.2 -> 11.2-13.0 ms).
+constexpr int64_t kTeamPrefetchMinRows = 8;
 
 // This machine's L3 in bytes (Linux sysfs), or 0 where unknown.
 int64_t l3_bytes() {
@@ -104,6 +108,22 @@ void check_stack(const Stack& s, const at::Tensor& hidden, const at::Tensor& pos
   TORCH_CHECK(query_req.numel() == 0 || query_req.numel() == n, "layer_stack: query_req per row or empty");
 }
 
+// Whether a layer's K/V for these queries (the largest layer's: windows may
+// differ) fits 3/4 of L3, where the prefetch of kv_prefetch.h pays.
+bool kv_fits_l3(const std::vector<at::Tensor>& kv_caches, const std::vector<int64_t>& ints,
+                const at::Tensor& seq_lens) {
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t* l = lens.data_ptr<int64_t>();
+  int64_t kv_bytes = 0;
+  for (size_t i = 0; i < kv_caches.size(); ++i) {
+    const int64_t window = ints[kInts * i + 4];
+    int64_t rows = 0;
+    for (int64_t j = 0; j < lens.numel(); ++j) rows += window > 0 ? std::min(l[j], window) : l[j];
+    kv_bytes = std::max(kv_bytes, 2 * rows * kv_caches[i].stride(2) * kv_caches[i].element_size());
+  }
+  return kv_bytes <= l3_bytes() / 4 * 3;
+}
+
 // The stream of K/V rows paged_decode will read for these queries in this
 // cache (int64 contiguous tables, lens, req), in its order.
 KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::Tensor& lens, const at::Tensor& req,
@@ -127,18 +147,40 @@ KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::T
 // Rows h (changed in place) through every layer and the final norm, each
 // kernel with the OpenMP team it gets; `req` empty: query i reads table row i.
 // With `out_rows`, the last layer runs on past its K/V write for those rows
-// only (the result has one row each), as cpu_layers.py does. With
-// `prefetch_kv`, the projections after each layer's attention ask for the
-// next layer's K/V rows of these queries (kv_prefetch.h).
+// only (the result has one row each), as cpu_layers.py does. With a
+// prefetch mode, the projections after each layer's attention ask for the
+// next layer's K/V rows of these queries (kv_prefetch.h): kOwn, all of them
+// (this thread runs every kernel alone, in layer_stack); kTeam, each thread of
+// the OpenMP team the rows its part of the attention kernel will read.
+enum class Prefetch { kNone, kOwn, kTeam };
+
+// Points every thread of the team at its stream for a scope (each stream idle
+// until filled), and clears the pointers again, also on an exception.
+struct TeamStreams {
+  std::vector<KvPrefetch> streams;
+  explicit TeamStreams(int nth) : streams(nth) {
+#pragma omp parallel num_threads(nth)
+    tl_kv_prefetch = &streams[omp_get_thread_num()];
+  }
+  ~TeamStreams() {
+#pragma omp parallel num_threads(static_cast<int>(streams.size()))
+    tl_kv_prefetch = nullptr;
+  }
+  TeamStreams(const TeamStreams&) = delete;
+  TeamStreams& operator=(const TeamStreams&) = delete;
+};
+
 at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const at::Tensor& slots,
                       at::Tensor lens, at::Tensor req, const at::Tensor& tab, const at::Tensor* out_rows,
-                      bool prefetch_kv = false) {
+                      Prefetch prefetch = Prefetch::kNone) {
   const size_t layers = s.kv_caches.size();
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
   at::Tensor residual = h;
   at::Tensor pf_lens, pf_tab, pf_req;  // paged_decode's arguments as the prefetch stream reads them
-  if (prefetch_kv) {
+  std::unique_ptr<TeamStreams> team;
+  if (prefetch == Prefetch::kTeam) team = std::make_unique<TeamStreams>(omp_get_max_threads());
+  if (prefetch != Prefetch::kNone) {
     pf_lens = lens.to(at::kLong).contiguous();
     pf_tab = tab.to(at::kLong).contiguous();
     pf_req = req.numel() ? req.to(at::kLong).contiguous() : req;
@@ -164,10 +206,19 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
       m = out_rows->numel();
     }
     at::Tensor out = paged_decode(q, s.kv_caches[i], tab, lens, s.scales[i], k[4], req);
-    KvPrefetch next_kv;  // fed by the GEMM tiles below, until the end of this layer
-    const bool pf = prefetch_kv && i + 1 < layers && !out_rows;
-    if (pf) next_kv = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.ints[kInts * (i + 1) + 4]);
-    KvPrefetchScope prefetching(pf ? &next_kv : nullptr);
+    // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
+    const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
+    KvPrefetch next_kv;
+    if (pf && !team) next_kv = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.ints[kInts * (i + 1) + 4]);
+    if (pf && team) {
+      const int64_t nth = static_cast<int64_t>(team->streams.size()), window = s.ints[kInts * (i + 1) + 4];
+      for (int64_t t = 0; t < nth; ++t) {
+        KvPrefetch& p = team->streams[t];
+        p = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, window);
+        query_range(pf_lens.data_ptr<int64_t>(), pf_lens.numel(), window, t, nth, p.q, p.q_end);
+      }
+    }
+    KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr, !team);
     h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
     fused_add_rms_norm(h, residual, w[5], s.eps);
     // bf16 and gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
@@ -175,6 +226,8 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
     const at::Tensor act = fused_silu ? packed_gemm_silu(h, w[6], k[2] / 2)
                                       : silu_and_mul(packed_gemm(h, w[6], k[2], at::Tensor(), false));
     h = packed_gemm(act, w[7], k[3], at::Tensor(), false);
+    if (team)
+      for (KvPrefetch& p : team->streams) p.q = p.q_end;  // idle through the next layer's qkv and attention
   }
   fused_add_rms_norm(h, residual, s.final_norm, s.eps);
   return h;
@@ -198,8 +251,26 @@ at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::T
   const Stack s{weights, ints, scales, kv_caches, final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
   check_stack(s, hidden, positions, slot_mapping, seq_lens, query_req);
   if (!all_rows) output_rows = output_rows.to(at::kLong).contiguous();
+  // The K/V prefetch (kv_prefetch.h) as in layer_stack's split steps, each
+  // thread for the queries its part of the bf16 attention kernel takes: for
+  // decode-only steps (no two queries of one request) of 8 to kPrefetchMaxRows
+  // rows. (Not with dynamic teams: a team smaller than the one whose pointers
+  // were set could leave a thread's pointer behind.) Measured against the code
+  // before (decode steps, context 264, medians of 12, alternating processes, 3
+  // rounds, ms): B=8 15.0-15.2 -> 13.8-14.8, B=12 17.3-17.7 -> 16.3-17.2, B=16
+  // 20.7-22.4 -> 18.4-19.5, B=24 28.2-30.6 -> 26.0-26.6; B=4 (off) the same.
+  const bool bf16_kernel = hidden.scalar_type() == at::kBFloat16 &&  // (its split is query_range's)
+                           (head_dim == 32 || head_dim == 64 || head_dim == 128);
+  bool prefetch = !omp_get_dynamic() && bf16_kernel &&
+                  hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
+                  kv_fits_l3(kv_caches, ints, seq_lens);
+  if (prefetch && query_req.numel()) {
+    const at::Tensor r = query_req.to(at::kLong).contiguous();
+    const int64_t* q = r.data_ptr<int64_t>();
+    for (int64_t i = 1; i < r.numel() && prefetch; ++i) prefetch = q[i] != q[i - 1];
+  }
   return run_layers(s, hidden, positions, slot_mapping, seq_lens, query_req, tables,
-                    all_rows ? nullptr : &output_rows);
+                    all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone);
 }
 
 // The cache slots (block * block_size + offset) of the K rows that the
@@ -242,19 +313,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   // At 64 rows a thread it did not pay, even with the K/V well inside L3
   // (B=128, context 160, 15.7 MB: the attention 24.0 -> 23.6 ms a thread, its
   // projections 60.0 -> 64.6).
-  bool prefetch_kv = false;
-  {
-    const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
-    const int64_t* l = lens.data_ptr<int64_t>();
-    int64_t kv_bytes = 0;
-    for (size_t i = 0; i < kv_caches.size(); ++i) {  // the largest layer (windows may differ)
-      const int64_t window = ints[kInts * i + 4];
-      int64_t rows = 0;
-      for (int64_t j = 0; j < n; ++j) rows += window > 0 ? std::min(l[j], window) : l[j];
-      kv_bytes = std::max(kv_bytes, 2 * rows * kv_caches[i].stride(2) * kv_caches[i].element_size());
-    }
-    prefetch_kv = kv_bytes <= l3_bytes() / 4 * 3;
-  }
+  const bool prefetch_kv = kv_fits_l3(kv_caches, ints, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);
@@ -274,7 +333,9 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
         const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
         result.narrow(0, r0, m).copy_(run_layers(s, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
                                                  slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
-                                                 req, tab, nullptr, prefetch_kv && m <= kPrefetchMaxRows));
+                                                 req, tab, nullptr,
+                                                 prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
+                                                                                      : Prefetch::kNone));
       }
     } catch (...) {
       errors[t] = std::current_exception();

@@ -165,10 +165,10 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   }
 }
 
-// rows<> with the K/V prefetch stream fed where this thread has one.
+// rows<> with the K/V prefetch stream fed where this thread has one with rows to go.
 template <bool BF16, int NB, bool SILU = false>
 void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
-  if (tl_kv_prefetch) rows<BF16, NB, SILU, true>(a, m0, m1, w, col, pf);
+  if (tl_kv_prefetch && tl_kv_prefetch->q < tl_kv_prefetch->q_end) rows<BF16, NB, SILU, true>(a, m0, m1, w, col, pf);
   else rows<BF16, NB, SILU, false>(a, m0, m1, w, col, pf);
 }
 

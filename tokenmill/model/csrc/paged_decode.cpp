@@ -22,6 +22,7 @@
 // work (a query costs its context), not of equal query counts.
 #include <torch/extension.h>
 
+#include "kv_prefetch.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -464,7 +465,6 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
 
   auto row_of = [&](int64_t b) { return req ? req[b] : b; };
-  auto query_cost = [&](int64_t b) { return std::min<int64_t>(lens[b], sliding_window > 0 ? sliding_window : lens[b]) + 16; };
   // Whether query b is one of a run of queries of one request at consecutive
   // positions (a prefill chunk of 2 tokens or more): those go in tiles.
   auto follows = [&](int64_t b) {  // query b (> 0) is query b - 1's next position, same request
@@ -482,8 +482,6 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
         rows[t - first] = base + off * row_stride;
     }
   };
-  int64_t cost_total = 0;
-  for (int64_t b = 0; b < num_decodes; ++b) cost_total += query_cost(b);
 
   // Each thread takes a contiguous range of queries, and while it computes one
   // (mostly from its L2 cache after the first pass over K) it prefetches the
@@ -497,18 +495,9 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
     std::vector<uint32_t> qt, tile_probs;
     std::vector<float> tile_scores;
     std::vector<__m512i> vbuf;
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    // Contiguous ranges of about equal work (a query costs its context and a
-    // fixed 16): the queries of a prefill chunk cost more the later they sit.
+    // Contiguous ranges of queries of about equal work (kv_prefetch.h).
     int64_t lo = 0, hi = 0;
-    {
-      const int64_t total = cost_total;
-      int64_t acc = 0, b = 0;
-      for (; b < num_decodes && acc * nth < total * tid; ++b) acc += query_cost(b);
-      lo = b;
-      for (; b < num_decodes && acc * nth < total * (tid + 1); ++b) acc += query_cost(b);
-      hi = tid == nth - 1 ? num_decodes : b;
-    }
+    query_range(lens, num_decodes, sliding_window, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     int64_t pf_t = 0, pf_end = 0;  // next query's tokens [pf_t, pf_end) not yet prefetched
     int64_t pf_blk = 0, pf_off = 0;  // pf_t's block (in the table) and offset in it
     const int64_t* pf_table = nullptr;
