@@ -8,11 +8,11 @@
 // one context row (K and V, every cache line) of the next layer, in the order
 // the kernel will read them: of its own queries in layer_stack's split steps
 // (each thread its own requests through every layer), of the queries its part
-// of the attention kernel takes (query_range) in the layer loop. The rows land in L2 and spill to L3,
-// from where the kernel reads them about twice as fast as from memory
-// (B=64, context 264: the kernel 0.62 ms a layer cold, 0.30 in cache). Only
-// where the layer's K/V fits L3 with room to spare and a thread has at most
-// 48 rows (layer_stack.cpp says what was measured): with 64 rows a thread
+// of the attention kernel takes (query_range) in the layer loop. The rows land
+// in L2 and spill to L3, from where the kernel reads them about twice as fast
+// as from memory (B=64, context 264: the kernel 0.62 ms a layer cold, 0.30 in
+// cache). Only where the layer's K/V fits L3 with room to spare and a thread
+// has at most 48 rows (layer_stack.cpp says what was measured): with 64 rows a thread
 // the projections slowed by as much as the attention gained. In the layer
 // loop only from 8 rows: below, the projections are bound by reading the
 // weights, and the prefetch competes with them.
@@ -85,18 +85,16 @@ inline void query_range(const int64_t* lens, int64_t n, int64_t window, int64_t 
 // The stream this thread's GEMM tiles feed (packed_gemm.cpp), or null.
 inline thread_local KvPrefetch* tl_kv_prefetch = nullptr;
 
-// Sets this thread's stream for a scope (and clears it, also on an exception);
-// with `own` false it leaves the pointer alone (a team's streams are set elsewhere).
+// Points this thread at stream p (if not null) for a scope, and puts back what
+// it pointed at before on the way out, also on an exception.
 struct KvPrefetchScope {
-  explicit KvPrefetchScope(KvPrefetch* p, bool own = true) : own_(own) {
-    if (own_) tl_kv_prefetch = p;
+  explicit KvPrefetchScope(KvPrefetch* p) : prev_(tl_kv_prefetch) {
+    if (p) tl_kv_prefetch = p;
   }
-  ~KvPrefetchScope() {
-    if (own_) tl_kv_prefetch = nullptr;
-  }
+  ~KvPrefetchScope() { tl_kv_prefetch = prev_; }
   KvPrefetchScope(const KvPrefetchScope&) = delete;
   KvPrefetchScope& operator=(const KvPrefetchScope&) = delete;
 
  private:
-  bool own_;
+  KvPrefetch* prev_;
 };

@@ -209,16 +209,15 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvPrefetch next_kv;
-    if (pf && !team) next_kv = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.ints[kInts * (i + 1) + 4]);
-    if (pf && team) {
-      const int64_t nth = static_cast<int64_t>(team->streams.size()), window = s.ints[kInts * (i + 1) + 4];
+    if (pf) next_kv = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.ints[kInts * (i + 1) + 4]);
+    if (pf && team) {  // each thread the queries its part of the kernel takes
+      const int64_t nth = static_cast<int64_t>(team->streams.size());
       for (int64_t t = 0; t < nth; ++t) {
-        KvPrefetch& p = team->streams[t];
-        p = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, window);
-        query_range(pf_lens.data_ptr<int64_t>(), pf_lens.numel(), window, t, nth, p.q, p.q_end);
+        KvPrefetch& p = team->streams[t] = next_kv;
+        query_range(next_kv.lens, next_kv.q_end, next_kv.window, t, nth, p.q, p.q_end);
       }
     }
-    KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr, !team);
+    KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr);
     h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
     fused_add_rms_norm(h, residual, w[5], s.eps);
     // bf16 and gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
