@@ -254,13 +254,21 @@ def test_tied_checkpoint_with_lm_head_and_generation_config(tmp_path: Path) -> N
 
 
 def test_resolve_dtype() -> None:
-    assert resolve_dtype("auto", GGUF_SOURCE, None) == torch.bfloat16
+    assert resolve_dtype("auto", GGUF_SOURCE, None, cpu_bf16=True) == torch.bfloat16
     assert resolve_dtype("auto", HF_SOURCE, None) == torch.float32
     assert resolve_dtype("auto", HF_SOURCE, "float32") == torch.float32
-    assert resolve_dtype("auto", HF_SOURCE, "bfloat16") == torch.bfloat16
-    assert resolve_dtype("auto", HF_SOURCE, "float16", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", HF_SOURCE, "bfloat16", cpu_bf16=True) == torch.bfloat16
+    assert resolve_dtype("auto", HF_SOURCE, "float16", "cpu", cpu_bf16=True) == torch.bfloat16
     assert resolve_dtype("auto", HF_SOURCE, "float16", "cuda:0") == torch.float16
+    assert resolve_dtype("auto", HF_SOURCE, "bfloat16", "cuda:0") == torch.bfloat16
+    assert resolve_dtype("auto", GGUF_SOURCE, None, "cuda") == torch.bfloat16
     assert resolve_dtype("float16", GGUF_SOURCE, None) == torch.float16
+    # A CPU without bf16 arithmetic: float32 where bf16 would be software.
+    assert resolve_dtype("auto", GGUF_SOURCE, None, cpu_bf16=False) == torch.float32
+    assert resolve_dtype("auto", HF_SOURCE, "bfloat16", cpu_bf16=False) == torch.float32
+    assert resolve_dtype("auto", HF_SOURCE, "float16", "cpu", cpu_bf16=False) == torch.float32
+    assert resolve_dtype("bfloat16", GGUF_SOURCE, None, cpu_bf16=False) == torch.bfloat16
+    assert resolve_dtype("auto", GGUF_SOURCE, None) in (torch.bfloat16, torch.float32)
 
 
 def test_loaded_model_uses_requested_dtype(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from tokenmill.config import ModelConfig, ModelSpec
 from tokenmill.model import cpu_kernels, cpu_layers
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model.loader import load_model
+from tokenmill.model.loader import cpu_has_bf16, load_model
 from tokenmill.model.source import ModelNotFoundError, ModelSource, resolve_model_source
 
 BLOCK_SIZE = 4
@@ -554,10 +554,12 @@ def test_gguf_chunks_and_decodes_match_transformers(
 
 @needs_default_model
 def test_gguf_default_dtype_is_bfloat16() -> None:
-    # "auto" is bfloat16 for GGUF; the whole path runs in it and logits are float32.
+    # "auto" is bfloat16 for GGUF (float32 on a CPU without bf16 arithmetic);
+    # the whole path runs in it and logits are float32.
     assert DEFAULT_SOURCE is not None
     model, spec = load_model(ModelConfig(), DEFAULT_SOURCE)
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    expected = torch.bfloat16 if cpu_has_bf16() else torch.float32
+    assert model.model.embed_tokens.weight.dtype == expected
     seq = GGUF_PROMPTS["p0"]
     logits = run_schedule(model, spec, {"p0": seq}, [[("p0", len(seq))]])["p0"]
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

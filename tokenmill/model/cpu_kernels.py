@@ -28,7 +28,7 @@ _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "pack
                                             "layer_stack.cpp")]
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h", _CSRC / "kv_prefetch.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
-              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_supported", "layer_stack",
+              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_dtypes", "layer_stack",
               "layer_loop", "kv_prefetch_rows"]
 _lock = threading.Lock()
 _module: Any = None
@@ -104,8 +104,9 @@ def fused_ops(x: torch.Tensor) -> Any | None:
 
 
 def packed_gemm_ops(x: torch.Tensor) -> Any | None:
-    """The module with packed_gemm when it applies to x (a 2-D bf16 CPU tensor
-    with an even number of columns, or float32; the build has AVX512-BF16), else None."""
+    """The module with packed_gemm when it applies to x (a 2-D CPU tensor:
+    float32 where the build has AVX2 and FMA or AVX512-BF16; bf16 with an even
+    number of columns where it has AVX512-BF16), else None."""
     if x.device.type != "cpu" or x.dim() != 2:
         return None
     if not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0)):
@@ -113,13 +114,13 @@ def packed_gemm_ops(x: torch.Tensor) -> Any | None:
     module = load()
     if module is None:
         return None
-    global _packed_checked
-    if _packed_checked is None:
-        _packed_checked = bool(module.packed_gemm_supported())
-    return module if _packed_checked else None
+    global _packed_dtypes
+    if _packed_dtypes is None:
+        _packed_dtypes = frozenset(module.packed_gemm_dtypes())
+    return module if str(x.dtype).removeprefix("torch.") in _packed_dtypes else None
 
 
-_packed_checked: bool | None = None
+_packed_dtypes: frozenset[str] | None = None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

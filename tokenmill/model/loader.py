@@ -71,20 +71,32 @@ class WeightLoadError(ValueError):
 
 
 def resolve_dtype(
-    dtype: str, source: ModelSource, hf_config_dtype: str | None, device: str = "cpu"
+    dtype: str, source: ModelSource, hf_config_dtype: str | None, device: str = "cpu",
+    cpu_bf16: bool | None = None,
 ) -> torch.dtype:
     """The compute dtype. "auto": bfloat16 for GGUF (dequantized weights); for HF
     directories the checkpoint's dtype, except float16 -> bfloat16 on CPU (CPU
-    float16 kernels are slow and overflow-prone); float32 if the config is silent."""
+    float16 kernels are slow and overflow-prone); float32 if the config is silent.
+    On a CPU without bf16 arithmetic (no AVX512-BF16 or AMX: e.g. AMD Zen 3, or
+    any AVX2-only x86), "auto" gives float32 instead of bfloat16: there every bf16
+    matmul is converted in software (torch, 2 Zen 3 cores: 15 GFLOP/s in bf16
+    against ~60-90 in float32). `cpu_bf16`: whether it has them (None: ask torch)."""
     if dtype != "auto":
         return _DTYPES[dtype]
-    if source.kind == "gguf":
-        return torch.bfloat16
-    if hf_config_dtype == "float16":
-        return torch.float16 if device.startswith("cuda") else torch.bfloat16
-    if hf_config_dtype == "bfloat16":
-        return torch.bfloat16
+    if source.kind == "gguf" or hf_config_dtype in ("float16", "bfloat16"):
+        if device.startswith("cuda"):
+            return torch.float16 if hf_config_dtype == "float16" else torch.bfloat16
+        if cpu_bf16 is None:
+            cpu_bf16 = cpu_has_bf16()
+        return torch.bfloat16 if cpu_bf16 else torch.float32
     return torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic in hardware (AVX512-BF16 or AMX)."""
+    cpu = getattr(torch, "cpu", None)
+    return any(bool(getattr(cpu, name, lambda: False)())
+               for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def load_model(

@@ -27,7 +27,16 @@
 //
 // float32 weights get the same treatment with one K per vector: packed
 // [ceil(N/16), K, 16] (packed[b][k][j] = W[16 b + j][k]), x[k] broadcast, FMAs,
-// y float32. (Built only where AVX512-BF16 is, like the rest of this file.)
+// y float32. Built with AVX512-BF16: both dtypes. Built with AVX2 and FMA only
+// (e.g. Zen 3): float32 alone, each block of 16 outputs as two 8-lane vectors
+// in tiles of up to 6 rows (12 accumulators of the 16 registers); bf16 is
+// left to torch there. packed_gemm_dtypes() says which.
+//
+// Every output is its row's sum over k in order, one FMA a k, whatever the
+// number of rows M or the tile a row falls in: a row's result does not depend
+// on the other rows of the call (torch's float32 matmul through MKL does on
+// Zen 3: a row's bits change with M), so the rows out of a step
+// (output_rows) and a batch of one give the bits of the whole batch.
 #include <torch/extension.h>
 
 #include "kv_prefetch.h"
@@ -35,10 +44,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include <omp.h>
 
 #if defined(__AVX512BF16__)
+#define TOKENMILL_GEMM_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_GEMM_BF16 0
+#endif
+
+#if defined(TOKENMILL_GEMM_BF16)
 #include <immintrin.h>
 
 namespace {
@@ -52,6 +69,7 @@ struct GemmArgs {
   int64_t K, N;
 };
 
+#if TOKENMILL_GEMM_BF16
 // silu(g) * u as fused_ops.cpp's silu_and_mul computes it from bf16 g and u,
 // lane by lane, to the bit: the same float operations in the same order (no
 // fused multiply-adds, as there: built with -ffp-contract=off), rounded to bf16.
@@ -142,6 +160,53 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     }
   }
 }
+
+#else
+// The AVX2 tile (float32 only): the NB blocks one after the other, each in
+// tiles of MT rows x 16 outputs (two 8-lane halves), x[k] broadcast from
+// memory; otherwise as the AVX-512 tile above (prefetches, K/V feed).
+template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* const* pf,
+                 int phase = 0, int every = 1) {
+  static_assert(!BF16 && !SILU, "the AVX2 build computes float32 only");
+  const int64_t steps = a.K;
+  const float* x = static_cast<const float*>(a.x) + m0 * a.K;
+  for (int j = 0; j < NB; ++j) {
+    const float* wj = reinterpret_cast<const float*>(w[j]);
+    const char* pj = pf ? pf[j] : nullptr;
+    __m256 acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    auto step = [&](int64_t kk) __attribute__((always_inline)) {
+      const __m256 w0 = _mm256_loadu_ps(wj + kk * 16), w1 = _mm256_loadu_ps(wj + kk * 16 + 8);
+      if (pj && kk % every == phase) _mm_prefetch(pj + kk * 64, _MM_HINT_T1);
+      for (int i = 0; i < MT; ++i) {
+        const __m256 xb = _mm256_broadcast_ss(x + i * a.K + kk);
+        acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+      }
+    };
+    if constexpr (KV) {
+      for (int64_t k0 = 0; k0 < steps; k0 += 16) {
+        tl_kv_prefetch->next_row();
+        const int64_t k1 = std::min<int64_t>(steps, k0 + 16);
+        for (int64_t kk = k0; kk < k1; ++kk) step(kk);
+      }
+    } else {
+      for (int64_t kk = 0; kk < steps; ++kk) step(kk);
+    }
+    const int64_t n0 = (col + j) * 16, lanes = std::min<int64_t>(16, a.N - n0);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + 8 * h, real = std::min<int64_t>(8, std::max<int64_t>(0, lanes - 8 * h));
+      if (real == 0) break;
+      const __m256 bias = a.bias ? _mm256_loadu_ps(a.bias + n) : _mm256_setzero_ps();
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(real)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int i = 0; i < MT; ++i)
+        _mm256_maskstore_ps(a.y32 + (m0 + i) * a.N + n, mask, _mm256_add_ps(acc[i][h], bias));
+    }
+  }
+}
+#endif
 
 // Rows [m0, m1) times the NB blocks at w: tiles of MT rows, then one of the
 // rest. The next group's weights are prefetched over the first tiles, a
@@ -242,7 +307,10 @@ void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::T
 
 }  // namespace
 
-bool packed_gemm_supported() { return true; }
+std::vector<std::string> packed_gemm_dtypes() {
+  if (TOKENMILL_GEMM_BF16) return {"bfloat16", "float32"};
+  return {"float32"};
+}
 
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
   NoGil no_gil;
@@ -250,6 +318,7 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
               "packed_gemm takes bfloat16 or float32 x and weights of the same dtype");
+  TORCH_CHECK(!bf16 || TOKENMILL_GEMM_BF16, "packed_gemm: bfloat16 needs AVX512-BF16 (built without it)");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
               "packed_gemm: x [M, K], packed [ceil(N/16), K/2, 16, 2] (bf16) or [ceil(N/16), K, 16] (float32)");
   const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
@@ -271,8 +340,11 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
   GemmArgs a{x.data_ptr(), packed.data_ptr(), bias32.defined() ? bias32.data_ptr<float>() : nullptr,
              out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              out32 ? y.data_ptr<float>() : nullptr, K, n_out};
+#if TOKENMILL_GEMM_BF16
   if (bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true>(part, rows, nblocks); });
-  else in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks); });
+  else
+#endif
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks); });
   return y;
 }
 
@@ -283,6 +355,7 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
 // up block b + nblocks / 2 in the tiles (so inter a multiple of 16).
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   NoGil no_gil;
+  TORCH_CHECK(TOKENMILL_GEMM_BF16, "packed_gemm_silu needs AVX512-BF16 (built without it)");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
               packed.scalar_type() == at::kBFloat16 && x.dim() == 2 && packed.dim() == 4 &&
               packed.size(2) == 16 && packed.size(3) == 2,
@@ -296,13 +369,15 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   if (M == 0) return y;
   GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              nullptr, K, inter};
+#if TOKENMILL_GEMM_BF16
   in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
+#endif
   return y;
 }
 #else
-bool packed_gemm_supported() { return false; }
+std::vector<std::string> packed_gemm_dtypes() { return {}; }
 at::Tensor packed_gemm(at::Tensor x, at::Tensor, int64_t, at::Tensor, bool) {
-  TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 (built without it)");
+  TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor, int64_t) {
