@@ -56,7 +56,7 @@ def decode_case(
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
 @pytest.mark.parametrize("sliding_window", [None, 7])
 # 8: the plain C++ loop; 16: AVX-512 on float32 rows; 64, 128: AVX512-BF16 for bf16.
-@pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
 def test_paged_decode_kernel_matches_torch(
     kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
     sliding_window: int | None, head_dim: int,

@@ -653,6 +653,171 @@ static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
     default: return false;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------------------
+// AVX2 path (e.g. Zen 3): the AVX-512 kernel above with 8-lane vectors. Scores
+// for 8 tokens at a time, folded into one vector by horizontal adds; exp
+// vectorised; the weighted sum of V in registers (head_dim / 8 vectors).
+// Default model, float32, B=64 at context 272, 30 layers, 2 threads: 150 ms
+// in the plain loops above, see paged_decode_fast for this one.
+#include <immintrin.h>
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// r[j] = sum of the lanes of v[j], j = 0..7.
+static inline __m256 hsum8x8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // halves: v0-3, v4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+static inline float hadd8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// exp(x) for x <= 0 (scores minus their max), as exp16 in cpu_vec.h; 2^n through
+// the exponent bits (n >= -127: 2^-127 comes out as 0).
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+template <typename scalar_t, int C>  // C = head_dim / 8
+static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+  constexpr int64_t head_dim = 8 * C;
+  const int64_t num_decodes = q.size(0), num_heads = q.size(1);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t kv_stride = num_blocks * block_size * num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * num_kv_heads * head_dim;
+  const int64_t row_stride = num_kv_heads * head_dim;
+
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const int64_t q_row = q.stride(0);
+  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
+    for (int64_t j = t; j < std::min(t + 8, n); ++j) {
+      const char* k = reinterpret_cast<const char*>(rows[j]);
+      const char* v = reinterpret_cast<const char*>(rows[j] + kv_stride);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        _mm_prefetch(k + off, _MM_HINT_T0);
+        _mm_prefetch(v + off, _MM_HINT_T0);
+      }
+    }
+  };
+
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<const scalar_t*> rows;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_decodes; ++b) {
+      const int64_t seq_len = lens[b];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      const int64_t n = seq_len - first;
+      const int64_t n_pad = (n + 7) & ~int64_t(7);
+      scores.resize(n_pad);
+      rows.resize(n);
+      for (int64_t t = first; t < seq_len; ++t)
+        rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
+                          (t % block_size) * row_stride;
+      prefetch(rows, 0, n);
+      prefetch(rows, 8, n);
+      for (int64_t head = 0; head < num_heads; ++head) {
+        const int64_t kv_off = (head / group) * head_dim;
+        const scalar_t* qh = q_ptr + b * q_row + head * head_dim;
+        __m256 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm256_mul_ps(load8(qh + 8 * c), vscale);
+        float* s = scores.data();
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+          if (head == 0) prefetch(rows, t0 + 16, n);
+          const int64_t cnt = std::min<int64_t>(8, n - t0);
+          __m256 acc[8];
+          for (int64_t j = 0; j < 8; ++j) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            if (j < cnt) {
+              const scalar_t* kr = rows[t0 + j] + kv_off;
+              for (int c = 0; c + 1 < C; c += 2) {
+                a0 = _mm256_fmadd_ps(qv[c], load8(kr + 8 * c), a0);
+                a1 = _mm256_fmadd_ps(qv[c + 1], load8(kr + 8 * c + 8), a1);
+              }
+              if (C % 2) a0 = _mm256_fmadd_ps(qv[C - 1], load8(kr + 8 * (C - 1)), a0);
+            }
+            acc[j] = _mm256_add_ps(a0, a1);
+          }
+          _mm256_storeu_ps(s + t0, hsum8x8(acc));
+        }
+        for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
+        __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t i = 0; i < n_pad; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+        const __m256 m = _mm256_set1_ps(hmax8(vmax));
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n_pad; i += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+          _mm256_storeu_ps(s + i, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        const __m256 inv = _mm256_set1_ps(1.f / hadd8(vsum));
+        __m256 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* vr = rows[t] + kv_stride + kv_off;
+          const __m256 p = _mm256_set1_ps(s[t]);
+          for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), o[c]);
+        }
+        alignas(32) float res[head_dim];
+        for (int c = 0; c < C; ++c) _mm256_store_ps(res + 8 * c, _mm256_mul_ps(o[c], inv));
+        scalar_t* oh = out_ptr + (b * num_heads + head) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: paged_decode_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 64: paged_decode_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 128: paged_decode_avx2<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    default: return false;
+  }
+}
 #else
 template <typename scalar_t>
 static bool paged_decode_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
