@@ -111,11 +111,14 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t next_pf = pf ? phase : steps;  // the next step that prefetches (no division a step)
   auto step = [&](int64_t kk) __attribute__((always_inline)) {
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w[j] + kk * 64);
-    if (pf && kk % every == phase)
+    if (kk == next_pf) {
       for (int j = 0; j < NB; ++j) _mm_prefetch(pf[j] + kk * 64, _MM_HINT_T1);
+      next_pf += every;
+    }
     for (int i = 0; i < MT; ++i) {
       if constexpr (BF16) {  // x[i][2kk], x[i][2kk+1] as one 32-bit pair
         const int32_t* x = static_cast<const int32_t*>(a.x) + (m0 + i) * steps;
@@ -176,9 +179,13 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     const char* pj = pf ? pf[j] : nullptr;
     __m256 acc[MT][2];
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    int64_t next_pf = pj ? phase : steps;  // the next step that prefetches (no division a step)
     auto step = [&](int64_t kk) __attribute__((always_inline)) {
       const __m256 w0 = _mm256_loadu_ps(wj + kk * 16), w1 = _mm256_loadu_ps(wj + kk * 16 + 8);
-      if (pj && kk % every == phase) _mm_prefetch(pj + kk * 64, _MM_HINT_T1);
+      if (kk == next_pf) {
+        _mm_prefetch(pj + kk * 64, _MM_HINT_T1);
+        next_pf += every;
+      }
       for (int i = 0; i < MT; ++i) {
         const __m256 xb = _mm256_broadcast_ss(x + i * a.K + kk);
         acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
