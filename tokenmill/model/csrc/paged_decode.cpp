@@ -705,11 +705,76 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// The G query heads of one KV head (GQA) of one query, together: each K and V
+// row is read once for all of them (from L2, where a request's K/V sits after
+// the first pass) instead of once a head. rows: the request's K rows; s: G
+// score rows of n_pad; qs: G pre-scaled query heads; res: G output heads.
+template <typename scalar_t, int C, int G>
+static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kv_off,
+                              int64_t kv_stride, const float* qs, float* s, float* res) {
+  constexpr int64_t D = 8 * C;
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores, 8 tokens at a time
+    const int64_t cnt = std::min<int64_t>(8, n - t0);
+    __m256 acc[G][8];
+    for (int64_t j = 0; j < 8; ++j) {
+      __m256 a0[G], a1[G];
+      for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+      if (j < cnt) {
+        const scalar_t* kr = rows[t0 + j] + kv_off;
+        for (int c = 0; c < C; ++c) {
+          const __m256 k = load8(kr + 8 * c);
+          for (int g = 0; g < G; ++g) {
+            if (c % 2) a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + 8 * c), k, a1[g]);
+            else a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + 8 * c), k, a0[g]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) acc[g][j] = _mm256_add_ps(a0[g], a1[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n_pad + t0, hsum8x8(acc[g]));
+  }
+  __m256 inv[G];
+  for (int g = 0; g < G; ++g) {  // softmax (in float32): padding lanes get -inf, so exp gives 0
+    float* sg = s + g * n_pad;
+    for (int64_t i = n; i < n_pad; ++i) sg[i] = -std::numeric_limits<float>::infinity();
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n_pad; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
+    const __m256 m = _mm256_set1_ps(hmax8(vmax));
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n_pad; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
+      _mm256_storeu_ps(sg + i, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    inv[g] = _mm256_set1_ps(1.f / hadd8(vsum));
+  }
+  // out = sum_t p_t v_t / sum: CH vectors of each head's output at a time in registers.
+  constexpr int CH = G <= 3 ? 4 : 2;
+  static_assert(C % CH == 0, "head_dim / 8 a multiple of the chunk");
+  for (int c0 = 0; c0 < C; c0 += CH) {
+    __m256 o[G][CH];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) o[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* vr = rows[t] + kv_stride + kv_off + 8 * c0;
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(s + g * n_pad + t);
+      for (int c = 0; c < CH; ++c) {
+        const __m256 v = load8(vr + 8 * c);
+        for (int g = 0; g < G; ++g) o[g][c] = _mm256_fmadd_ps(p[g], v, o[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(res + g * D + 8 * (c0 + c), _mm256_mul_ps(o[g][c], inv[g]));
+  }
+}
+
 template <typename scalar_t, int C>  // C = head_dim / 8
 static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
   constexpr int64_t head_dim = 8 * C;
+  constexpr int GM = 4;  // query heads of a KV head taken together (more: in turns)
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -726,22 +791,23 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
+  const float fscale = static_cast<float>(scale);
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
-    for (int64_t j = t; j < std::min(t + 8, n); ++j) {
+  // Ask for the K and V rows (all KV heads) of all context tokens, front to back.
+  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) {
       const char* k = reinterpret_cast<const char*>(rows[j]);
       const char* v = reinterpret_cast<const char*>(rows[j] + kv_stride);
       for (int64_t off = 0; off < row_bytes; off += 64) {
-        _mm_prefetch(k + off, _MM_HINT_T0);
-        _mm_prefetch(v + off, _MM_HINT_T0);
+        _mm_prefetch(k + off, _MM_HINT_T1);
+        _mm_prefetch(v + off, _MM_HINT_T1);
       }
     }
   };
 
 #pragma omp parallel
   {
-    std::vector<float> scores;
+    std::vector<float> scores, qs(GM * head_dim), res(GM * head_dim);
     std::vector<const scalar_t*> rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_decodes; ++b) {
@@ -749,59 +815,28 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t n = seq_len - first;
       const int64_t n_pad = (n + 7) & ~int64_t(7);
-      scores.resize(n_pad);
+      scores.resize(GM * n_pad);
       rows.resize(n);
       for (int64_t t = first; t < seq_len; ++t)
         rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
-      prefetch(rows, 0, n);
-      prefetch(rows, 8, n);
-      for (int64_t head = 0; head < num_heads; ++head) {
-        const int64_t kv_off = (head / group) * head_dim;
-        const scalar_t* qh = q_ptr + b * q_row + head * head_dim;
-        __m256 qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = _mm256_mul_ps(load8(qh + 8 * c), vscale);
-        float* s = scores.data();
-        for (int64_t t0 = 0; t0 < n; t0 += 8) {
-          if (head == 0) prefetch(rows, t0 + 16, n);
-          const int64_t cnt = std::min<int64_t>(8, n - t0);
-          __m256 acc[8];
-          for (int64_t j = 0; j < 8; ++j) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            if (j < cnt) {
-              const scalar_t* kr = rows[t0 + j] + kv_off;
-              for (int c = 0; c + 1 < C; c += 2) {
-                a0 = _mm256_fmadd_ps(qv[c], load8(kr + 8 * c), a0);
-                a1 = _mm256_fmadd_ps(qv[c + 1], load8(kr + 8 * c + 8), a1);
-              }
-              if (C % 2) a0 = _mm256_fmadd_ps(qv[C - 1], load8(kr + 8 * (C - 1)), a0);
-            }
-            acc[j] = _mm256_add_ps(a0, a1);
+      prefetch(rows, n);
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        for (int64_t g0 = 0; g0 < group; g0 += GM) {
+          const int gc = static_cast<int>(std::min<int64_t>(GM, group - g0));
+          const int64_t h0 = kvh * group + g0;
+          const scalar_t* qh = q_ptr + b * q_row + h0 * head_dim;
+          for (int64_t i = 0; i < gc * head_dim; ++i) qs[i] = static_cast<float>(qh[i]) * fscale;
+          const int64_t kv_off = kvh * head_dim;
+          switch (gc) {
+            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
           }
-          _mm256_storeu_ps(s + t0, hsum8x8(acc));
+          scalar_t* oh = out_ptr + (b * num_heads + h0) * head_dim;
+          for (int64_t i = 0; i < gc * head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
         }
-        for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
-        __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t i = 0; i < n_pad; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
-        const __m256 m = _mm256_set1_ps(hmax8(vmax));
-        __m256 vsum = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n_pad; i += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
-          _mm256_storeu_ps(s + i, e);
-          vsum = _mm256_add_ps(vsum, e);
-        }
-        const __m256 inv = _mm256_set1_ps(1.f / hadd8(vsum));
-        __m256 o[C];
-        for (int c = 0; c < C; ++c) o[c] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* vr = rows[t] + kv_stride + kv_off;
-          const __m256 p = _mm256_set1_ps(s[t]);
-          for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), o[c]);
-        }
-        alignas(32) float res[head_dim];
-        for (int c = 0; c < C; ++c) _mm256_store_ps(res + 8 * c, _mm256_mul_ps(o[c], inv));
-        scalar_t* oh = out_ptr + (b * num_heads + head) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
       }
     }
   }
