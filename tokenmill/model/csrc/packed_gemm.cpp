@@ -69,6 +69,22 @@ struct GemmArgs {
   int64_t K, N;
 };
 
+// step(kk) for kk = 0 .. steps - 1; with KV, this thread's K/V prefetch stream
+// (kv_prefetch.h) fed one row every 16 steps, outside the inner loop (a check
+// inside it cost 12% at 64+ rows).
+template <bool KV, typename Step>
+__attribute__((always_inline)) inline void k_loop(int64_t steps, Step& step) {
+  if constexpr (KV) {
+    for (int64_t k0 = 0; k0 < steps; k0 += 16) {
+      tl_kv_prefetch->next_row();
+      const int64_t k1 = std::min<int64_t>(steps, k0 + 16);
+      for (int64_t kk = k0; kk < k1; ++kk) step(kk);
+    }
+  } else {
+    for (int64_t kk = 0; kk < steps; ++kk) step(kk);
+  }
+}
+
 #if TOKENMILL_GEMM_BF16
 // silu(g) * u as fused_ops.cpp's silu_and_mul computes it from bf16 g and u,
 // lane by lane, to the bit: the same float operations in the same order (no
@@ -102,8 +118,7 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
 // SILU: the blocks are (gate, up) pairs, and the tile writes silu(gate) * up
 // (one block of outputs a pair) instead of the sums: `col` is the first output
 // block (in y's columns / 16) of block 0 (of pair 0 with SILU).
-// KV: this thread feeds its K/V prefetch stream (kv_prefetch.h) one row every
-// 16 steps, outside the inner loop (a check inside it cost 12% at 64+ rows).
+// KV: this thread feeds its K/V prefetch stream (k_loop).
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* const* pf,
                  int phase = 0, int every = 1) {
@@ -130,15 +145,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       }
     }
   };
-  if constexpr (KV) {
-    for (int64_t k0 = 0; k0 < steps; k0 += 16) {
-      tl_kv_prefetch->next_row();
-      const int64_t k1 = std::min<int64_t>(steps, k0 + 16);
-      for (int64_t kk = k0; kk < k1; ++kk) step(kk);
-    }
-  } else {
-    for (int64_t kk = 0; kk < steps; ++kk) step(kk);
-  }
+  k_loop<KV>(steps, step);
   if constexpr (SILU) {  // (bf16 only; N: the outputs, one per pair lane; no bias)
     for (int j = 0; j < NB; j += 2) {
       const int64_t n0 = (col + j / 2) * 16;
@@ -192,15 +199,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
         acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
       }
     };
-    if constexpr (KV) {
-      for (int64_t k0 = 0; k0 < steps; k0 += 16) {
-        tl_kv_prefetch->next_row();
-        const int64_t k1 = std::min<int64_t>(steps, k0 + 16);
-        for (int64_t kk = k0; kk < k1; ++kk) step(kk);
-      }
-    } else {
-      for (int64_t kk = 0; kk < steps; ++kk) step(kk);
-    }
+    k_loop<KV>(steps, step);
     const int64_t n0 = (col + j) * 16, lanes = std::min<int64_t>(16, a.N - n0);
     for (int h = 0; h < 2; ++h) {
       const int64_t n = n0 + 8 * h, real = std::min<int64_t>(8, std::max<int64_t>(0, lanes - 8 * h));
