@@ -709,11 +709,15 @@ static inline __m256 exp8(__m256 x) {
 // row is read once for all of them (from L2, where a request's K/V sits after
 // the first pass) instead of once a head. rows: the request's K rows; s: G
 // score rows of n_pad; qs: G pre-scaled query heads; res: G output heads.
-template <typename scalar_t, int C, int G>
+// prefetch(t): ask for the rows from token t on (the first group's pass, which
+// reads the request's K/V from memory).
+template <typename scalar_t, int C, int G, typename Prefetch>
 static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kv_off,
-                              int64_t kv_stride, const float* qs, float* s, float* res) {
+                              int64_t kv_stride, const float* qs, float* s, float* res,
+                              const Prefetch* prefetch) {
   constexpr int64_t D = 8 * C;
   for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores, 8 tokens at a time
+    if (prefetch) (*prefetch)(t0 + 16);
     const int64_t cnt = std::min<int64_t>(8, n - t0);
     __m256 acc[G][8];
     for (int64_t j = 0; j < 8; ++j) {
@@ -793,9 +797,9 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-  // Ask for the K and V rows (all KV heads) of all context tokens, front to back.
-  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) {
+  // Ask for the K and V rows (all KV heads) of context tokens [t, t + 8).
+  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
+    for (int64_t j = t; j < std::min(t + 8, n); ++j) {
       const char* k = reinterpret_cast<const char*>(rows[j]);
       const char* v = reinterpret_cast<const char*>(rows[j] + kv_stride);
       for (int64_t off = 0; off < row_bytes; off += 64) {
@@ -820,7 +824,9 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t = first; t < seq_len; ++t)
         rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
-      prefetch(rows, n);
+      prefetch(rows, 0, n);
+      prefetch(rows, 8, n);
+      const auto ahead = [&](int64_t t) { prefetch(rows, t, n); };
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         for (int64_t g0 = 0; g0 < group; g0 += GM) {
           const int gc = static_cast<int>(std::min<int64_t>(GM, group - g0));
@@ -828,11 +834,12 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
           const scalar_t* qh = q_ptr + b * q_row + h0 * head_dim;
           for (int64_t i = 0; i < gc * head_dim; ++i) qs[i] = static_cast<float>(qh[i]) * fscale;
           const int64_t kv_off = kvh * head_dim;
+          const auto* pf = kvh == 0 && g0 == 0 ? &ahead : nullptr;
           switch (gc) {
-            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
-            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
-            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
-            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
+            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
+            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
+            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
           }
           scalar_t* oh = out_ptr + (b * num_heads + h0) * head_dim;
           for (int64_t i = 0; i < gc * head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
