@@ -30,6 +30,12 @@ _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h", _CSRC / "kv_prefetch.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
               "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_dtypes", "layer_stack",
               "layer_loop", "kv_prefetch_rows"]
+# No fused multiply-adds where the source does not ask for them: float32
+# results then round as torch's separate ops do. -fno-trapping-math (values
+# unchanged: no reassociation, no contraction) lets GCC vectorise loops with
+# a select in them on AVX2, where without masked instructions it keeps them
+# scalar: silu_and_mul's clamp (scalar vdivss on a Zen 3 before).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -67,16 +73,14 @@ def load() -> Any | None:
                     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
                 sources = [path.read_text() for path in _SOURCES]
-                # The name carries a hash of the sources, so an edit rebuilds them.
+                # The name carries a hash of the sources and flags, so an edit rebuilds them.
                 headers = [path.read_text() for path in _HEADERS]
-                digest = hashlib.sha256("\n".join(sources + headers).encode()).hexdigest()[:12]
+                digest = hashlib.sha256("\n".join(sources + headers + _CFLAGS).encode()).hexdigest()[:12]
                 _module = load_inline(
                     name=f"tokenmill_cpu_kernels_{digest}",
                     cpp_sources=sources,
                     functions=_FUNCTIONS,
-                    # No fused multiply-adds where the source does not ask for
-                    # them: float32 results then round as torch's separate ops do.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_cflags=_CFLAGS,
                     extra_include_paths=[str(_CSRC)],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
