@@ -22,6 +22,16 @@
 #include <cstdint>
 #include <xmmintrin.h>
 
+// Every cache line of one K row (row_bytes from k) and of its V row (v_off
+// bytes after it), into the cache level Hint names (_MM_HINT_T0, _MM_HINT_T1).
+template <auto Hint>
+inline void prefetch_kv_row(const char* k, int64_t v_off, int64_t row_bytes) {
+  for (int64_t o = 0; o < row_bytes; o += 64) {
+    _mm_prefetch(k + o, Hint);
+    _mm_prefetch(k + v_off + o, Hint);
+  }
+}
+
 struct KvPrefetch {
   const char* k = nullptr;          // the layer's K (bytes); each row's V sits v_off bytes after it
   int64_t v_off = 0;
@@ -57,11 +67,7 @@ struct KvPrefetch {
   // Every cache line of one K row and of its V row.
   inline void next_row() {
     if (q >= q_end) return;
-    const char* row = take_row();
-    for (int64_t o = 0; o < row_bytes; o += 64) {
-      _mm_prefetch(row + o, _MM_HINT_T1);
-      _mm_prefetch(row + v_off + o, _MM_HINT_T1);
-    }
+    prefetch_kv_row<_MM_HINT_T1>(take_row(), v_off, row_bytes);
   }
 };
 

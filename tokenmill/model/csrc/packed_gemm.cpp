@@ -221,9 +221,10 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     // accumulators stay in registers through the K loop.
     const int64_t n0 = (col + j) * 16, lanes = std::min<int64_t>(16, a.N - n0);
     float* y = a.y32 + m0 * a.N + n0;
-    const __m256 zero = _mm256_setzero_ps();  // + 0 leaves the sum as it is
+    // (the bias is padded to whole blocks; + 0 leaves the sum as it is)
+    const __m256 b0 = a.bias ? _mm256_loadu_ps(a.bias + n0) : _mm256_setzero_ps();
+    const __m256 b1 = a.bias ? _mm256_loadu_ps(a.bias + n0 + 8) : _mm256_setzero_ps();
     if (lanes == 16) {
-      const __m256 b0 = a.bias ? _mm256_loadu_ps(a.bias + n0) : zero, b1 = a.bias ? _mm256_loadu_ps(a.bias + n0 + 8) : zero;
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         _mm256_storeu_ps(y + i * a.N, _mm256_add_ps(acc[i][0], b0));
@@ -233,7 +234,6 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256i m0_ = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), lane);
       const __m256i m1_ = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes) - 8), lane);
-      const __m256 b0 = a.bias ? _mm256_loadu_ps(a.bias + n0) : zero, b1 = a.bias ? _mm256_loadu_ps(a.bias + n0 + 8) : zero;
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         _mm256_maskstore_ps(y + i * a.N, m0_, _mm256_add_ps(acc[i][0], b0));

@@ -163,16 +163,11 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t kv_bytes = kv_stride * static_cast<int64_t>(sizeof(scalar_t));  // K row -> its V row
   // Ask for the K and V rows of context tokens [t, t + 16) ahead of their use.
   auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
-    for (int64_t j = t; j < std::min(t + 16, n); ++j) {
-      const char* k = reinterpret_cast<const char*>(rows[j]);
-      const char* v = reinterpret_cast<const char*>(rows[j] + kv_stride);
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        _mm_prefetch(k + off, _MM_HINT_T0);
-        _mm_prefetch(v + off, _MM_HINT_T0);
-      }
-    }
+    for (int64_t j = t; j < std::min(t + 16, n); ++j)
+      prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
   };
 
   // One task per request: its K/V (all KV heads) stays in this core's cache
@@ -463,6 +458,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   }
   const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t kv_bytes = kv_stride * static_cast<int64_t>(sizeof(scalar_t));  // K row -> its V row
 
   auto row_of = [&](int64_t b) { return req ? req[b] : b; };
   // Whether query b is one of a run of queries of one request at consecutive
@@ -508,11 +504,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
           pf_off = 0;
           ++pf_blk;
         }
-        const char* v = k + kv_stride * static_cast<int64_t>(sizeof(scalar_t));
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          _mm_prefetch(k + off, _MM_HINT_T1);
-          _mm_prefetch(v + off, _MM_HINT_T1);
-        }
+        prefetch_kv_row<_MM_HINT_T1>(k, kv_bytes, row_bytes);
       }
     };
     for (int64_t b = lo; b < hi; ++b) {
@@ -550,10 +542,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
       }
       if (!prefetched)
         for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j)
-          for (int64_t off = 0; off < row_bytes; off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
-          }
+          prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const int64_t kv_off = kvh * head_dim;
         // Scores of every query head that reads this KV head, up to 3 heads a pass over K.
@@ -565,10 +554,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
             prefetch_rows(gc);  // as many rows as one per head per 8 keys
             if (kvh == 0 && g0 == 0 && !prefetched && (t0 & 15) == 0)  // the next 16 tokens' rows, all heads
               for (int64_t j = t0 + 16; j < std::min(t0 + 32, n); ++j)
-                for (int64_t off = 0; off < row_bytes; off += 64) {
-                  _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
-                  _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kv_stride) + off, _MM_HINT_T0);
-                }
+                prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
           };
           const __m256 vs8 = _mm512_castps512_ps256(vscale);
           if (gc == 3) group_scores<P, 3>(rows.data(), n, n_pad, kv_off, q0, head_dim, s0, vs8, pf);
@@ -797,16 +783,11 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t kv_bytes = kv_stride * static_cast<int64_t>(sizeof(scalar_t));  // K row -> its V row
   // Ask for the K and V rows (all KV heads) of context tokens [t, t + 8).
   auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
-    for (int64_t j = t; j < std::min(t + 8, n); ++j) {
-      const char* k = reinterpret_cast<const char*>(rows[j]);
-      const char* v = reinterpret_cast<const char*>(rows[j] + kv_stride);
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        _mm_prefetch(k + off, _MM_HINT_T1);
-        _mm_prefetch(v + off, _MM_HINT_T1);
-      }
-    }
+    for (int64_t j = t; j < std::min(t + 8, n); ++j)
+      prefetch_kv_row<_MM_HINT_T1>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
   };
 
 #pragma omp parallel
