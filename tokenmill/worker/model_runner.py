@@ -10,6 +10,7 @@ prompt_logprobs), and samples.
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 import torch
@@ -32,14 +33,28 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On the CPU it comes from calloc (via numpy), whose
-    large blocks are fresh pages the OS zero-fills on first touch: a 4 GiB KV cache
-    costs nothing until used, where torch.zeros would spend seconds writing it.
-    (Zeros matter: masked-out cache slots must hold finite values.)"""
+    """A zero-filled tensor. On the CPU it is an anonymous memory map: fresh pages
+    the OS zero-fills on first touch, so a 4 GiB KV cache costs nothing until
+    used, where torch.zeros would spend seconds writing it. (Zeros matter:
+    masked-out cache slots must hold finite values.)
+
+    The map asks for transparent huge pages (MADV_HUGEPAGE; Linux's default
+    mode gives them only where asked). On 4 KiB pages, touched block by block
+    as prefills write them, the attention kernel read a decode step's K/V at
+    half the speed of the same bytes in a fresh copy (Zen 3, float32, B=128,
+    30 layers: 2.8 vs 5.9 GB/s one thread); decode steps B=128 ~680 -> ~490
+    ms, B=64 ~370 -> ~300 (context 264, bench roofline's set-up)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # (not a POSIX system)
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    buf = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 class ModelRunner:
