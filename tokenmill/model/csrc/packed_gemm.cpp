@@ -232,12 +232,12 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       }
     } else {  // the last block of an N that is not a multiple of 16: its real lanes only
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256i m0_ = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), lane);
-      const __m256i m1_ = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes) - 8), lane);
+      const __m256i mask0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), lane);
+      const __m256i mask1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes) - 8), lane);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
-        _mm256_maskstore_ps(y + i * a.N, m0_, _mm256_add_ps(acc[i][0], b0));
-        _mm256_maskstore_ps(y + i * a.N + 8, m1_, _mm256_add_ps(acc[i][1], b1));
+        _mm256_maskstore_ps(y + i * a.N, mask0, _mm256_add_ps(acc[i][0], b0));
+        _mm256_maskstore_ps(y + i * a.N + 8, mask1, _mm256_add_ps(acc[i][1], b1));
       }
     }
   }
