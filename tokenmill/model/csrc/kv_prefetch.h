@@ -22,13 +22,28 @@
 #include <cstdint>
 #include <xmmintrin.h>
 
+// One cache line into the level Hint names (_MM_HINT_T0, _T1, _T2, _NTA), as
+// _mm_prefetch does, but never dropped by the compiler: GCC 12 (-O1 and up)
+// deleted every prefetch of a lambda that did nothing else (it finds such a
+// lambda free of side effects and drops the call), which left the AVX2 and
+// AVX-512 float attention kernels without the prefetches their source asked
+// for (objdump: no prefetch instruction in them; paged_decode.cpp says what
+// they measured once made to work). An asm volatile statement stays.
+template <auto Hint>
+inline void prefetch_line(const char* p) {
+  if constexpr (Hint == _MM_HINT_T0) asm volatile("prefetcht0 %0" : : "m"(*p));
+  else if constexpr (Hint == _MM_HINT_T1) asm volatile("prefetcht1 %0" : : "m"(*p));
+  else if constexpr (Hint == _MM_HINT_T2) asm volatile("prefetcht2 %0" : : "m"(*p));
+  else asm volatile("prefetchnta %0" : : "m"(*p));
+}
+
 // Every cache line of one K row (row_bytes from k) and of its V row (v_off
-// bytes after it), into the cache level Hint names (_MM_HINT_T0, _MM_HINT_T1).
+// bytes after it), into the cache level Hint names.
 template <auto Hint>
 inline void prefetch_kv_row(const char* k, int64_t v_off, int64_t row_bytes) {
   for (int64_t o = 0; o < row_bytes; o += 64) {
-    _mm_prefetch(k + o, Hint);
-    _mm_prefetch(k + v_off + o, Hint);
+    prefetch_line<Hint>(k + o);
+    prefetch_line<Hint>(k + v_off + o);
   }
 }
 

@@ -162,16 +162,11 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t kv_bytes = kv_stride * static_cast<int64_t>(sizeof(scalar_t));  // K row -> its V row
-  // Ask for the K and V rows of context tokens [t, t + 16) ahead of their use.
-  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
-    for (int64_t j = t; j < std::min(t + 16, n); ++j)
-      prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
-  };
-
   // One task per request: its K/V (all KV heads) stays in this core's cache
-  // while the KV heads are processed one after another.
+  // while the KV heads are processed one after another. No software prefetch:
+  // the one this kernel had (each token's K and V rows 16 tokens ahead) was
+  // never in the built code (kv_prefetch.h, prefetch_line: GCC dropped the
+  // lambda it sat in), so every measurement of this kernel is without it.
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -187,7 +182,6 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t = first; t < seq_len; ++t)
         rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
-      prefetch(rows, 0, n);
       for (int64_t head = 0; head < num_heads; ++head) {
         const int64_t kv_off = (head / group) * head_dim;
         const scalar_t* qh = q_ptr + b * q_row + head * head_dim;
@@ -196,7 +190,6 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
         float* s = scores.data();
         // Scores, 16 tokens at a time.
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
-          if (head == 0) prefetch(rows, t0 + 16, n);
           const int64_t cnt = std::min<int64_t>(16, n - t0);
           __m512 acc[16];
           for (int64_t j = 0; j < 16; ++j) {
@@ -692,18 +685,30 @@ static inline __m256 exp8(__m256 x) {
 }
 
 // The G query heads of one KV head (GQA) of one query, together: each K and V
-// row is read once for all of them (from L2, where a request's K/V sits after
-// the first pass) instead of once a head. rows: the request's K rows; s: G
-// score rows of n_pad; qs: G pre-scaled query heads; res: G output heads.
-// prefetch(t): ask for the rows from token t on (the first group's pass, which
-// reads the request's K/V from memory).
-template <typename scalar_t, int C, int G, typename Prefetch>
+// line is read once for all of them instead of once a head. rows: the
+// request's K rows; s: G score rows of n_pad; qs: G pre-scaled query heads;
+// res: G output heads.
+//
+// No software prefetch, as measured best (Zen 3, float32, default model, 64
+// queries x 268 tokens over 30 layer caches on huge pages, paired rounds;
+// GB/s of K/V read, one thread / two): the whole-row prefetch this kernel was
+// written with (every K and V row 16 tokens ahead during the first pass) was
+// never in the built code (kv_prefetch.h, prefetch_line); made to work, it
+// read 4.7 / 8.5-9.6 against 5.1 / 9.0-10.7 without. Each pass asking for its own
+// lines 8 tokens ahead: 5.0-5.8 / 8.8-11.3 against 4.3-5.4 / 8.1-10.5 here, but
+// decode steps B=64 278/271 ms against 269/253 in the engine (alternating
+// processes); 4 to 128 tokens ahead, T0/T1/T2/NTA: no better. One
+// sequential sweep (8 tokens, every KV head, then the next 8; same bits):
+// 3.8-4.1 / 7.8-8.6, with prefetch of the next blocks 3.2-4.7. The same
+// sweeps with only a sum of the lines read 10.7 GB/s a thread, and the
+// kernel's arithmetic on a context in cache runs at 23 GB/s-equivalent:
+// this loop's loads and arithmetic overlap worse than not at all, for a
+// reason these experiments did not find.
+template <typename scalar_t, int C, int G>
 static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kv_off,
-                              int64_t kv_stride, const float* qs, float* s, float* res,
-                              const Prefetch* prefetch) {
+                              int64_t kv_stride, const float* qs, float* s, float* res) {
   constexpr int64_t D = 8 * C;
   for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores, 8 tokens at a time
-    if (prefetch) (*prefetch)(t0 + 16);
     const int64_t cnt = std::min<int64_t>(8, n - t0);
     __m256 acc[G][8];
     for (int64_t j = 0; j < 8; ++j) {
@@ -782,13 +787,6 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t kv_bytes = kv_stride * static_cast<int64_t>(sizeof(scalar_t));  // K row -> its V row
-  // Ask for the K and V rows (all KV heads) of context tokens [t, t + 8).
-  auto prefetch = [&](const std::vector<const scalar_t*>& rows, int64_t t, int64_t n) {
-    for (int64_t j = t; j < std::min(t + 8, n); ++j)
-      prefetch_kv_row<_MM_HINT_T1>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
-  };
 
 #pragma omp parallel
   {
@@ -805,9 +803,6 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t = first; t < seq_len; ++t)
         rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
-      prefetch(rows, 0, n);
-      prefetch(rows, 8, n);
-      const auto ahead = [&](int64_t t) { prefetch(rows, t, n); };
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         for (int64_t g0 = 0; g0 < group; g0 += GM) {
           const int gc = static_cast<int>(std::min<int64_t>(GM, group - g0));
@@ -815,12 +810,11 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
           const scalar_t* qh = q_ptr + b * q_row + h0 * head_dim;
           for (int64_t i = 0; i < gc * head_dim; ++i) qs[i] = static_cast<float>(qh[i]) * fscale;
           const int64_t kv_off = kvh * head_dim;
-          const auto* pf = kvh == 0 && g0 == 0 ? &ahead : nullptr;
           switch (gc) {
-            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
-            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
-            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
-            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), pf); break;
+            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
           }
           scalar_t* oh = out_ptr + (b * num_heads + h0) * head_dim;
           for (int64_t i = 0; i < gc * head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
