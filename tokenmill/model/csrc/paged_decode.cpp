@@ -699,11 +699,17 @@ static inline __m256 exp8(__m256 x) {
 // decode steps B=64 278/271 ms against 269/253 in the engine (alternating
 // processes); 4 to 128 tokens ahead, T0/T1/T2/NTA: no better. One
 // sequential sweep (8 tokens, every KV head, then the next 8; same bits):
-// 3.8-4.1 / 7.8-8.6, with prefetch of the next blocks 3.2-4.7. The same
-// sweeps with only a sum of the lines read 10.7 GB/s a thread, and the
-// kernel's arithmetic on a context in cache runs at 23 GB/s-equivalent:
-// this loop's loads and arithmetic overlap worse than not at all, for a
-// reason these experiments did not find.
+// 3.8-4.1 / 7.8-8.6; with the next blocks' rows asked for at once, 3.2-4.7;
+// with each line asked for 8-16 tokens ahead by the loop that reads it then
+// (spread through the arithmetic), 4.4-5.3 / 8.7-9.9: this kernel's speed;
+// copying the request's K rows (then its V rows) into one buffer first and
+// sweeping that: 3.7-4.6 / 6.1-7.1.
+// The same sweeps with only a sum of the lines read 10.7 GB/s a thread, and
+// 8.4-9.7 with 144 FMAs a token on registers beside (independent of the
+// loads; as many as this kernel's); this kernel's arithmetic alone, on a
+// context in cache, runs at 23 GB/s-equivalent. So loads and arithmetic
+// overlap on this core when the arithmetic does not consume the loads, and
+// here they do not, for a reason these experiments did not find.
 template <typename scalar_t, int C, int G>
 static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kv_off,
                               int64_t kv_stride, const float* qs, float* s, float* res) {
