@@ -392,17 +392,19 @@ def test_prefill_chunks_in_tiles_match_torch(
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
 def test_heads_sharing_a_kv_head_get_the_bits_of_one_head_alone(
-    kernel_available: None, head_dim: int, group: int
+    kernel_available: None, dtype: torch.dtype, head_dim: int, group: int
 ) -> None:
-    """bf16 decode scores up to 3 query heads of a KV head in one pass over K:
-    each head gets the bits it gets when it has a KV head of its own (the cache
-    repeated once per head)."""
+    """Decode scores several query heads of a KV head from one read of K (bf16
+    with AVX512-BF16: up to 3 a pass; AVX2: up to 4 in one sweep over the rows,
+    more in passes of 4): each head gets the bits it gets when it has a KV head
+    of its own (the cache repeated once per head)."""
     kernel = cpu_kernels.paged_decode_kernel()
     assert kernel is not None
-    q, kv_cache, meta = decode_case(torch.bfloat16, 2 * group, 2, None, head_dim)
+    q, kv_cache, meta = decode_case(dtype, 2 * group, 2, None, head_dim)
     args = (meta.block_tables, meta.decode_seq_lens, 0.125, 0, torch.empty(0, dtype=torch.int64))
     grouped = kernel(q, kv_cache, *args)
     alone = kernel(q, kv_cache.repeat_interleave(group, dim=3).contiguous(), *args)

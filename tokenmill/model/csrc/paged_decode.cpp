@@ -634,11 +634,10 @@ static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // ---------------------------------------------------------------------------
-// AVX2 path (e.g. Zen 3): the AVX-512 kernel above with 8-lane vectors. Scores
-// for 8 tokens at a time, folded into one vector by horizontal adds; exp
-// vectorised; the weighted sum of V in registers (head_dim / 8 vectors).
-// Default model, float32, B=64 at context 272, 30 layers, 2 threads: 150 ms
-// in the plain loops above, see paged_decode_fast for this one.
+// AVX2 path (e.g. Zen 3), one task per request: scores for 8 tokens at a time,
+// folded into one vector by horizontal adds; exp vectorised; the context's
+// rows read in address order (rows_avx2). Default model, float32, B=64 at
+// context 272, 30 layers, 2 threads: 150 ms in the plain loops above.
 #include <immintrin.h>
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -684,32 +683,27 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// The G query heads of one KV head (GQA) of one query, together: each K and V
-// line is read once for all of them instead of once a head. rows: the
-// request's K rows; s: G score rows of n_pad; qs: G pre-scaled query heads;
-// res: G output heads.
-//
-// No software prefetch, as measured best (Zen 3, float32, default model, 64
-// queries x 268 tokens over 30 layer caches on huge pages, paired rounds;
-// GB/s of K/V read, one thread / two): the whole-row prefetch this kernel was
-// written with (every K and V row 16 tokens ahead during the first pass) was
-// never in the built code (kv_prefetch.h, prefetch_line); made to work, it
-// read 4.7 / 8.5-9.6 against 5.1 / 9.0-10.7 without. Each pass asking for its own
-// lines 8 tokens ahead: 5.0-5.8 / 8.8-11.3 against 4.3-5.4 / 8.1-10.5 here, but
-// decode steps B=64 278/271 ms against 269/253 in the engine (alternating
-// processes); 4 to 128 tokens ahead, T0/T1/T2/NTA: no better. One
-// sequential sweep (8 tokens, every KV head, then the next 8; same bits):
-// 3.8-4.1 / 7.8-8.6; with the next blocks' rows asked for at once, 3.2-4.7;
-// with each line asked for 8-16 tokens ahead by the loop that reads it then
-// (spread through the arithmetic), 4.4-5.3 / 8.7-9.9: this kernel's speed;
-// copying the request's K rows (then its V rows) into one buffer first and
-// sweeping that: 3.7-4.6 / 6.1-7.1.
-// The same sweeps with only a sum of the lines read 10.7 GB/s a thread, and
-// 8.4-9.7 with 144 FMAs a token on registers beside (independent of the
-// loads; as many as this kernel's); this kernel's arithmetic alone, on a
-// context in cache, runs at 23 GB/s-equivalent. So loads and arithmetic
-// overlap on this core when the arithmetic does not consume the loads, and
-// here they do not, for a reason these experiments did not find.
+// Softmax of one score row in place, in float32 (the padding lanes get -inf,
+// so exp gives 0 there); returns 1 / the sum.
+static inline float softmax_row(float* sg, int64_t n, int64_t n_pad) {
+  for (int64_t i = n; i < n_pad; ++i) sg[i] = -std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n_pad; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
+  const __m256 m = _mm256_set1_ps(hmax8(vmax));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n_pad; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
+    _mm256_storeu_ps(sg + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return 1.f / hadd8(vsum);
+}
+
+// The G query heads of one KV head (GQA) of one query, together, in passes
+// over the context: scores, then the weighted sum CH outputs at a time.
+// rows: the request's K rows; s: G score rows of n_pad; qs: G pre-scaled
+// query heads; res: G output heads. For groups of more than 4 query heads a
+// KV head; rows_avx2 below takes the others (it is faster where both apply).
 template <typename scalar_t, int C, int G>
 static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kv_off,
                               int64_t kv_stride, const float* qs, float* s, float* res) {
@@ -735,20 +729,7 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n_pad + t0, hsum8x8(acc[g]));
   }
   __m256 inv[G];
-  for (int g = 0; g < G; ++g) {  // softmax (in float32): padding lanes get -inf, so exp gives 0
-    float* sg = s + g * n_pad;
-    for (int64_t i = n; i < n_pad; ++i) sg[i] = -std::numeric_limits<float>::infinity();
-    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < n_pad; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
-    const __m256 m = _mm256_set1_ps(hmax8(vmax));
-    __m256 vsum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n_pad; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
-      _mm256_storeu_ps(sg + i, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    inv[g] = _mm256_set1_ps(1.f / hadd8(vsum));
-  }
+  for (int g = 0; g < G; ++g) inv[g] = _mm256_set1_ps(softmax_row(s + g * n_pad, n, n_pad));
   // out = sum_t p_t v_t / sum: CH vectors of each head's output at a time in registers.
   constexpr int CH = G <= 3 ? 4 : 2;
   static_assert(C % CH == 0, "head_dim / 8 a multiple of the chunk");
@@ -767,6 +748,86 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CH; ++c) _mm256_storeu_ps(res + g * D + 8 * (c0 + c), _mm256_mul_ps(o[g][c], inv[g]));
+  }
+}
+
+// One query, every head (up to G = 4 query heads a KV head), each context
+// row read front to back, all KV heads, in address order: token t's K row
+// gives its score for every head (8 tokens' vectors wait in buf for one
+// hsum8x8 a head), then, after the softmax, its V row is added into every
+// head's accumulators (acc, in L1). The same operations per head, in the same
+// order, as heads_avx2: the same bits.
+//
+// The order of the reads was what cost (Zen 3, float32, default model, 64
+// queries x 268 tokens over 30 layer caches on huge pages, paired rounds,
+// GB/s of K/V read, one thread / two): heads_avx2's passes, each over one KV
+// head's third of every K row or a sixth of every V row, 4.2-5.1 / 8.5-9.1;
+// this, 6.3-7.2 / 10.6-11.8. A loop of 3 FMAs a load over the same rows
+// streams 8.4-9.6 GB/s in address order and 5.7-6.3 in those passes. Decode
+// steps B=64, context 264, alternating processes: 307/290 -> 243/254 ms.
+// Not better, all against heads_avx2: software prefetch in any form (every
+// K/V row ahead, each pass's own lines 4-128 tokens ahead, T0/T1/T2/NTA:
+// equal or slower in decode steps; the one heads_avx2 was written with was
+// never built: kv_prefetch.h, prefetch_line), blocks of 8 tokens with the KV
+// heads in turn inside each (3.8-4.1 one thread: strided again inside the
+// block), copying a request's rows into one buffer first (3.7-4.6).
+template <typename scalar_t, int C, int G>
+static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
+                      const float* qs, float* s, float* acc, float* buf) {
+  constexpr int64_t D = 8 * C;
+  const int64_t H = kvh_n * G;
+  // Scores: buf[j * H + h] holds token t0 + j's vector for head h until the
+  // 8 of them are folded (hsum8x8) into s[h * n_pad + t0 ..].
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t cnt = std::min<int64_t>(8, n - t0);
+    for (int64_t j = 0; j < 8; ++j) {
+      for (int64_t kvh = 0; kvh < kvh_n; ++kvh) {
+        __m256 a0[G], a1[G];
+        for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+        if (j < cnt) {
+          const scalar_t* kr = rows[t0 + j] + kvh * D;
+          const float* qk = qs + kvh * G * D;
+          for (int c = 0; c < C; ++c) {
+            const __m256 k = load8(kr + 8 * c);
+            for (int g = 0; g < G; ++g) {
+              if (c % 2) a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + g * D + 8 * c), k, a1[g]);
+              else a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + g * D + 8 * c), k, a0[g]);
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(buf + 8 * (j * H + kvh * G + g), _mm256_add_ps(a0[g], a1[g]));
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      __m256 v[8];
+      for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(buf + 8 * (j * H + h));
+      _mm256_storeu_ps(s + h * n_pad + t0, hsum8x8(v));
+    }
+  }
+  std::vector<float> inv(H);
+  for (int64_t h = 0; h < H; ++h) inv[h] = softmax_row(s + h * n_pad, n, n_pad);
+  // Weighted sum: acc[h * D ..] += p[h][t] v_t, token by token.
+  constexpr int CH = G <= 3 ? 4 : 2;
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t kvh = 0; kvh < kvh_n; ++kvh) {
+      const scalar_t* vr = rows[t] + kv_stride + kvh * D;
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(s + (kvh * G + g) * n_pad + t);
+      for (int c0 = 0; c0 < C; c0 += CH) {
+        float* a = acc + kvh * G * D + 8 * c0;
+        for (int c = 0; c < CH; ++c) {
+          const __m256 v = load8(vr + 8 * (c0 + c));
+          for (int g = 0; g < G; ++g)
+            _mm256_storeu_ps(a + g * D + 8 * c, _mm256_fmadd_ps(p[g], v, _mm256_loadu_ps(a + g * D + 8 * c)));
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const __m256 iv = _mm256_set1_ps(inv[h]);
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(acc + h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + 8 * c), iv));
   }
 }
 
@@ -798,6 +859,7 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   {
     std::vector<float> scores, qs(GM * head_dim), res(GM * head_dim);
     std::vector<const scalar_t*> rows;
+    std::vector<float> rscores, qall(num_heads * head_dim), accall(num_heads * head_dim), rbuf(8 * 8 * num_heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_decodes; ++b) {
       const int64_t seq_len = lens[b];
@@ -809,6 +871,22 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t = first; t < seq_len; ++t)
         rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
+      if (group <= GM) {
+        rscores.resize(num_heads * n_pad);
+        const scalar_t* qb = q_ptr + b * q_row;
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) qall[i] = static_cast<float>(qb[i]) * fscale;
+        const scalar_t* const* r = rows.data();
+        float *sp = rscores.data(), *ap = accall.data(), *bp = rbuf.data();
+        switch (group) {
+          case 1: rows_avx2<scalar_t, C, 1>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
+          case 2: rows_avx2<scalar_t, C, 2>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
+          case 3: rows_avx2<scalar_t, C, 3>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
+          default: rows_avx2<scalar_t, C, 4>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
+        }
+        scalar_t* ob = out_ptr + b * num_heads * head_dim;
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = static_cast<scalar_t>(accall[i]);
+        continue;
+      }
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         for (int64_t g0 = 0; g0 < group; g0 += GM) {
           const int gc = static_cast<int>(std::min<int64_t>(GM, group - g0));
