@@ -699,6 +699,26 @@ static inline float softmax_row(float* sg, int64_t n, int64_t n_pad) {
   return 1.f / hadd8(vsum);
 }
 
+// d[g] = the lanes of G query heads' dot products (qs, pre-scaled, D floats a
+// head) with one KV head's key kr, before their horizontal sum: even and odd
+// 8-lane chunks in two accumulators, added at the end. kr null: zeros (a
+// padding token). Both kernels below score through this, so their bits agree.
+template <typename scalar_t, int C, int G>
+static inline void key_dots(const scalar_t* kr, const float* qs, __m256 (&d)[G]) {
+  constexpr int64_t D = 8 * C;
+  __m256 a0[G], a1[G];
+  for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+  if (kr)
+    for (int c = 0; c < C; ++c) {
+      const __m256 k = load8(kr + 8 * c);
+      for (int g = 0; g < G; ++g) {
+        if (c % 2) a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + 8 * c), k, a1[g]);
+        else a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + 8 * c), k, a0[g]);
+      }
+    }
+  for (int g = 0; g < G; ++g) d[g] = _mm256_add_ps(a0[g], a1[g]);
+}
+
 // The G query heads of one KV head (GQA) of one query, together, in passes
 // over the context: scores, then the weighted sum CH outputs at a time.
 // rows: the request's K rows; s: G score rows of n_pad; qs: G pre-scaled
@@ -712,19 +732,9 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
     const int64_t cnt = std::min<int64_t>(8, n - t0);
     __m256 acc[G][8];
     for (int64_t j = 0; j < 8; ++j) {
-      __m256 a0[G], a1[G];
-      for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-      if (j < cnt) {
-        const scalar_t* kr = rows[t0 + j] + kv_off;
-        for (int c = 0; c < C; ++c) {
-          const __m256 k = load8(kr + 8 * c);
-          for (int g = 0; g < G; ++g) {
-            if (c % 2) a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + 8 * c), k, a1[g]);
-            else a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + 8 * c), k, a0[g]);
-          }
-        }
-      }
-      for (int g = 0; g < G; ++g) acc[g][j] = _mm256_add_ps(a0[g], a1[g]);
+      __m256 d[G];
+      key_dots<scalar_t, C, G>(j < cnt ? rows[t0 + j] + kv_off : nullptr, qs, d);
+      for (int g = 0; g < G; ++g) acc[g][j] = d[g];
     }
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n_pad + t0, hsum8x8(acc[g]));
   }
@@ -754,7 +764,7 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // One query, every head (up to G = 4 query heads a KV head), each context
 // row read front to back, all KV heads, in address order: token t's K row
 // gives its score for every head (8 tokens' vectors wait in buf for one
-// hsum8x8 a head), then, after the softmax, its V row is added into every
+// hsum8x8 a head; inv: a float a head), then, after the softmax, its V row is added into every
 // head's accumulators (acc, in L1). The same operations per head, in the same
 // order, as heads_avx2: the same bits.
 //
@@ -773,7 +783,7 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // block), copying a request's rows into one buffer first (3.7-4.6).
 template <typename scalar_t, int C, int G>
 static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
-                      const float* qs, float* s, float* acc, float* buf) {
+                      const float* qs, float* s, float* acc, float* buf, float* inv) {
   constexpr int64_t D = 8 * C;
   const int64_t H = kvh_n * G;
   // Scores: buf[j * H + h] holds token t0 + j's vector for head h until the
@@ -782,20 +792,9 @@ static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int
     const int64_t cnt = std::min<int64_t>(8, n - t0);
     for (int64_t j = 0; j < 8; ++j) {
       for (int64_t kvh = 0; kvh < kvh_n; ++kvh) {
-        __m256 a0[G], a1[G];
-        for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-        if (j < cnt) {
-          const scalar_t* kr = rows[t0 + j] + kvh * D;
-          const float* qk = qs + kvh * G * D;
-          for (int c = 0; c < C; ++c) {
-            const __m256 k = load8(kr + 8 * c);
-            for (int g = 0; g < G; ++g) {
-              if (c % 2) a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + g * D + 8 * c), k, a1[g]);
-              else a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + g * D + 8 * c), k, a0[g]);
-            }
-          }
-        }
-        for (int g = 0; g < G; ++g) _mm256_storeu_ps(buf + 8 * (j * H + kvh * G + g), _mm256_add_ps(a0[g], a1[g]));
+        __m256 d[G];
+        key_dots<scalar_t, C, G>(j < cnt ? rows[t0 + j] + kvh * D : nullptr, qs + kvh * G * D, d);
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(buf + 8 * (j * H + kvh * G + g), d[g]);
       }
     }
     for (int64_t h = 0; h < H; ++h) {
@@ -804,7 +803,6 @@ static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int
       _mm256_storeu_ps(s + h * n_pad + t0, hsum8x8(v));
     }
   }
-  std::vector<float> inv(H);
   for (int64_t h = 0; h < H; ++h) inv[h] = softmax_row(s + h * n_pad, n, n_pad);
   // Weighted sum: acc[h * D ..] += p[h][t] v_t, token by token.
   constexpr int CH = G <= 3 ? 4 : 2;
@@ -859,7 +857,8 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   {
     std::vector<float> scores, qs(GM * head_dim), res(GM * head_dim);
     std::vector<const scalar_t*> rows;
-    std::vector<float> rscores, qall(num_heads * head_dim), accall(num_heads * head_dim), rbuf(8 * 8 * num_heads);
+    std::vector<float> rscores, qall(num_heads * head_dim), accall(num_heads * head_dim);
+    std::vector<float> rbuf(8 * 8 * num_heads), rinv(num_heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_decodes; ++b) {
       const int64_t seq_len = lens[b];
@@ -876,12 +875,12 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
         const scalar_t* qb = q_ptr + b * q_row;
         for (int64_t i = 0; i < num_heads * head_dim; ++i) qall[i] = static_cast<float>(qb[i]) * fscale;
         const scalar_t* const* r = rows.data();
-        float *sp = rscores.data(), *ap = accall.data(), *bp = rbuf.data();
+        float *sp = rscores.data(), *ap = accall.data(), *bp = rbuf.data(), *ip = rinv.data();
         switch (group) {
-          case 1: rows_avx2<scalar_t, C, 1>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
-          case 2: rows_avx2<scalar_t, C, 2>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
-          case 3: rows_avx2<scalar_t, C, 3>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
-          default: rows_avx2<scalar_t, C, 4>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp); break;
+          case 1: rows_avx2<scalar_t, C, 1>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
+          case 2: rows_avx2<scalar_t, C, 2>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
+          case 3: rows_avx2<scalar_t, C, 3>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
+          default: rows_avx2<scalar_t, C, 4>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
         }
         scalar_t* ob = out_ptr + b * num_heads * head_dim;
         for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = static_cast<scalar_t>(accall[i]);
