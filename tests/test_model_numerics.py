@@ -343,10 +343,10 @@ def test_split_layer_stack_gives_the_same_bits(
     monkeypatch.setattr(cpu_layers.CpuLayers, "_split_call", spy)
     monkeypatch.setattr(cpu_layers, "threads", lambda: 2)
     monkeypatch.setattr(cpu_layers, "SPLIT_MAX_SHARE", 1.0)
-    monkeypatch.setattr(cpu_layers, "SPLIT_MIN_ROWS", 10**9)
+    monkeypatch.setattr(cpu_layers, "SPLIT_ROWS_PER_WEIGHT_BYTE", 10**9)
     whole = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True)
     assert not splits
-    monkeypatch.setattr(cpu_layers, "SPLIT_MIN_ROWS", 1)
+    monkeypatch.setattr(cpu_layers, "SPLIT_ROWS_PER_WEIGHT_BYTE", 0)
     split = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True)
     decode_steps = [step for step in MIXED_SCHEDULE if all(n == 1 for _, n in step)]
     assert len(splits) == len(decode_steps) == 3
@@ -382,7 +382,7 @@ def test_decode_steps_with_the_kv_prefetch_give_the_modules_bits(
     schedule = [[(r, len(ids) - 3) for r, ids in seqs.items()]] + [[(r, 1) for r in seqs]] * 3
     monkeypatch.setitem(globals(), "NUM_BLOCKS", 128)  # PagedRunner's cache: room for 12 requests
     monkeypatch.setattr(cpu_layers, "threads", lambda: 2)
-    monkeypatch.setattr(cpu_layers, "SPLIT_MIN_ROWS", 1 if split else 10**9)
+    monkeypatch.setattr(cpu_layers, "SPLIT_ROWS_PER_WEIGHT_BYTE", 0 if split else 10**9)
     fast = run_schedule(model, spec, seqs, schedule, one_call=True)
     fast_path = model.model._cpu_layers_for
     model.model._cpu_layers_for = lambda dtype: None  # type: ignore[method-assign]
@@ -462,19 +462,21 @@ def _meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
 def test_split_bounds_balance_whole_requests() -> None:
     split = cpu_layers.split_bounds
     # 64 equal decodes: half each.
-    assert split(_meta([1] * 64, [200] * 64), 2, 460.0) == [0, 32, 64]
+    assert split(_meta([1] * 64, [200] * 64), 2, 460.0, 16) == [0, 32, 64]
     # Longer contexts weigh more: the 16 long ones get a thread nearly to themselves.
-    bounds = split(_meta([1] * 64, [2000] * 16 + [100] * 48), 2, 460.0)
+    bounds = split(_meta([1] * 64, [2000] * 16 + [100] * 48), 2, 460.0, 16)
     assert bounds is not None and 10 <= bounds[1] <= 20
     # One request that outweighs the rest: no split.
-    assert split(_meta([1] * 40, [200000] + [300] * 39), 2, 460.0) is None
+    assert split(_meta([1] * 40, [200000] + [300] * 39), 2, 460.0, 16) is None
     # Any prefill (it may read K/V another request writes this step): no split.
-    assert split(_meta([1] * 60 + [32] + [1] * 60, [300] * 60 + [64] + [300] * 60), 2, 460.0) is None
-    # Too few rows, or one thread: no split.
-    assert split(_meta([1] * 8, [300] * 8), 2, 460.0) is None
-    assert split(_meta([1] * 64, [300] * 64), 1, 460.0) is None
+    assert split(_meta([1] * 60 + [32] + [1] * 60, [300] * 60 + [64] + [300] * 60), 2, 460.0, 16) is None
+    # Too few rows a thread, or one thread: no split.
+    assert split(_meta([1] * 8, [300] * 8), 2, 460.0, 16) is None
+    assert split(_meta([1] * 48, [300] * 48), 2, 460.0, 16) == [0, 24, 48]
+    assert split(_meta([1] * 48, [300] * 48), 2, 460.0, 32) is None
+    assert split(_meta([1] * 64, [300] * 64), 1, 460.0, 16) is None
     # Three threads: thirds.
-    assert split(_meta([1] * 96, [300] * 96), 3, 460.0) == [0, 32, 64, 96]
+    assert split(_meta([1] * 96, [300] * 96), 3, 460.0, 16) == [0, 32, 64, 96]
 
 
 # --- the default GGUF model --------------------------------------------------

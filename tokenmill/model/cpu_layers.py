@@ -158,7 +158,8 @@ class CpuLayers:
         (csrc/layer_stack.cpp), where the step divides well; else None."""
         if torch.autograd._profiler_enabled():
             return None  # (under the profiler: the per-op rows of `bench --profile`)
-        bounds = split_bounds(meta, threads(), self.row_cost)
+        min_rows = SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize
+        bounds = split_bounds(meta, threads(), self.row_cost, min_rows)
         args = None if bounds is None else self._stack_args(hidden, positions, kv_caches, meta)
         return None if args is None else cast("torch.Tensor", ops.layer_stack(*args, bounds))
 
@@ -260,18 +261,25 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-# Split the rows between threads only from this many rows a thread: below it
-# the projections are bound by reading the weights, which each thread would
-# read for itself (decode step B=16: 25.3 -> 27.7 ms split; B=32 41.0 -> 38.1).
-SPLIT_MIN_ROWS = 16
+# Split the rows between threads only from this many rows a thread for each
+# byte of a weight (16 rows in bf16, 32 in float32): a split thread reads all
+# of the weights for itself, which pays only once each weight serves enough
+# rows. Measured on decode steps at context 264: bf16 on a Zen 4, B=16 25.3 ->
+# 27.7 ms split, B=32 41.0 -> 38.1; float32 on a Zen 3 (steps alternating
+# split / layer loop in one process, medians of 12-15, ms): B=32 133.4 split
+# vs 121.4 loop, B=48 217.6 vs 189.1, B=64 217.7 vs 214.7, B=128 466.9 vs
+# 500.1 (the float32 threshold was 16 rows, as bf16's, before).
+SPLIT_ROWS_PER_WEIGHT_BYTE = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
 
-def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float) -> list[int] | None:
+def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float,
+                 min_rows: float) -> list[int] | None:
     """Row bounds [0, ..., num_tokens] giving each of `threads` threads whole
     requests of about equal cost (a query row costs `row_cost`, each context
-    token it attends to 1), or None where the step does not divide well (too
-    few rows, one request outweighs the rest) or has prefills.
+    token it attends to 1), or None where the step does not divide well (fewer
+    than `min_rows` rows a thread, one request outweighs the rest) or has
+    prefills.
 
     Decodes only: a prefill may read K/V that another request writes in the
     same step (a prefix-cache hit on a block registered when allocated, as
@@ -280,7 +288,7 @@ def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float) -> list
     A decode reads only blocks computed in earlier steps, and its own new slot.
     (Prefill steps measured no faster split anyway: 2 x 128 tokens 169.9 ->
     163.7 ms, with 20 decodes 198.8 -> 205.7.)"""
-    if (threads < 2 or meta.num_tokens < SPLIT_MIN_ROWS * threads
+    if (threads < 2 or meta.num_tokens < min_rows * threads
             or meta.num_decodes != meta.num_reqs):
         return None
     costs = [row_cost + seq_len for seq_len in meta.seq_lens]  # one query row each (decodes)

@@ -11,11 +11,13 @@
 // default model, bf16, context 264, A/B alternating in one process, medians):
 // B=32 43.0 -> 41.7 ms, B=48 59.3 -> 54.6, B=128 146.7 -> 138.7; B=64 from
 // -8% to +1% between runs (the machine's speed moves 10-25% from run to run).
-// Not a win below ~16 rows a thread: each thread then reads all the weights
-// for itself (B=16 25.3 -> 27.7 ms). cpu_layers.split_bounds sends only
-// decode-only steps here: a prefill may read K/V that another request writes
-// in the same step (a prefix-cache hit), which needs every thread's writes of
-// a layer before any thread's attention, as the layer loop has them.
+// Not a win below ~16 rows a thread in bf16, ~32 in float32: each thread then
+// reads all the weights for itself (bf16 B=16 25.3 -> 27.7 ms; float32 on a
+// Zen 3 B=48 189 -> 218 ms: cpu_layers.SPLIT_ROWS_PER_WEIGHT_BYTE).
+// cpu_layers.split_bounds sends only decode-only steps here: a prefill may
+// read K/V that another request writes in the same step (a prefix-cache hit),
+// which needs every thread's writes of a layer before any thread's attention,
+// as the layer loop has them.
 //
 // Two threads do not overlap attention (memory) with projections (compute) by
 // themselves: the attention kernel is bound by each core's own misses in
