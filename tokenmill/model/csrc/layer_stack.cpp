@@ -260,6 +260,9 @@ at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::T
   // before (decode steps, context 264, medians of 12, alternating processes, 3
   // rounds, ms): B=8 15.0-15.2 -> 13.8-14.8, B=12 17.3-17.7 -> 16.3-17.2, B=16
   // 20.7-22.4 -> 18.4-19.5, B=24 28.2-30.6 -> 26.0-26.6; B=4 (off) the same.
+  // Tried in float32 on a Zen 3 (the AVX2 attention kernel taking query_range's
+  // ranges), where it cost (alternating in one process, medians of 12, ms):
+  // B=16 88.1 -> 105.5, B=32 146.1 -> 190.6, B=48 194.8 -> 235.9.
   const bool bf16_kernel = hidden.scalar_type() == at::kBFloat16 &&  // (its split is query_range's)
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
   bool prefetch = !omp_get_dynamic() && bf16_kernel &&
@@ -313,8 +316,14 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   // 102.5-105.6 -> 97.6-107.9; context 400: B=32 42.6-44.1 -> 40.6-40.8.
   // At 64 rows a thread it did not pay, even with the K/V well inside L3
   // (B=128, context 160, 15.7 MB: the attention 24.0 -> 23.6 ms a thread, its
-  // projections 60.0 -> 64.6).
-  const bool prefetch_kv = kv_fits_l3(kv_caches, ints, seq_lens);
+  // projections 60.0 -> 64.6). All of that in bf16 (on a Zen 4). In float32
+  // on a Zen 3 it cost instead (there the AVX2 matmul runs at about half its
+  // in-cache speed on weights from L3 and memory, and the prefetches compete
+  // with it), so float32 goes without (decode steps
+  // with and without alternating in one process, medians of 12, ms: B=64
+  // context 160 268.5 / 278.6 with vs 252.0 / 254.9 without, context 100 221.5
+  // vs 201.8; B=96 context 160 330.1 vs 328.6).
+  const bool prefetch_kv = hidden.scalar_type() == at::kBFloat16 && kv_fits_l3(kv_caches, ints, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);
