@@ -203,6 +203,30 @@ def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: in
     _same(cache, ref_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_weight_layout_on_a_mapped_tensor(dtype: torch.dtype) -> None:
+    """pack_weight puts W[16 b + j, k] where packed_gemm reads it (zero rows
+    padding N to 16), in a tensor of its own memory map (mapped_zeros: huge
+    pages asked for), which outlives the weight it was packed from."""
+    weight = torch.randn(40, 12).to(dtype)
+    packed = cpu_kernels.pack_weight(weight.clone())
+    padded = torch.cat([weight, torch.zeros(8, 12, dtype=dtype)])
+    if dtype == torch.float32:
+        assert packed.shape == (3, 12, 16)
+        for b, k, j in [(0, 0, 0), (1, 5, 3), (2, 11, 7), (2, 4, 15)]:
+            assert packed[b, k, j] == padded[16 * b + j, k]
+    else:
+        assert packed.shape == (3, 6, 16, 2)
+        for b, k, j in [(0, 0, 0), (1, 5, 3), (2, 11, 7), (2, 4, 15)]:
+            assert packed[b, k // 2, j, k % 2] == padded[16 * b + j, k]
+    assert packed.is_contiguous() and packed.dtype == dtype
+    assert torch.equal(packed[2, :, 8:], torch.zeros_like(packed[2, :, 8:]))  # the padding rows
+    zeros = cpu_kernels.mapped_zeros((3, 5), dtype)
+    assert zeros.shape == (3, 5) and zeros.dtype == dtype and not zeros.any()
+    zeros[1, 2] = 7  # writable
+    assert zeros.sum() == 7
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 200])
 @pytest.mark.parametrize(("outputs", "bias"), [(48, False), (48, True), (40, True), (100, False)])
 def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
+import mmap
 import os
 import sys
 import threading
@@ -127,18 +129,45 @@ def packed_gemm_ops(x: torch.Tensor) -> Any | None:
 _packed_dtypes: frozenset[str] | None = None
 
 
+def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor on an anonymous memory map that asks for
+    transparent huge pages (MADV_HUGEPAGE; Linux's default THP mode gives them
+    only where asked). The OS zero-fills its pages on first touch, so an unused
+    part costs no memory. What the kernels read in long streams lives here:
+    the KV cache (worker/model_runner.zeros says what 4 KiB pages cost the
+    attention) and the packed weights (pack_weight)."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (not a POSIX system)
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> the layout packed_gemm reads front to back, zero rows
     padding N to a multiple of 16: bf16 (K even) [ceil(N/16), K/2, 16, 2] with
     packed[b, k // 2, j, k % 2] = weight[16 b + j, k]; float32
-    [ceil(N/16), K, 16] with packed[b, k, j] = weight[16 b + j, k]."""
+    [ceil(N/16), K, 16] with packed[b, k, j] = weight[16 b + j, k].
+
+    On huge pages (mapped_zeros): float32 decode steps on a Zen 3 with the
+    same weights on 4 KiB pages and on huge pages alternating step by step,
+    medians of 12, ms: B=32 139.7 -> 134.6, B=64 252.9 -> 247.5 (faster in 8
+    and 9 of the 12 pairs)."""
     n, k = weight.shape
     padded = -(-n // 16) * 16
     if padded != n:
         weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
     if weight.dtype == torch.float32:
-        return weight.reshape(padded // 16, 16, k).permute(0, 2, 1).contiguous()
-    return weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = weight.reshape(padded // 16, 16, k).permute(0, 2, 1)
+    else:
+        packed = weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+    if packed.device.type != "cpu":
+        return packed.contiguous()
+    out = mapped_zeros(tuple(packed.shape), packed.dtype)
+    out.copy_(packed)
+    return out
 
 
 def best_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 10) -> float:

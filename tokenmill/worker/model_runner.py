@@ -9,10 +9,6 @@ prompt_logprobs), and samples.
 
 from __future__ import annotations
 
-import math
-import mmap
-
-import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -23,6 +19,7 @@ from tokenmill.core.contracts import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from tokenmill.model import cpu_kernels
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.request_state import CachedRequestState
@@ -46,15 +43,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     ms, B=64 ~370 -> ~300 (context 264, bench roofline's set-up)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if num_bytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # (not a POSIX system)
-        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
-    buf = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return cpu_kernels.mapped_zeros(shape, dtype)
 
 
 class ModelRunner:
