@@ -184,12 +184,22 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
 }
 
 #else
+// The next group's weights (one contiguous stretch: its blocks lie one after
+// the other), asked for one cache line every `every` steps of this group's
+// tiles, in address order: [p, end) still to go.
+struct WeightStream {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t every = 1;
+};
+
 // The AVX2 tile (float32 only): the NB blocks one after the other, each in
 // tiles of MT rows x 16 outputs (two 8-lane halves), x[k] broadcast from
-// memory; otherwise as the AVX-512 tile above (prefetches, K/V feed).
+// memory; otherwise as the AVX-512 tile above (K/V feed), but the next
+// group's weights come from `pf`, a stream that every tile of the group
+// (rows below) carries on from where the last one left it.
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
-inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* const* pf,
-                 int phase = 0, int every = 1) {
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf) {
   static_assert(!BF16 && !SILU, "the AVX2 build computes float32 only");
   const int64_t steps = a.K;
   const float* x = static_cast<const float*>(a.x) + m0 * a.K;
@@ -197,15 +207,18 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
   for (int i = 0; i < MT; ++i) xr[i] = x + i * a.K;
   for (int j = 0; j < NB; ++j) {
     const float* wj = reinterpret_cast<const float*>(w[j]);
-    const char* pj = pf ? pf[j] : nullptr;
     __m256 acc[MT][2];
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    int64_t next_pf = pj ? phase : steps;  // the next step that prefetches (no division a step)
+    const char* pp = pf.p;  // (in registers through the K loop)
+    const char* const pend = pf.end;
+    const int64_t every = pf.every;
+    int64_t next_pf = pp < pend ? 0 : steps;  // the next step that prefetches (no division a step)
     auto step = [&](int64_t kk) __attribute__((always_inline)) {
       const __m256 w0 = _mm256_loadu_ps(wj + kk * 16), w1 = _mm256_loadu_ps(wj + kk * 16 + 8);
       if (kk == next_pf) {
-        _mm_prefetch(pj + kk * 64, _MM_HINT_T1);
-        next_pf += every;
+        prefetch_line<_MM_HINT_T1>(pp);
+        pp += 64;
+        next_pf = pp < pend ? next_pf + every : steps;
       }
       for (int i = 0; i < MT; ++i) {
         const __m256 xb = _mm256_broadcast_ss(xr[i] + kk);
@@ -214,6 +227,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       }
     };
     k_loop<KV>(steps, step);
+    pf.p = pp;
     // Plain stores where the block's 16 outputs are all real: a masked store
     // (vmaskmovps) is microcoded on AMD's AVX2 cores, and the 12 of a tile cost
     // 15-20% of the whole GEMM on a Zen 3 (2 threads, 2048 x 576 x 3072: 77
@@ -244,13 +258,38 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
 }
 #endif
 
+constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below; with SILU 2 pairs)
+
 // Rows [m0, m1) times the NB blocks at w: tiles of MT rows, then one of the
-// rest. The next group's weights are prefetched over the first tiles, a
-// quarter in each of the first four where there are three or more (64 rows:
-// 36.8 -> 35.3 ms).
+// rest. The next group's weights (pf: a pointer a block, or null) are
+// prefetched meanwhile.
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
+#if !TOKENMILL_GEMM_BF16
+  // AVX2: in address order, one line every `every` steps spread over all the
+  // tiles. Before (as the AVX-512 build still does) each of the first four
+  // tiles took every fourth line of each next block (a strided stream): in
+  // a harness of the model's projections (30 layers, cold weights, each of 2
+  // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
+  // 123 / 108 strided against 140 / 130 / 125 / 137 / 140 / 123 in address order.
+  WeightStream s;
+  if (pf) {
+    const int64_t blk = a.K * 64, steps = (m1 - m0 + MT - 1) / MT * NB * a.K;
+    s = {pf[0], pf[0] + kGroupBlocks * blk, std::max<int64_t>(1, steps / (kGroupBlocks * a.K))};
+  }
+  for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s);
+  switch (m1 - m0) {
+    case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, s); break;
+    case 2: tile<BF16, 2, NB, SILU, KV>(a, m0, w, col, s); break;
+    case 3: tile<BF16, 3, NB, SILU, KV>(a, m0, w, col, s); break;
+    case 4: tile<BF16, 4, NB, SILU, KV>(a, m0, w, col, s); break;
+    case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, s); break;
+    default: break;
+  }
+#else
+  // AVX-512: over the first tiles, a quarter of the lines in each of the
+  // first four where there are three or more (64 rows: 36.8 -> 35.3 ms).
   const int64_t ntiles = (m1 - m0 + MT - 1) / MT;
   const int every = ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
   int t = 0;
@@ -264,6 +303,7 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
     case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
     default: break;
   }
+#endif
 }
 
 // rows<> with the K/V prefetch stream fed where this thread has one with rows to go.
@@ -279,7 +319,7 @@ void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, in
 // (few outputs, many rows).
 template <bool BF16, bool SILU = false>
 void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
-  constexpr int64_t GB = SILU ? 2 : 3;  // output blocks a group
+  constexpr int64_t GB = SILU ? 2 : kGroupBlocks;  // output blocks a group
   const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
   const int64_t outs = SILU ? nblocks / 2 : nblocks, half = SILU ? nblocks / 2 : 0;
   const int64_t groups = (outs + GB - 1) / GB;
