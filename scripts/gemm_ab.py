@@ -1,0 +1,96 @@
+"""A/B of two built kernel modules' packed_gemm (csrc/packed_gemm.cpp) over the
+default model's 30 layers of projections (distinct weights a layer: cold, as in
+a step), side by side in one process: the machine drifts 10-50% within minutes,
+so only rounds that alternate A and B compare. Checks that both give the same
+bits first.
+
+    PYTHONPATH=. .venv/bin/python scripts/gemm_ab.py name_a,name_b 8,32,64 [split]
+
+name_a, name_b: modules as cpu_kernels.load() names them (build a variant from a
+copy of the tree, as scripts/step_ab.py says). Without `split`: one call a
+projection on the whole OpenMP team (the layer loop's way). With `split`: two
+Python threads of one OpenMP thread each, each its own rows over all the
+weights (layer_stack's way, float32 from 32 rows a thread). Float32 weights
+(TOKENMILL_AB_DTYPE=bfloat16 for bf16). Prints the median GFLOP/s of each side
+and in how many rounds B was faster. How 290179a (the AVX2 weight stream) was
+measured on a Zen 3.
+"""
+import glob
+import importlib.util
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+from tokenmill.model import cpu_kernels
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
+LAYERS = 30
+ROUNDS = int(os.environ.get("R", 8))
+
+
+def load_module(name):
+    path = glob.glob(os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so"))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mods = [load_module(n) for n in sys.argv[1].split(",")]
+row_counts = [int(r) for r in sys.argv[2].split(",")]
+split = sys.argv[3:] == ["split"]
+dtype = getattr(torch, os.environ.get("TOKENMILL_AB_DTYPE", "float32"))
+torch.manual_seed(0)
+packed = [[cpu_kernels.pack_weight((torch.randn(n, k) * 0.05).to(dtype)) for k, n in SHAPES]
+          for _ in range(LAYERS)]
+none = torch.empty(0)
+
+
+def run_layers(module, xs):
+    for layer in range(LAYERS):
+        for j, (_, n) in enumerate(SHAPES):
+            module.packed_gemm(xs[j], packed[layer][j], n, none, False)
+
+
+def timed(module, inputs):
+    """Seconds for every projection of every layer: on the team, or split."""
+    if not split:
+        t = time.perf_counter()
+        run_layers(module, inputs[0])
+        return time.perf_counter() - t
+    spans = [0.0, 0.0]
+    barrier = threading.Barrier(2)
+
+    def work(i):
+        torch.set_num_threads(1)
+        barrier.wait()
+        t = time.perf_counter()
+        run_layers(module, inputs[i])
+        spans[i] = time.perf_counter() - t
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return max(spans)
+
+
+for rows in row_counts:
+    inputs = [[torch.randn(rows, k).to(dtype) for k, _ in SHAPES] for _ in range(2 if split else 1)]
+    outs = [[m.packed_gemm(x, packed[0][j], SHAPES[j][1], none, False) for j, x in enumerate(inputs[0])]
+            for m in mods]
+    if not all(torch.equal(a, b) for a, b in zip(*outs, strict=True)):
+        sys.exit(f"rows {rows}: the two modules give different bits")
+    flops = sum(2 * k * n for k, n in SHAPES) * LAYERS * rows * len(inputs)
+    rates: list[list[float]] = [[], []]
+    for _ in range(ROUNDS):
+        for side, module in enumerate(mods):
+            rates[side].append(flops / timed(module, inputs) / 1e9)
+    wins = sum(b > a for a, b in zip(*rates, strict=True))
+    print(f"{'split 2 x ' if split else ''}{rows} rows: A {statistics.median(rates[0]):.1f}"
+          f" B {statistics.median(rates[1]):.1f} GFLOP/s (B faster in {wins} of {ROUNDS})")
