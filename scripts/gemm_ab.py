@@ -15,8 +15,6 @@ weights (layer_stack's way, float32 from 32 rows a thread). Float32 weights
 and in how many rounds B was faster. How 290179a (the AVX2 weight stream) was
 measured on a Zen 3.
 """
-import glob
-import importlib.util
 import os
 import statistics
 import sys
@@ -24,21 +22,13 @@ import threading
 import time
 
 import torch
+from ab_modules import load_module  # (scripts/ab_modules.py)
 
 from tokenmill.model import cpu_kernels
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
 LAYERS = 30
 ROUNDS = int(os.environ.get("R", 8))
-
-
-def load_module(name):
-    path = glob.glob(os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so"))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 mods = [load_module(n) for n in sys.argv[1].split(",")]
 row_counts = [int(r) for r in sys.argv[2].split(",")]

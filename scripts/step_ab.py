@@ -22,24 +22,15 @@ Both sides must give the same bits (the sequence runs on through both).
 Used on a Zen 3 on 2026-12-01 for the float32 split threshold (cpu_layers.py)
 and the float32 K/V prefetch (csrc/layer_stack.cpp), whose comments give the numbers.
 """
-import glob
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
+from ab_modules import load_module  # (scripts/ab_modules.py)
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import cpu_kernels, cpu_layers
-
-
-def load_module(name):
-    path = glob.glob(os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so"))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 B = int(sys.argv[1])
 CTX = int(os.environ.get("CTX", 264))
