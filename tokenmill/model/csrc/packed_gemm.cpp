@@ -273,11 +273,9 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // a harness of the model's projections (30 layers, cold weights, each of 2
   // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
   // 123 / 108 strided against 140 / 130 / 125 / 137 / 140 / 123 in address order.
+  // The next group's kGroupBlocks * K lines over this group's tiles * NB * K steps.
   WeightStream s;
-  if (pf) {
-    const int64_t blk = a.K * 64, steps = (m1 - m0 + MT - 1) / MT * NB * a.K;
-    s = {pf[0], pf[0] + kGroupBlocks * blk, std::max<int64_t>(1, steps / (kGroupBlocks * a.K))};
-  }
+  if (pf) s = {pf[0], pf[0] + kGroupBlocks * a.K * 64, std::max<int64_t>(1, (m1 - m0 + MT - 1) / MT * NB / kGroupBlocks)};
   for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s);
   switch (m1 - m0) {
     case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, s); break;
