@@ -271,7 +271,10 @@ def main_all(args: argparse.Namespace) -> int:
                f"`tokenmill bench roofline --dtype {args.dtype} --batches {args.roofline_batches}`"
                " measures the ceilings where it runs, then times decode steps of B requests "
                "through the public API (from every request's first token to its last, K steps). Roofline = max(bytes "
-               "read / read bandwidth, FLOPs / matmul rate); 1.00x would be the machine's limit.",
+               "read / read bandwidth, FLOPs / matmul rate); 1.00x would be the machine's limit. "
+               "No-overlap: the limit of a step that runs the projections and then attention, "
+               "each at its own ceiling (max(bytes / bandwidth, FLOPs / rate) for each, added), "
+               "as tokenmill's CPU step does.",
                "", roofline.format_table(ceilings, roof_rows), ""]
     if serve_reports:
         md += ["## serve-B: latency under Poisson load (tokenmill's server)", "",
