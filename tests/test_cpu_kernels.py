@@ -276,26 +276,30 @@ def test_packed_gemm_float32_matches_torch(rows: int, outputs: int, bias: bool) 
         assert torch.equal(ops.packed_gemm(x[lo:hi], packed, outputs, bias, False), ours[lo:hi])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 200, 600])
 @pytest.mark.parametrize("inter", [16, 48, 96])
-def test_packed_gemm_silu_gives_silu_and_mul_bits(rows: int, inter: int) -> None:
+def test_packed_gemm_silu_gives_silu_and_mul_bits(rows: int, inter: int, dtype: torch.dtype) -> None:
     # silu(gate) * up straight from the gate_up GEMM's tiles: the bits of
-    # silu_and_mul over the GEMM's bf16 output (LlamaMLP's two steps). 48: a
-    # group of two (gate, up) pairs and one of one; 200 rows of a small N: rows
+    # silu_and_mul over the GEMM's output (LlamaMLP's two steps). 48: a group
+    # of two (gate, up) pairs and one of one; 200 rows of a small N: rows
     # split between threads; 600: two stretches of rows.
     gen = torch.Generator().manual_seed(6)
-    x = (torch.randn(rows, 96, generator=gen) * 2).to(torch.bfloat16)
-    weight = (torch.randn(2 * inter, 96, generator=gen) * 0.3).to(torch.bfloat16)
+    x = (torch.randn(rows, 96, generator=gen) * 2).to(dtype)
+    weight = (torch.randn(2 * inter, 96, generator=gen) * 0.3).to(dtype)
+    if dtype == torch.float32:  # (and activations past exp_approx's clamps, both ways)
+        x[0, :4] = torch.tensor([300.0, -300.0, 0.0, -0.0])
     ops = cpu_kernels.packed_gemm_ops(x)
     if ops is None:
-        pytest.skip("no AVX512-BF16 here (or the kernels could not be built)")
+        pytest.skip(f"no packed kernel for {dtype} here (or the kernels could not be built)")
     packed = cpu_kernels.pack_weight(weight)
     two_steps = ops.silu_and_mul(ops.packed_gemm(x, packed, 2 * inter, torch.empty(0), False))
     fused = ops.packed_gemm_silu(x, packed, inter)
-    assert fused.shape == (rows, inter) and torch.equal(fused, two_steps)
+    assert fused.shape == (rows, inter) and fused.dtype == dtype and torch.equal(fused, two_steps)
     gate_up = F.linear(x, weight).float()  # and near torch's own MLP activation
     torch.testing.assert_close(fused.float(), F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                               rtol=2**-6, atol=2e-2)
+                               rtol=2**-6 if dtype == torch.bfloat16 else 1e-4,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-3)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.packed_gemm_silu(x, cpu_kernels.pack_weight(weight[:40]), 20)
 

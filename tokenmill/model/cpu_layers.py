@@ -10,7 +10,7 @@ resolved once, so the results are the same bits (tests/test_model_numerics.py
 compares both paths). Where a step has enough rows to share out (decodes
 mostly), the whole stack runs in one C++ call instead, each thread taking its
 own requests through every layer (csrc/layer_stack.cpp): the same bits again.
-In bf16 the MLP's activation comes out of the gate_up GEMM's tiles
+The MLP's activation comes out of the gate_up GEMM's tiles
 (packed_gemm_silu), and with `output_rows` (the rows the runner samples) the
 last layer runs past its K/V write for those rows only.
 """
@@ -241,9 +241,9 @@ class CpuLayers:
                     out = a.backend.attend(q, kv_cache, meta, a.scale, a.sliding_window)
             hidden = gemm(out.reshape(n, a.q_size), layer.o, layer.o_n, layer.o_bias, False)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            # bf16 and gate/up on whole blocks of 16 outputs: silu(gate) * up from the
-            # GEMM's tiles (the same bits), as layer_stack.cpp decides it.
-            if self.dtype == torch.bfloat16 and layer.gate_up_n % 32 == 0:
+            # gate/up on whole blocks of 16 outputs: silu(gate) * up from the GEMM's
+            # tiles (the same bits), as layer_stack.cpp decides it.
+            if layer.gate_up_n % 32 == 0:
                 act = gemm_silu(hidden, layer.gate_up, layer.gate_up_n // 2)
             else:
                 act = ops.silu_and_mul(gemm(hidden, layer.gate_up, layer.gate_up_n, _NO_BIAS, False))

@@ -222,8 +222,8 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
     KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr);
     h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
     fused_add_rms_norm(h, residual, w[5], s.eps);
-    // bf16 and gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
-    const bool fused_silu = h.scalar_type() == at::kBFloat16 && k[2] % 32 == 0;
+    // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
+    const bool fused_silu = k[2] % 32 == 0;
     const at::Tensor act = fused_silu ? packed_gemm_silu(h, w[6], k[2] / 2)
                                       : silu_and_mul(packed_gemm(h, w[6], k[2], at::Tensor(), false));
     h = packed_gemm(act, w[7], k[3], at::Tensor(), false);

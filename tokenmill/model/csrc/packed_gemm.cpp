@@ -193,14 +193,37 @@ struct WeightStream {
   int64_t every = 1;
 };
 
+// silu(g) * u lane by lane, to the bit as fused_ops.cpp's silu_and_mul
+// computes it in float32 (exp_approx(-g) there): the same operations in the
+// same order, no fused multiply-adds (built with -ffp-contract=off), the
+// clamps' NaN behaviour included (max(-87, x) is x < -87 ? -87 : x).
+inline __m256 silu_mul_f32(__m256 x, __m256 u) {
+  __m256 e = _mm256_xor_ps(x, _mm256_set1_ps(-0.f));  // -x
+  e = _mm256_max_ps(_mm256_set1_ps(-87.f), e);
+  e = _mm256_min_ps(_mm256_set1_ps(88.f), e);
+  const __m256 fn = _mm256_round_ps(_mm256_mul_ps(e, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(e, _mm256_mul_ps(fn, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fn, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
 // The AVX2 tile (float32 only): the NB blocks one after the other, each in
 // tiles of MT rows x 16 outputs (two 8-lane halves), x[k] broadcast from
 // memory; otherwise as the AVX-512 tile above (K/V feed), but the next
 // group's weights come from `pf`, a stream that every tile of the group
-// (rows below) carries on from where the last one left it.
+// (rows below) carries on from where the last one left it. SILU: the blocks
+// are (gate, up) pairs; a gate block's sums wait in y for its up block's,
+// and the tile writes silu(gate) * up there; the up blocks' stream is pf2.
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
-inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf) {
-  static_assert(!BF16 && !SILU, "the AVX2 build computes float32 only");
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
+                 WeightStream& pf2) {
+  static_assert(!BF16, "the AVX2 build computes float32 only");
   const int64_t steps = a.K;
   const float* x = static_cast<const float*>(a.x) + m0 * a.K;
   const float* xr[MT];  // a pointer a row: the broadcasts address [xr[i] + 4 kk], no lea each
@@ -209,9 +232,10 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     const float* wj = reinterpret_cast<const float*>(w[j]);
     __m256 acc[MT][2];
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const char* pp = pf.p;  // (in registers through the K loop)
-    const char* const pend = pf.end;
-    const int64_t every = pf.every;
+    WeightStream& ws = SILU && j % 2 ? pf2 : pf;
+    const char* pp = ws.p;  // (in registers through the K loop)
+    const char* const pend = ws.end;
+    const int64_t every = ws.every;
     int64_t next_pf = pp < pend ? 0 : steps;  // the next step that prefetches (no division a step)
     auto step = [&](int64_t kk) __attribute__((always_inline)) {
       const __m256 w0 = _mm256_loadu_ps(wj + kk * 16), w1 = _mm256_loadu_ps(wj + kk * 16 + 8);
@@ -227,7 +251,21 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       }
     };
     k_loop<KV>(steps, step);
-    pf.p = pp;
+    ws.p = pp;
+    if constexpr (SILU) {  // (no bias; N: the outputs, a multiple of 16; no early exit, as below)
+      // The gate block's sums wait in the outputs' place (in L1) for the up block's.
+      float* y = a.y32 + m0 * a.N + (col + j / 2) * 16;
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        if (j % 2 == 0) {
+          _mm256_storeu_ps(y + i * a.N, acc[i][0]);
+          _mm256_storeu_ps(y + i * a.N + 8, acc[i][1]);
+        } else {
+          _mm256_storeu_ps(y + i * a.N, silu_mul_f32(_mm256_loadu_ps(y + i * a.N), acc[i][0]));
+          _mm256_storeu_ps(y + i * a.N + 8, silu_mul_f32(_mm256_loadu_ps(y + i * a.N + 8), acc[i][1]));
+        }
+      }
+    } else {
     // Plain stores where the block's 16 outputs are all real: a masked store
     // (vmaskmovps) is microcoded on AMD's AVX2 cores, and the 12 of a tile cost
     // 15-20% of the whole GEMM on a Zen 3 (2 threads, 2048 x 576 x 3072: 77
@@ -254,6 +292,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
         _mm256_maskstore_ps(y + i * a.N + 8, mask1, _mm256_add_ps(acc[i][1], b1));
       }
     }
+    }
   }
 }
 #endif
@@ -274,15 +313,22 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
   // 123 / 108 strided against 140 / 130 / 125 / 137 / 140 / 123 in address order.
   // The next group's kGroupBlocks * K lines over this group's tiles * NB * K steps.
-  WeightStream s;
-  if (pf) s = {pf[0], pf[0] + kGroupBlocks * a.K * 64, std::max<int64_t>(1, (m1 - m0 + MT - 1) / MT * NB / kGroupBlocks)};
-  for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s);
+  // SILU: the next group's gate blocks and its up blocks, two stretches, two
+  // streams (s for the tiles' gate blocks, s2 for their up blocks).
+  WeightStream s, s2;
+  const int64_t tiles = (m1 - m0 + MT - 1) / MT;
+  if (pf && !SILU) s = {pf[0], pf[0] + kGroupBlocks * a.K * 64, std::max<int64_t>(1, tiles * NB / kGroupBlocks)};
+  if (pf && SILU) {
+    s = {pf[0], pf[0] + 2 * a.K * 64, std::max<int64_t>(1, tiles * NB / 4)};
+    s2 = {pf[1], pf[1] + 2 * a.K * 64, s.every};
+  }
+  for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s, s2);
   switch (m1 - m0) {
-    case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, s); break;
-    case 2: tile<BF16, 2, NB, SILU, KV>(a, m0, w, col, s); break;
-    case 3: tile<BF16, 3, NB, SILU, KV>(a, m0, w, col, s); break;
-    case 4: tile<BF16, 4, NB, SILU, KV>(a, m0, w, col, s); break;
-    case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, s); break;
+    case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, s, s2); break;
+    case 2: tile<BF16, 2, NB, SILU, KV>(a, m0, w, col, s, s2); break;
+    case 3: tile<BF16, 3, NB, SILU, KV>(a, m0, w, col, s, s2); break;
+    case 4: tile<BF16, 4, NB, SILU, KV>(a, m0, w, col, s, s2); break;
+    case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, s, s2); break;
     default: break;
   }
 #else
@@ -422,29 +468,41 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
   return y;
 }
 
+at::Tensor silu_and_mul(at::Tensor gate_up);  // (fused_ops.cpp)
+
 // silu(gate) * up straight from the gate_up projection (LlamaMLP's act_fn(gate)
 // * up): the same bits as silu_and_mul(packed_gemm(x, packed, 2 * inter)), with
-// no [M, 2 * inter] intermediate written and read back. bf16 only; the packed
-// gate_up weights as they are, gate blocks first, each gate block b paired with
-// up block b + nblocks / 2 in the tiles (so inter a multiple of 16).
+// no [M, 2 * inter] intermediate written and read back. The packed gate_up
+// weights as they are, gate blocks first, each gate block b paired with up
+// block b + nblocks / 2 in the tiles (so inter a multiple of 16). bf16 with
+// AVX512-BF16; float32 with AVX2 (the AVX-512 build runs float32 in those two
+// steps: its tile's activation rounds to bf16).
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   NoGil no_gil;
-  TORCH_CHECK(TOKENMILL_GEMM_BF16, "packed_gemm_silu needs AVX512-BF16 (built without it)");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
-              packed.scalar_type() == at::kBFloat16 && x.dim() == 2 && packed.dim() == 4 &&
-              packed.size(2) == 16 && packed.size(3) == 2,
-              "packed_gemm_silu: bf16 x [M, K] and packed gate_up weights [N/16, K/2, 16, 2]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
+              "packed_gemm_silu takes bfloat16 or float32 x and weights of the same dtype");
+  TORCH_CHECK(!bf16 || TOKENMILL_GEMM_BF16, "packed_gemm_silu: bfloat16 needs AVX512-BF16 (built without it)");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 2 &&
+                  packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
+              "packed_gemm_silu: x [M, K] and packed gate_up weights [N/16, K/2, 16, 2] (bf16) or "
+              "[N/16, K, 16] (float32)");
   const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K, "packed_gemm_silu: x has K = ", K, ", the weights ", packed.size(1) * 2);
+  const int64_t packed_k = packed.size(1) * (bf16 ? 2 : 1);
+  TORCH_CHECK(packed_k == K, "packed_gemm_silu: x has K = ", K, ", the weights ", packed_k);
   TORCH_CHECK(inter % 16 == 0 && nblocks * 16 == 2 * inter, "packed_gemm_silu: inter must be N / 2, a multiple of 16");
+  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(packed_gemm(x, packed, 2 * inter, at::Tensor(), false));
   x = x.contiguous();
   packed = packed.contiguous();
   at::Tensor y = at::empty({M, inter}, x.options());
   if (M == 0) return y;
-  GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-             nullptr, K, inter};
+  GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr,
+             bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr,
+             bf16 ? nullptr : y.data_ptr<float>(), K, inter};
 #if TOKENMILL_GEMM_BF16
   in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
+#else
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false, true>(part, rows, nblocks); });
 #endif
   return y;
 }
@@ -455,7 +513,7 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor, int64_t, at::Tensor, bool) {
   return x;
 }
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor, int64_t) {
-  TORCH_CHECK(false, "packed_gemm_silu needs AVX512-BF16 (built without it)");
+  TORCH_CHECK(false, "packed_gemm_silu needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }
 #endif
