@@ -118,7 +118,9 @@ def main_roofline(args: argparse.Namespace) -> int:
     q_out = info["num_heads"] * info["head_dim"]
     copy_bandwidth = measure_bandwidth()
     bandwidth = measure_read_bandwidth()
-    timed: list[tuple[int, int, float, float]] = []  # batch, context, step seconds, K/V bytes
+    element = torch.empty((), dtype=dtype).element_size()
+    ctx = args.context + args.steps // 2  # mean context over the timed steps
+    step_seconds: dict[int, float] = {}
     rates: dict[int, float] = {}
     for batch in (int(b) for b in args.batches.split(",")):
         rate = llm.matmul_rate(batch)
@@ -138,22 +140,19 @@ def main_roofline(args: argparse.Namespace) -> int:
             return (max(last) - max(first)) / steps
 
         decode_step_s(2)  # warm-up
-        step_s = min(decode_step_s(args.steps) for _ in range(2))
+        step_seconds[batch] = min(decode_step_s(args.steps) for _ in range(2))
         # Measured again after the steps, the better kept: a ceiling is the best
         # the machine shows, and a slow spell while measuring only lowers it (one
         # on a Zen 3 gave 86 GFLOP/s at batch 128 where 144 is usual, and a step
         # "under" the bound).
         rate = rates[batch] = max(rate, llm.matmul_rate(batch))
         bandwidth = max(bandwidth, measure_read_bandwidth())
-        element = torch.empty((), dtype=dtype).element_size()
-        ctx = args.context + args.steps // 2  # mean context over the timed steps
-        timed.append((batch, ctx, step_s, batch * ctx * info["kv_bytes_per_token"] * element))
         print(f"batch {batch}: matmul {rate:.0f} GFLOP/s", file=sys.stderr)
-    weight_bytes = info["num_params"] * torch.empty((), dtype=dtype).element_size()
-    rows = [make_row(batch, ctx, args.dtype, step_s, weight_bytes, kv_bytes,
+    rows = [make_row(batch, ctx, args.dtype, step_s, info["num_params"] * element,
+                     batch * ctx * info["kv_bytes_per_token"] * element,
                      2.0 * info["num_params"] * batch, 4.0 * batch * ctx * q_out * info["num_layers"],
                      bandwidth, rates[batch])
-            for batch, ctx, step_s, kv_bytes in timed]  # (with the final bandwidth ceiling)
+            for batch, step_s in step_seconds.items()]  # (with the final bandwidth ceiling)
     ceilings = Ceilings(bandwidth_gb_s=bandwidth, copy_bandwidth_gb_s=copy_bandwidth,
                         matmul_gflop_s=rates)
     print(format_table(ceilings, rows))

@@ -318,8 +318,8 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   WeightStream s, s2;
   const int64_t tiles = (m1 - m0 + MT - 1) / MT;
   if (pf && !SILU) s = {pf[0], pf[0] + kGroupBlocks * a.K * 64, std::max<int64_t>(1, tiles * NB / kGroupBlocks)};
-  if (pf && SILU) {
-    s = {pf[0], pf[0] + 2 * a.K * 64, std::max<int64_t>(1, tiles * NB / 4)};
+  if (pf && SILU) {  // each: 2 blocks' K lines over the tiles' NB / 2 blocks of K steps
+    s = {pf[0], pf[0] + 2 * a.K * 64, std::max<int64_t>(1, tiles * (NB / 2) / 2)};
     s2 = {pf[1], pf[1] + 2 * a.K * 64, s.every};
   }
   for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s, s2);
@@ -499,11 +499,10 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr,
              bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr,
              bf16 ? nullptr : y.data_ptr<float>(), K, inter};
-#if TOKENMILL_GEMM_BF16
-  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
-#else
-  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false, true>(part, rows, nblocks); });
-#endif
+  // (here bf16 with AVX512-BF16, float32 without)
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) {
+    run<TOKENMILL_GEMM_BF16 != 0, true>(part, rows, nblocks);
+  });
   return y;
 }
 #else
