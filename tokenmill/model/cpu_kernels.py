@@ -30,7 +30,8 @@ _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "pack
                                             "layer_stack.cpp")]
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h", _CSRC / "kv_prefetch.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
-              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_dtypes", "layer_stack",
+              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_dtypes", "packed_gemm_max_rows",
+              "layer_stack",
               "layer_loop", "kv_prefetch_rows"]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
@@ -110,9 +111,9 @@ def fused_ops(x: torch.Tensor) -> Any | None:
 
 
 def packed_gemm_ops(x: torch.Tensor) -> Any | None:
-    """The module with packed_gemm when it applies to x (a 2-D CPU tensor:
-    float32 where the build has AVX2 and FMA or AVX512-BF16; bf16 with an even
-    number of columns where it has AVX512-BF16), else None."""
+    """The module with packed_gemm when it applies to x (a 2-D CPU tensor,
+    where the build has AVX2 and FMA or AVX512-BF16: float32, or bf16 with an
+    even number of columns), else None."""
     if x.device.type != "cpu" or x.dim() != 2:
         return None
     if not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0)):
@@ -127,6 +128,14 @@ def packed_gemm_ops(x: torch.Tensor) -> Any | None:
 
 
 _packed_dtypes: frozenset[str] | None = None
+
+
+def packed_max_rows() -> int:
+    """The most rows worth a packed_gemm call (past them torch's matmul is the
+    faster: 4096 with AVX512-BF16, no limit in the AVX2 build; csrc/packed_gemm.cpp
+    packed_gemm_max_rows), 0 without the kernels."""
+    module = load()
+    return 0 if module is None else int(module.packed_gemm_max_rows())
 
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

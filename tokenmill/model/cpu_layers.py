@@ -80,8 +80,6 @@ class CpuLayers:
         self.final_norm = model.norm.weight
         self.eps = model.norm.eps
         self.rotary = model.rotary_emb
-        from tokenmill.model.llama import PACKED_MAX_ROWS  # llama imports this module
-
         # The same, flat, for csrc/layer_stack.cpp: 8 tensors, 5 ints and a scale a layer.
         weights: list[torch.Tensor] = []
         ints: list[int] = []
@@ -99,7 +97,7 @@ class CpuLayers:
             params = sum(w.numel() for w in (first.qkv, first.o, first.gate_up, first.down))
             kv_bytes = 2 * first.attn.num_kv_heads * first.attn.head_dim * first.qkv.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
-        self.max_rows = PACKED_MAX_ROWS  # more rows go to torch's matmul (the modules' code)
+        self.max_rows = cpu_kernels.packed_max_rows()  # more rows go to torch's matmul (the modules' code)
 
     def _watch(self, module: torch.nn.Module) -> None:
         for name, param in module._parameters.items():

@@ -71,7 +71,7 @@ class Linear(nn.Linear):
     def _matmul(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         # The head (float32_out) stays on the kernel at any size: its sums are never rounded.
-        use_kernel = weight.dtype == x.dtype and (float32_out or x.shape[0] <= PACKED_MAX_ROWS)
+        use_kernel = weight.dtype == x.dtype and (float32_out or x.shape[0] <= cpu_kernels.packed_max_rows())
         ops = cpu_kernels.packed_gemm_ops(x) if use_kernel else None
         packed = self._packed_for(weight) if ops is not None else None
         if ops is None or packed is None:
@@ -86,10 +86,6 @@ class Linear(nn.Linear):
 
 
 _NO_BIAS = torch.empty(0)
-# Beyond this many rows (a step's token budget above the default 2048) torch's
-# matmul is faster on this machine kind: 8192 rows of 576 times 3072 outputs,
-# torch 301 GFLOP/s vs 275; up to 2048 rows the kernel is as fast or faster.
-PACKED_MAX_ROWS = 4096
 
 
 class Embedding(nn.Embedding):

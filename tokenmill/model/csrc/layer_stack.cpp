@@ -72,6 +72,18 @@ constexpr int64_t kPrefetchMaxRows = 48;  // a thread's rows, past which the K/V
 // the prefetch competes with them (layer loop, decode B=4: 10.6-11.2 -> 11.2-13.0 ms).
 constexpr int64_t kTeamPrefetchMinRows = 8;
 
+// Whether x's dtype runs on the AVX512-BF16 kernels, where the K/V prefetch
+// was measured to pay (on a Zen 4). The AVX2 build's bf16 runs float32 math on
+// the Zen 3's memory system, where the prefetch cost in float32 (below).
+bool avx512_bf16(const at::Tensor& x) {
+#if defined(__AVX512BF16__)
+  return x.scalar_type() == at::kBFloat16;
+#else
+  (void)x;
+  return false;
+#endif
+}
+
 // This machine's L3 in bytes (Linux sysfs), or 0 where unknown.
 int64_t l3_bytes() {
   static const int64_t bytes = [] {
@@ -263,7 +275,7 @@ at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::T
   // Tried in float32 on a Zen 3 (the AVX2 attention kernel taking query_range's
   // ranges), where it cost (alternating in one process, medians of 12, ms):
   // B=16 88.1 -> 105.5, B=32 146.1 -> 190.6, B=48 194.8 -> 235.9.
-  const bool bf16_kernel = hidden.scalar_type() == at::kBFloat16 &&  // (its split is query_range's)
+  const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
   bool prefetch = !omp_get_dynamic() && bf16_kernel &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
@@ -323,7 +335,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   // with and without alternating in one process, medians of 12, ms: B=64
   // context 160 268.5 / 278.6 with vs 252.0 / 254.9 without, context 100 221.5
   // vs 201.8; B=96 context 160 330.1 vs 328.6).
-  const bool prefetch_kv = hidden.scalar_type() == at::kBFloat16 && kv_fits_l3(kv_caches, ints, seq_lens);
+  const bool prefetch_kv = avx512_bf16(hidden) && kv_fits_l3(kv_caches, ints, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);

@@ -28,9 +28,16 @@
 // float32 weights get the same treatment with one K per vector: packed
 // [ceil(N/16), K, 16] (packed[b][k][j] = W[16 b + j][k]), x[k] broadcast, FMAs,
 // y float32. Built with AVX512-BF16: both dtypes. Built with AVX2 and FMA only
-// (e.g. Zen 3): float32 alone, each block of 16 outputs as two 8-lane vectors
-// in tiles of up to 6 rows (12 accumulators of the 16 registers); bf16 is
-// left to torch there. packed_gemm_dtypes() says which.
+// (e.g. Zen 3): each block of 16 outputs as two 8-lane vectors in tiles of up
+// to 6 rows (12 accumulators of the 16 registers), float32 math for both
+// dtypes: bf16 weights (the same packed layout) widened to float32 in the
+// tile, each bf16 product exact, the pair's odd k added first as vdpbf16ps
+// does, so the AVX2 build's bf16 reads half the bytes of float32 at about its
+// FLOP rate (torch's bf16 matmul there, the fallback before: a decode step of
+// the default model at B=64 1047 ms, float32 ~170). Measured on a Zen 3 (the
+// 30 layers of projections, cold, both dtypes alternating in one process,
+// medians, GFLOP/s float32 / bf16): 1 row 9.6 / 17.5, 8 rows 50.6 / 62.9, 32
+// 114.1 / 105.7, 64 123.9 / 109.1, 512 135.3 / 125.4.
 //
 // Every output is its row's sum over k in order, one FMA a k, whatever the
 // number of rows M or the tile a row falls in: a row's result does not depend
@@ -44,6 +51,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -193,11 +201,11 @@ struct WeightStream {
   int64_t every = 1;
 };
 
-// silu(g) * u lane by lane, to the bit as fused_ops.cpp's silu_and_mul
-// computes it in float32 (exp_approx(-g) there): the same operations in the
-// same order, no fused multiply-adds (built with -ffp-contract=off), the
-// clamps' NaN behaviour included (max(-87, x) is x < -87 ? -87 : x).
-inline __m256 silu_mul_f32(__m256 x, __m256 u) {
+// silu(x) lane by lane, to the bit as fused_ops.cpp's silu_and_mul computes
+// it (x / (1 + exp_approx(-x)) there): the same operations in the same order,
+// no fused multiply-adds (built with -ffp-contract=off), the clamps' NaN
+// behaviour included (max(-87, x) is x < -87 ? -87 : x).
+inline __m256 silu_f32(__m256 x) {
   __m256 e = _mm256_xor_ps(x, _mm256_set1_ps(-0.f));  // -x
   e = _mm256_max_ps(_mm256_set1_ps(-87.f), e);
   e = _mm256_min_ps(_mm256_set1_ps(88.f), e);
@@ -210,22 +218,55 @@ inline __m256 silu_mul_f32(__m256 x, __m256 u) {
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fn), _mm256_set1_epi32(127)), 23);
   e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 
-// The AVX2 tile (float32 only): the NB blocks one after the other, each in
-// tiles of MT rows x 16 outputs (two 8-lane halves), x[k] broadcast from
-// memory; otherwise as the AVX-512 tile above (K/V feed), but the next
-// group's weights come from `pf`, a stream that every tile of the group
-// (rows below) carries on from where the last one left it. SILU: the blocks
-// are (gate, up) pairs; a gate block's sums wait in y for its up block's,
-// and the tile writes silu(gate) * up there; the up blocks' stream is pf2.
+// silu(x) * u in float32, as silu_and_mul computes it there.
+inline __m256 silu_mul_f32(__m256 x, __m256 u) { return _mm256_mul_ps(silu_f32(x), u); }
+
+// x rounded to bf16 (nearest even; a NaN to 0x7fc0), as fused_ops.cpp's
+// from_f and torch round, kept as float32 (the low 16 bits zero).
+inline __m256 round_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+
+// Two float32 vectors already rounded to bf16 (round_bf16) as 16 bf16 values.
+inline __m256i pack_bf16(__m256 lo, __m256 hi) {
+  const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(lo), 16), b = _mm256_srli_epi32(_mm256_castps_si256(hi), 16);
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);  // (packus works per 128-bit lane)
+}
+
+// 8 bf16 values as float32 (exact).
+inline __m256 load_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The AVX2 tile: the NB blocks one after the other, each in tiles of MT rows x
+// 16 outputs (two 8-lane halves), x[k] broadcast from memory; otherwise as
+// the AVX-512 tile above (K/V feed), but the next group's weights come from
+// `pf`, a stream that every tile of the group (rows below) carries on from
+// where the last one left it. SILU: the blocks are (gate, up) pairs; a gate
+// block's sums wait in y for its up block's, and the tile writes silu(gate) *
+// up there; the up blocks' stream is pf2.
+// BF16: x is a float32 copy of the bf16 x (exact), and each step takes a pair
+// of K: the 32-bit lanes of the packed weights hold (k even, k odd) as bf16,
+// so the odd k's weights are the lanes with their low half cleared and the
+// even k's the lanes shifted left by 16, both exact in float32. The odd k is
+// added first, as vdpbf16ps does (Intel's pseudo-code), one FMA a product
+// (exact: two bf16 make a float32 product). The two halves of a step take
+// their weights in turn, so that 12 accumulators, 2 weight vectors and a
+// broadcast fit the 16 registers.
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
                  WeightStream& pf2) {
-  static_assert(!BF16, "the AVX2 build computes float32 only");
-  const int64_t steps = a.K;
-  const float* x = static_cast<const float*>(a.x) + m0 * a.K;
+  const int64_t steps = BF16 ? a.K / 2 : a.K;
+  const float* x = static_cast<const float*>(a.x) + m0 * a.K;  // (BF16: the tile's panel, m0 a multiple of 6)
   const float* xr[MT];  // a pointer a row: the broadcasts address [xr[i] + 4 kk], no lea each
   for (int i = 0; i < MT; ++i) xr[i] = x + i * a.K;
   for (int j = 0; j < NB; ++j) {
@@ -238,21 +279,60 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     const int64_t every = ws.every;
     int64_t next_pf = pp < pend ? 0 : steps;  // the next step that prefetches (no division a step)
     auto step = [&](int64_t kk) __attribute__((always_inline)) {
-      const __m256 w0 = _mm256_loadu_ps(wj + kk * 16), w1 = _mm256_loadu_ps(wj + kk * 16 + 8);
-      if (kk == next_pf) {
-        prefetch_line<_MM_HINT_T1>(pp);
-        pp += 64;
-        next_pf = pp < pend ? next_pf + every : steps;
-      }
-      for (int i = 0; i < MT; ++i) {
-        const __m256 xb = _mm256_broadcast_ss(xr[i] + kk);
-        acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+      if constexpr (BF16) {
+        const __m256i* wp = reinterpret_cast<const __m256i*>(wj + kk * 16);
+        const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+        __m256 w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), odd));
+        __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp + 1), odd));
+        if (kk == next_pf) {
+          prefetch_line<_MM_HINT_T1>(pp);
+          pp += 64;
+          next_pf = pp < pend ? next_pf + every : steps;
+        }
+        for (int i = 0; i < MT; ++i) {
+          const __m256 xb = _mm256_broadcast_ss(x + kk * 12 + 2 * i + 1);
+          acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+        }
+        asm("" : "+r"(wp));  // load the lanes again (L1) rather than keep 4 weight registers
+        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
+        w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
+        for (int i = 0; i < MT; ++i) {
+          const __m256 xb = _mm256_broadcast_ss(x + kk * 12 + 2 * i);
+          acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+        }
+      } else {
+        const __m256 w0 = _mm256_loadu_ps(wj + kk * 16), w1 = _mm256_loadu_ps(wj + kk * 16 + 8);
+        if (kk == next_pf) {
+          prefetch_line<_MM_HINT_T1>(pp);
+          pp += 64;
+          next_pf = pp < pend ? next_pf + every : steps;
+        }
+        for (int i = 0; i < MT; ++i) {
+          const __m256 xb = _mm256_broadcast_ss(xr[i] + kk);
+          acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+        }
       }
     };
     k_loop<KV>(steps, step);
     ws.p = pp;
-    if constexpr (SILU) {  // (no bias; N: the outputs, a multiple of 16; no early exit, as below)
+    if constexpr (SILU && BF16) {  // as below, in bf16: the gate's sums wait rounded (as silu_and_mul reads them)
+      uint16_t* y = a.y16 + m0 * a.N + (col + j / 2) * 16;
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        __m256i* yi = reinterpret_cast<__m256i*>(y + i * a.N);
+        if (j % 2 == 0) {
+          _mm256_storeu_si256(yi, pack_bf16(round_bf16(acc[i][0]), round_bf16(acc[i][1])));
+        } else {
+          const __m256 g0 = load_bf16(y + i * a.N), g1 = load_bf16(y + i * a.N + 8);
+          const __m256 o0 = _mm256_mul_ps(round_bf16(silu_f32(g0)), round_bf16(acc[i][0]));
+          const __m256 o1 = _mm256_mul_ps(round_bf16(silu_f32(g1)), round_bf16(acc[i][1]));
+          _mm256_storeu_si256(yi, pack_bf16(round_bf16(o0), round_bf16(o1)));
+        }
+      }
+    } else if constexpr (SILU) {  // (no bias; N: the outputs, a multiple of 16; no early exit, as below)
       // The gate block's sums wait in the outputs' place (in L1) for the up block's.
       float* y = a.y32 + m0 * a.N + (col + j / 2) * 16;
 #pragma GCC unroll 16
@@ -272,10 +352,25 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     // -> 96 GFLOP/s). Written out per case, with no early exit, so that the
     // accumulators stay in registers through the K loop.
     const int64_t n0 = (col + j) * 16, lanes = std::min<int64_t>(16, a.N - n0);
-    float* y = a.y32 + m0 * a.N + n0;
     // (the bias is padded to whole blocks; + 0 leaves the sum as it is)
     const __m256 b0 = a.bias ? _mm256_loadu_ps(a.bias + n0) : _mm256_setzero_ps();
     const __m256 b1 = a.bias ? _mm256_loadu_ps(a.bias + n0 + 8) : _mm256_setzero_ps();
+    if (BF16 && !a.y32) {  // bf16 out: each sum rounded once
+      uint16_t* y = a.y16 + m0 * a.N + n0;
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const __m256i r = pack_bf16(round_bf16(_mm256_add_ps(acc[i][0], b0)), round_bf16(_mm256_add_ps(acc[i][1], b1)));
+        if (lanes == 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * a.N), r);
+        } else {  // the last block of an N that is not a multiple of 16: its real lanes only
+          alignas(32) uint16_t part[16];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(part), r);
+          std::copy(part, part + lanes, y + i * a.N);
+        }
+      }
+      continue;
+    }
+    float* y = a.y32 + m0 * a.N + n0;
     if (lanes == 16) {
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
@@ -312,14 +407,14 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // a harness of the model's projections (30 layers, cold weights, each of 2
   // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
   // 123 / 108 strided against 140 / 130 / 125 / 137 / 140 / 123 in address order.
-  // The next group's kGroupBlocks * K lines over this group's tiles * NB * K steps.
+  // The next group's kGroupBlocks * steps lines over this group's tiles * NB * steps.
   // SILU: the next group's gate blocks and its up blocks, two stretches, two
   // streams (s for the tiles' gate blocks, s2 for their up blocks).
   WeightStream s, s2;
-  const int64_t tiles = (m1 - m0 + MT - 1) / MT;
-  if (pf && !SILU) s = {pf[0], pf[0] + kGroupBlocks * a.K * 64, std::max<int64_t>(1, tiles * NB / kGroupBlocks)};
-  if (pf && SILU) {  // each: 2 blocks' K lines over the tiles' NB / 2 blocks of K steps
-    s = {pf[0], pf[0] + 2 * a.K * 64, std::max<int64_t>(1, tiles * (NB / 2) / 2)};
+  const int64_t tiles = (m1 - m0 + MT - 1) / MT, steps = BF16 ? a.K / 2 : a.K;  // (a step: a line a block)
+  if (pf && !SILU) s = {pf[0], pf[0] + kGroupBlocks * steps * 64, std::max<int64_t>(1, tiles * NB / kGroupBlocks)};
+  if (pf && SILU) {  // each: 2 blocks' lines over the tiles' NB / 2 blocks of steps
+    s = {pf[0], pf[0] + 2 * steps * 64, std::max<int64_t>(1, tiles * (NB / 2) / 2)};
     s2 = {pf[1], pf[1] + 2 * a.K * 64, s.every};
   }
   for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s, s2);
@@ -362,7 +457,30 @@ void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, in
 // Rows are split only when there are too few groups to keep every thread busy
 // (few outputs, many rows).
 template <bool BF16, bool SILU = false>
-void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
+void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
+  GemmArgs a = a_in;
+#if !TOKENMILL_GEMM_BF16
+  // The AVX2 tile broadcasts float32: bf16 x as float32 panels (exact), one a
+  // tile of 6 rows, [K / 2][6][2] (each row's pair of K side by side, as in
+  // x), so that a tile's broadcasts all come from one pointer (12 pointers'
+  // worth of GPRs otherwise: the step ran ~60 instructions for 24 FMAs).
+  at::Tensor panel;
+  if constexpr (BF16) {
+    const int64_t pairs = a.K / 2, tiles = (M + 5) / 6;
+    panel = at::zeros({tiles, pairs, 6, 2}, at::kFloat);
+    const uint32_t* x = static_cast<const uint32_t*>(a.x);
+    uint32_t* out = reinterpret_cast<uint32_t*>(panel.data_ptr<float>());
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t kk = 0; kk < pairs; ++kk) {
+        const uint32_t pair = x[m * pairs + kk];  // (k even in the low half)
+        uint32_t* o = out + ((m / 6 * pairs + kk) * 6 + m % 6) * 2;
+        o[0] = pair << 16;
+        o[1] = pair & 0xffff0000u;
+      }
+    a.x = panel.data_ptr<float>();
+  }
+#endif
   constexpr int64_t GB = SILU ? 2 : kGroupBlocks;  // output blocks a group
   const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
   const int64_t outs = SILU ? nblocks / 2 : nblocks, half = SILU ? nblocks / 2 : 0;
@@ -411,7 +529,7 @@ void run(const GemmArgs& a, int64_t M, int64_t nblocks) {
 // Each group of blocks reads all of its rows of x: past a few hundred rows x
 // no longer stays in cache between groups (8192 x 576 rows times 3072 outputs:
 // 221 GFLOP/s in one pass, 275 in stretches of 512; torch 301, so the model
-// sends more than 4096 rows to torch: llama.PACKED_MAX_ROWS). f(part, rows).
+// sends more than 4096 rows to torch in that build: packed_gemm_max_rows). f(part, rows).
 template <typename F>
 void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::Tensor& y, F f) {
   constexpr int64_t stretch = 512;
@@ -427,10 +545,16 @@ void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::T
 
 }  // namespace
 
-std::vector<std::string> packed_gemm_dtypes() {
-  if (TOKENMILL_GEMM_BF16) return {"bfloat16", "float32"};
-  return {"float32"};
-}
+std::vector<std::string> packed_gemm_dtypes() { return {"bfloat16", "float32"}; }
+
+// The most rows worth a call: past 4096 (a step's token budget above the
+// default 2048) torch's bf16 matmul was the faster on a Zen 4 (8192 rows of 576
+// times 3072 outputs: torch 301 GFLOP/s vs 275; as fast or faster up to 2048).
+// The AVX2 build has no limit: on a Zen 3 at 8192 rows torch's bf16 matmul
+// ran 15 GFLOP/s against 115 here, its float32 86 against 102.
+int64_t packed_gemm_max_rows() { return TOKENMILL_GEMM_BF16 ? 4096 : std::numeric_limits<int64_t>::max(); }
+
+
 
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
   NoGil no_gil;
@@ -438,7 +562,6 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
               "packed_gemm takes bfloat16 or float32 x and weights of the same dtype");
-  TORCH_CHECK(!bf16 || TOKENMILL_GEMM_BF16, "packed_gemm: bfloat16 needs AVX512-BF16 (built without it)");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
               "packed_gemm: x [M, K], packed [ceil(N/16), K/2, 16, 2] (bf16) or [ceil(N/16), K, 16] (float32)");
   const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
@@ -460,11 +583,8 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
   GemmArgs a{x.data_ptr(), packed.data_ptr(), bias32.defined() ? bias32.data_ptr<float>() : nullptr,
              out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-#if TOKENMILL_GEMM_BF16
   if (bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true>(part, rows, nblocks); });
-  else
-#endif
-  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks); });
+  else in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks); });
   return y;
 }
 
@@ -482,7 +602,6 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
               "packed_gemm_silu takes bfloat16 or float32 x and weights of the same dtype");
-  TORCH_CHECK(!bf16 || TOKENMILL_GEMM_BF16, "packed_gemm_silu: bfloat16 needs AVX512-BF16 (built without it)");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 2 &&
                   packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
               "packed_gemm_silu: x [M, K] and packed gate_up weights [N/16, K/2, 16, 2] (bf16) or "
@@ -499,14 +618,17 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr,
              bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr,
              bf16 ? nullptr : y.data_ptr<float>(), K, inter};
-  // (here bf16 with AVX512-BF16, float32 without)
-  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) {
-    run<TOKENMILL_GEMM_BF16 != 0, true>(part, rows, nblocks);
-  });
+  // (bf16 in both builds, float32 in the AVX2 one)
+#if !TOKENMILL_GEMM_BF16
+  if (!bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false, true>(part, rows, nblocks); });
+  else
+#endif
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
   return y;
 }
 #else
 std::vector<std::string> packed_gemm_dtypes() { return {}; }
+int64_t packed_gemm_max_rows() { return 0; }
 at::Tensor packed_gemm(at::Tensor x, at::Tensor, int64_t, at::Tensor, bool) {
   TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
