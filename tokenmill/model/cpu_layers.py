@@ -266,7 +266,9 @@ def threads() -> int:
 # 27.7 ms split, B=32 41.0 -> 38.1; float32 on a Zen 3 (steps alternating
 # split / layer loop in one process, medians of 12-15, ms): B=32 133.4 split
 # vs 121.4 loop, B=48 217.6 vs 189.1, B=64 217.7 vs 214.7, B=128 466.9 vs
-# 500.1 (the float32 threshold was 16 rows, as bf16's, before).
+# 500.1 (the float32 threshold was 16 rows, as bf16's, before); bf16 on the
+# Zen 3 (float32 math on bf16 weights, csrc/packed_gemm.cpp), B=48: 155.2 ms
+# split vs 162.7 loop (scripts/step_ab.py, medians of 12), so 16 rows there too.
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 

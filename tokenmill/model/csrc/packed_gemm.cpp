@@ -254,14 +254,17 @@ inline __m256 load_bf16(const uint16_t* p) {
 // where the last one left it. SILU: the blocks are (gate, up) pairs; a gate
 // block's sums wait in y for its up block's, and the tile writes silu(gate) *
 // up there; the up blocks' stream is pf2.
-// BF16: x is a float32 copy of the bf16 x (exact), and each step takes a pair
-// of K: the 32-bit lanes of the packed weights hold (k even, k odd) as bf16,
+// BF16: x is the tile's float32 panel (run<>: [K/2][6][2], exact), and each
+// step takes a pair of K: the 32-bit lanes of the packed weights hold (k even, k odd) as bf16,
 // so the odd k's weights are the lanes with their low half cleared and the
 // even k's the lanes shifted left by 16, both exact in float32. The odd k is
 // added first, as vdpbf16ps does (Intel's pseudo-code), one FMA a product
 // (exact: two bf16 make a float32 product). The two halves of a step take
 // their weights in turn, so that 12 accumulators, 2 weight vectors and a
-// broadcast fit the 16 registers.
+// broadcast fit the 16 registers. (Widening a group's weights once into a
+// float32 scratch for all its tiles instead, when there are two tiles or
+// more: scripts/gemm_ab.py, bf16, team, GFLOP/s: 8 rows 61.2 -> 50.5, 32
+// rows 107.7 -> 102.1, 64 rows 116.9 -> 107.8, 512 rows 122.3 -> 128.3. Not kept.)
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
                  WeightStream& pf2) {
@@ -415,7 +418,7 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   if (pf && !SILU) s = {pf[0], pf[0] + kGroupBlocks * steps * 64, std::max<int64_t>(1, tiles * NB / kGroupBlocks)};
   if (pf && SILU) {  // each: 2 blocks' lines over the tiles' NB / 2 blocks of steps
     s = {pf[0], pf[0] + 2 * steps * 64, std::max<int64_t>(1, tiles * (NB / 2) / 2)};
-    s2 = {pf[1], pf[1] + 2 * a.K * 64, s.every};
+    s2 = {pf[1], pf[1] + 2 * steps * 64, s.every};
   }
   for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s, s2);
   switch (m1 - m0) {
