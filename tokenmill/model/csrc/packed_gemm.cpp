@@ -265,6 +265,12 @@ inline __m256 load_bf16(const uint16_t* p) {
 // float32 scratch for all its tiles instead, when there are two tiles or
 // more: scripts/gemm_ab.py, bf16, team, GFLOP/s: 8 rows 61.2 -> 50.5, 32
 // rows 107.7 -> 102.1, 64 rows 116.9 -> 107.8, 512 rows 122.3 -> 128.3. Not kept.)
+// The steps are written out in full on purpose: the prefetch feed or the FMA
+// rows as shared lambdas moved one accumulator of the bf16 6-row tile onto the
+// stack (objdump: vfmadd213ps from (%rsp) in the K loop). The bf16 SILU tile
+// keeps 3 of its 12 on the stack as it is; its silu(gate) * up in a
+// non-inlined helper left 1 there but made decode steps slower (B=64, step_ab:
+// 215.3 -> 240.7 ms).
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
                  WeightStream& pf2) {
@@ -470,7 +476,7 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
   at::Tensor panel;
   if constexpr (BF16) {
     const int64_t pairs = a.K / 2, tiles = (M + 5) / 6;
-    panel = at::zeros({tiles, pairs, 6, 2}, at::kFloat);
+    panel = at::empty({tiles, pairs, 6, 2}, at::kFloat);  // (a last tile's rows past M are never read)
     const uint32_t* x = static_cast<const uint32_t*>(a.x);
     uint32_t* out = reinterpret_cast<uint32_t*>(panel.data_ptr<float>());
 #pragma omp parallel for schedule(static)
