@@ -11,7 +11,8 @@ copy of the tree, as scripts/step_ab.py says). Without `split`: one call a
 projection on the whole OpenMP team (the layer loop's way). With `split`: two
 Python threads of one OpenMP thread each, each its own rows over all the
 weights (layer_stack's way, float32 from 32 rows a thread). Float32 weights
-(TOKENMILL_AB_DTYPE=bfloat16 for bf16). Prints the median GFLOP/s of each side
+(TOKENMILL_AB_DTYPE=bfloat16 for bf16). TOKENMILL_AB_SILU=1: the gate_up projection
+through packed_gemm_silu (the MLP's way) instead of packed_gemm. Prints the median GFLOP/s of each side
 and in how many rounds B was faster. How 290179a (the AVX2 weight stream) was
 measured on a Zen 3.
 """
@@ -38,12 +39,18 @@ torch.manual_seed(0)
 packed = [[cpu_kernels.pack_weight((torch.randn(n, k) * 0.05).to(dtype)) for k, n in SHAPES]
           for _ in range(LAYERS)]
 none = torch.empty(0)
+silu = os.environ.get("TOKENMILL_AB_SILU") == "1"
+
+
+def project(module, j, x, w):
+    n = SHAPES[j][1]
+    return module.packed_gemm_silu(x, w, n // 2) if silu and j == 2 else module.packed_gemm(x, w, n, none, False)
 
 
 def run_layers(module, xs):
     for layer in range(LAYERS):
-        for j, (_, n) in enumerate(SHAPES):
-            module.packed_gemm(xs[j], packed[layer][j], n, none, False)
+        for j in range(len(SHAPES)):
+            project(module, j, xs[j], packed[layer][j])
 
 
 def timed(module, inputs):
@@ -72,7 +79,7 @@ def timed(module, inputs):
 
 for rows in row_counts:
     inputs = [[torch.randn(rows, k).to(dtype) for k, _ in SHAPES] for _ in range(2 if split else 1)]
-    outs = [[m.packed_gemm(x, packed[0][j], SHAPES[j][1], none, False) for j, x in enumerate(inputs[0])]
+    outs = [[project(m, j, x, packed[0][j]) for j, x in enumerate(inputs[0])]
             for m in mods]
     if not all(torch.equal(a, b) for a, b in zip(*outs, strict=True)):
         sys.exit(f"rows {rows}: the two modules give different bits")

@@ -227,12 +227,12 @@ def test_pack_weight_layout_on_a_mapped_tensor(dtype: torch.dtype) -> None:
     assert zeros.sum() == 7
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 200])
 @pytest.mark.parametrize(("outputs", "bias"), [(48, False), (48, True), (40, True), (100, False)])
 def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool) -> None:
     # 48 outputs: one group of three 16-row blocks; 40 and 100: a short last
-    # block (masked stores) and groups of one and two blocks; 200 rows of a
-    # small N: the rows split between threads.
+    # block (masked stores) and groups of one and two blocks; 32 rows: tiles
+    # of 6 and 5 rows (AVX2); 200 rows of a small N: the rows split between threads.
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
     weight = (torch.randn(outputs, 96, generator=gen) * 0.1).to(torch.bfloat16)
@@ -252,6 +252,10 @@ def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool)
     logits = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), True)
     assert logits.dtype == torch.float32  # float32 out: the unrounded sums
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-4)
+    # A row's bits do not depend on the rows beside it (other tiles, threads).
+    for lo, hi in [(rows - 1, rows), (0, min(rows, 4)), (rows // 2, rows)]:
+        assert torch.equal(ops.packed_gemm(x[lo:hi], packed, outputs, b if b is not None else torch.empty(0),
+                                           True), logits[lo:hi])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 200])
@@ -271,13 +275,13 @@ def test_packed_gemm_float32_matches_torch(rows: int, outputs: int, bias: bool) 
     assert ours.dtype == torch.float32 and ours.shape == (rows, outputs)
     # float32 sums in another order than torch's: equal up to rounding.
     torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
-    # A row's bits do not depend on the rows beside it (tiles of 6, the rest, threads).
+    # A row's bits do not depend on the rows beside it (the tiles it falls in, threads).
     for lo, hi in [(rows - 1, rows), (0, min(rows, 4)), (rows // 2, rows)]:
         assert torch.equal(ops.packed_gemm(x[lo:hi], packed, outputs, bias, False), ours[lo:hi])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 200, 600])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 13, 32, 200, 600])
 @pytest.mark.parametrize("inter", [16, 48, 96])
 def test_packed_gemm_silu_gives_silu_and_mul_bits(rows: int, inter: int, dtype: torch.dtype) -> None:
     # silu(gate) * up straight from the gate_up GEMM's tiles: the bits of

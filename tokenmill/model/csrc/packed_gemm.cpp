@@ -29,7 +29,7 @@
 // [ceil(N/16), K, 16] (packed[b][k][j] = W[16 b + j][k]), x[k] broadcast, FMAs,
 // y float32. Built with AVX512-BF16: both dtypes. Built with AVX2 and FMA only
 // (e.g. Zen 3): each block of 16 outputs as two 8-lane vectors in tiles of up
-// to 6 rows (12 accumulators of the 16 registers), float32 math for both
+// to 6 rows (12 accumulators of the 16 registers; TilePlan), float32 math for both
 // dtypes: bf16 weights (the same packed layout) widened to float32 in the
 // tile, each bf16 product exact, the pair's odd k added first as vdpbf16ps
 // does, so the AVX2 build's bf16 reads half the bytes of float32 at about its
@@ -268,14 +268,16 @@ inline __m256 load_bf16(const uint16_t* p) {
 // The steps are written out in full on purpose: the prefetch feed or the FMA
 // rows as shared lambdas moved one accumulator of the bf16 6-row tile onto the
 // stack (objdump: vfmadd213ps from (%rsp) in the K loop). The bf16 SILU tile
-// keeps 3 of its 12 on the stack as it is; its silu(gate) * up in a
-// non-inlined helper left 1 there but made decode steps slower (B=64, step_ab:
-// 215.3 -> 240.7 ms).
+// kept 3 of its 12 there at 6 rows, so it runs at most 5 (max_tile_rows); its
+// silu(gate) * up in a non-inlined helper had left 1 there but made decode
+// steps slower (B=64, step_ab: 215.3 -> 240.7 ms), and the FMA rows as inline
+// asm (no spill; the mask a memory operand) ran slower: gemm_ab at 64 rows
+// 132.3 -> 114.5 GFLOP/s, the SiLU gate_up 121.5 -> 122.0.
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
                  WeightStream& pf2) {
   const int64_t steps = BF16 ? a.K / 2 : a.K;
-  const float* x = static_cast<const float*>(a.x) + m0 * a.K;  // (BF16: the tile's panel, m0 a multiple of 6)
+  const float* x = static_cast<const float*>(a.x) + m0 * a.K;  // (BF16: the tile's panel, [K/2][MT][2])
   const float* xr[MT];  // a pointer a row: the broadcasts address [xr[i] + 4 kk], no lea each
   for (int i = 0; i < MT; ++i) xr[i] = x + i * a.K;
   for (int j = 0; j < NB; ++j) {
@@ -299,7 +301,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
           next_pf = pp < pend ? next_pf + every : steps;
         }
         for (int i = 0; i < MT; ++i) {
-          const __m256 xb = _mm256_broadcast_ss(x + kk * 12 + 2 * i + 1);
+          const __m256 xb = _mm256_broadcast_ss(x + kk * 2 * MT + 2 * i + 1);
           acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
           acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
         }
@@ -307,7 +309,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
         w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
         w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
         for (int i = 0; i < MT; ++i) {
-          const __m256 xb = _mm256_broadcast_ss(x + kk * 12 + 2 * i);
+          const __m256 xb = _mm256_broadcast_ss(x + kk * 2 * MT + 2 * i);
           acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
           acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
         }
@@ -401,10 +403,41 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
 }
 #endif
 
+#if !TOKENMILL_GEMM_BF16
+// How the AVX2 build tiles n rows: as few tiles as tiles of `most` rows would
+// take, their sizes as even as can be, the larger ones first (32 rows: 6, 6,
+// 5, 5, 5, 5 rather than 6 x 5 + 2: a small tile reads a weight line from L2
+// for every few FMAs; the 2-row one ran at about a third of the 6-row one's
+// rate). A tile's rows are [start(t), start(t) + size(t)). Measured on a Zen 3
+// (scripts/gemm_ab.py, bf16, SiLU gate_up, 8 rounds, GFLOP/s, 6 x n + tail ->
+// even tiles): 2 threads of 32 rows each 134.1 -> 156.5, of 20 rows 124.4 ->
+// 146.9, of 44 rows 134.9 -> 150.7; float32, 32 rows each 157.4 -> 169.0.
+struct TilePlan {
+  int64_t tiles, rows, larger;  // `larger` tiles of rows + 1, then rows each
+  TilePlan(int64_t n, int64_t most)
+      : tiles((n + most - 1) / most), rows(tiles ? n / tiles : 0), larger(tiles ? n % tiles : 0) {}
+  int64_t size(int64_t t) const { return rows + (t < larger); }
+  int64_t start(int64_t t) const { return t * rows + std::min(t, larger); }
+  int64_t tile_of(int64_t r) const {
+    return r < larger * (rows + 1) ? r / (rows + 1) : larger + (r - larger * (rows + 1)) / rows;
+  }
+};
+
+// The most rows a tile: 6 (12 accumulators), but 5 in the bf16 SiLU matmul,
+// whose 6-row tile kept accumulators on the stack through its K loop (GCC;
+// objdump: vfmadd213ps from (%rsp), 3 of 12) where the 5-row one keeps its 10
+// in registers: the SiLU gate_up on 2 threads (gemm_ab) of 32 rows each 158.0
+// -> 169.7 GFLOP/s, 64 rows each 139.5 -> 156.5, 256 rows on the team 145.7 ->
+// 174.5; capping the other bf16 matmuls at 5 too changed nothing (155.5 vs
+// 153.8 at 32 rows each).
+template <bool BF16, bool SILU>
+constexpr int64_t max_tile_rows() { return BF16 && SILU ? 5 : 6; }
+#endif
+
 constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below; with SILU 2 pairs)
 
-// Rows [m0, m1) times the NB blocks at w: tiles of MT rows, then one of the
-// rest. The next group's weights (pf: a pointer a block, or null) are
+// Rows [m0, m1) times the NB blocks at w: tiles as TilePlan lays them out
+// (AVX2), or of MT rows then one of the rest (AVX-512). The next group's weights (pf: a pointer a block, or null) are
 // prefetched meanwhile.
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
@@ -420,20 +453,23 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // SILU: the next group's gate blocks and its up blocks, two stretches, two
   // streams (s for the tiles' gate blocks, s2 for their up blocks).
   WeightStream s, s2;
-  const int64_t tiles = (m1 - m0 + MT - 1) / MT, steps = BF16 ? a.K / 2 : a.K;  // (a step: a line a block)
+  const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
+  const int64_t tiles = plan.tiles, steps = BF16 ? a.K / 2 : a.K;  // (a step: a line a block)
   if (pf && !SILU) s = {pf[0], pf[0] + kGroupBlocks * steps * 64, std::max<int64_t>(1, tiles * NB / kGroupBlocks)};
   if (pf && SILU) {  // each: 2 blocks' lines over the tiles' NB / 2 blocks of steps
     s = {pf[0], pf[0] + 2 * steps * 64, std::max<int64_t>(1, tiles * (NB / 2) / 2)};
     s2 = {pf[1], pf[1] + 2 * steps * 64, s.every};
   }
-  for (; m0 + MT <= m1; m0 += MT) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, s, s2);
-  switch (m1 - m0) {
-    case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, s, s2); break;
-    case 2: tile<BF16, 2, NB, SILU, KV>(a, m0, w, col, s, s2); break;
-    case 3: tile<BF16, 3, NB, SILU, KV>(a, m0, w, col, s, s2); break;
-    case 4: tile<BF16, 4, NB, SILU, KV>(a, m0, w, col, s, s2); break;
-    case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, s, s2); break;
-    default: break;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r0 = m0 + plan.start(t);
+    switch (plan.size(t)) {
+      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+    }
   }
 #else
   // AVX-512: over the first tiles, a quarter of the lines in each of the
@@ -468,28 +504,6 @@ void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, in
 template <bool BF16, bool SILU = false>
 void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
   GemmArgs a = a_in;
-#if !TOKENMILL_GEMM_BF16
-  // The AVX2 tile broadcasts float32: bf16 x as float32 panels (exact), one a
-  // tile of 6 rows, [K / 2][6][2] (each row's pair of K side by side, as in
-  // x), so that a tile's broadcasts all come from one pointer (12 pointers'
-  // worth of GPRs otherwise: the step ran ~60 instructions for 24 FMAs).
-  at::Tensor panel;
-  if constexpr (BF16) {
-    const int64_t pairs = a.K / 2, tiles = (M + 5) / 6;
-    panel = at::empty({tiles, pairs, 6, 2}, at::kFloat);  // (a last tile's rows past M are never read)
-    const uint32_t* x = static_cast<const uint32_t*>(a.x);
-    uint32_t* out = reinterpret_cast<uint32_t*>(panel.data_ptr<float>());
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t kk = 0; kk < pairs; ++kk) {
-        const uint32_t pair = x[m * pairs + kk];  // (k even in the low half)
-        uint32_t* o = out + ((m / 6 * pairs + kk) * 6 + m % 6) * 2;
-        o[0] = pair << 16;
-        o[1] = pair & 0xffff0000u;
-      }
-    a.x = panel.data_ptr<float>();
-  }
-#endif
   constexpr int64_t GB = SILU ? 2 : kGroupBlocks;  // output blocks a group
   const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
   const int64_t outs = SILU ? nblocks / 2 : nblocks, half = SILU ? nblocks / 2 : 0;
@@ -501,6 +515,34 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
     row_chunk = std::max<int64_t>(48, ((M + per_group - 1) / per_group + 5) / 6 * 6);
   }
   const int64_t chunks = (M + row_chunk - 1) / row_chunk;
+#if !TOKENMILL_GEMM_BF16
+  // The AVX2 tile broadcasts float32: bf16 x as float32 panels (exact), one a
+  // tile (rows<>'s TilePlan of each stretch of rows), [K / 2][rows][2] (each
+  // row's pair of K side by side, as in x), so that a tile's broadcasts all
+  // come from one pointer (12 pointers' worth of GPRs otherwise: the step ran
+  // ~60 instructions for 24 FMAs). A tile's panel starts where its first row's
+  // x does (start * K).
+  at::Tensor panel;
+  if constexpr (BF16) {
+    const int64_t pairs = a.K / 2;
+    panel = at::empty({M * a.K}, at::kFloat);
+    const uint32_t* x = static_cast<const uint32_t*>(a.x);
+    uint32_t* out = reinterpret_cast<uint32_t*>(panel.data_ptr<float>());
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t c0 = m / row_chunk * row_chunk;
+      const TilePlan plan(std::min(M, c0 + row_chunk) - c0, max_tile_rows<BF16, SILU>());
+      const int64_t t = plan.tile_of(m - c0), start = plan.start(t), rows = plan.size(t);
+      uint32_t* o = out + (c0 + start) * a.K + (m - c0 - start) * 2;
+      for (int64_t kk = 0; kk < pairs; ++kk) {
+        const uint32_t pair = x[m * pairs + kk];  // (k even in the low half)
+        o[kk * rows * 2] = pair << 16;
+        o[kk * rows * 2 + 1] = pair & 0xffff0000u;
+      }
+    }
+    a.x = panel.data_ptr<float>();
+  }
+#endif
   const char* base = static_cast<const char*>(a.w);
   // The weight blocks a group's tiles read, in tile order (with SILU: g, u, g, u).
   auto blocks = [&](int64_t g, const char** w) {
