@@ -781,6 +781,16 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // never built: kv_prefetch.h, prefetch_line), blocks of 8 tokens with the KV
 // heads in turn inside each (3.8-4.1 one thread: strided again inside the
 // block), copying a request's rows into one buffer first (3.7-4.6).
+// Measured in bf16 on a Zen 3, 2026-12-02, and not kept: the V pass spends
+// most of the kernel's time storing accumulators (72 a token; ~210 cycles a
+// token and layer with the rows hot in L2). V in groups of 8 tokens, each
+// accumulator loaded and stored once a group (the probabilities as broadcast
+// vectors in L1), keeps the bits and gives ~167 cycles hot, but read cold it
+// was slower (8 layers, B=64, 2 threads: 0.81 -> 1.13 ms a layer; strided
+// again inside the group), with the next group's V rows prefetched (T0) 0.80
+// -> 0.87, one thread 0.88 -> 0.82, and decode steps B=64 the same (134.8 vs
+// 134.5 ms). The next query's K/V rows prefetched (T1) during this one's
+// scores (queries in query_range's contiguous ranges): 0.76 -> 0.90.
 template <typename scalar_t, int C, int G>
 static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
                       const float* qs, float* s, float* acc, float* buf, float* inv) {
