@@ -428,8 +428,8 @@ struct TilePlan {
 // objdump: vfmadd213ps from (%rsp), 3 of 12) where the 5-row one keeps its 10
 // in registers: the SiLU gate_up on 2 threads (gemm_ab) of 32 rows each 158.0
 // -> 169.7 GFLOP/s, 64 rows each 139.5 -> 156.5, 256 rows on the team 145.7 ->
-// 174.5; capping the other bf16 matmuls at 5 too changed nothing (155.5 vs
-// 153.8 at 32 rows each).
+// 174.5; capping the other bf16 matmuls, or the float32 SiLU one, at 5 too
+// changed nothing (32 rows each: 155.5 vs 153.8; 170.0 vs 172.5).
 template <bool BF16, bool SILU>
 constexpr int64_t max_tile_rows() { return BF16 && SILU ? 5 : 6; }
 #endif
@@ -437,8 +437,8 @@ constexpr int64_t max_tile_rows() { return BF16 && SILU ? 5 : 6; }
 constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below; with SILU 2 pairs)
 
 // Rows [m0, m1) times the NB blocks at w: tiles as TilePlan lays them out
-// (AVX2), or of MT rows then one of the rest (AVX-512). The next group's weights (pf: a pointer a block, or null) are
-// prefetched meanwhile.
+// (AVX2), or of MT rows then one of the rest (AVX-512). The next group's
+// weights (pf: a pointer a block, or null) are prefetched meanwhile.
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
