@@ -790,7 +790,10 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // again inside the group), with the next group's V rows prefetched (T0) 0.80
 // -> 0.87, one thread 0.88 -> 0.82, and decode steps B=64 the same (134.8 vs
 // 134.5 ms). The next query's K/V rows prefetched (T1) during this one's
-// scores (queries in query_range's contiguous ranges): 0.76 -> 0.90.
+// scores (queries in query_range's contiguous ranges): 0.76 -> 0.90. Two
+// queries at once, their score blocks and V rows alternating (two streams in
+// flight, the same bits): one thread, 32 queries 0.93 vs 0.95, 33 queries 0.83
+// vs 0.91; two threads, 64 queries 1.12 vs 1.21 (a slower hour).
 template <typename scalar_t, int C, int G>
 static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
                       const float* qs, float* s, float* acc, float* buf, float* inv) {
