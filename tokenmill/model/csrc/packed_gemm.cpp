@@ -254,7 +254,7 @@ inline __m256 load_bf16(const uint16_t* p) {
 // where the last one left it. SILU: the blocks are (gate, up) pairs; a gate
 // block's sums wait in y for its up block's, and the tile writes silu(gate) *
 // up there; the up blocks' stream is pf2.
-// BF16: x is the tile's float32 panel (run<>: [K/2][6][2], exact), and each
+// BF16: x is the tile's float32 panel (run<>: [K/2][MT][2], exact), and each
 // step takes a pair of K: the 32-bit lanes of the packed weights hold (k even, k odd) as bf16,
 // so the odd k's weights are the lanes with their low half cleared and the
 // even k's the lanes shifted left by 16, both exact in float32. The odd k is
