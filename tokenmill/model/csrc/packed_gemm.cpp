@@ -403,15 +403,17 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
 }
 #endif
 
-#if !TOKENMILL_GEMM_BF16
-// How the AVX2 build tiles n rows: as few tiles as tiles of `most` rows would
+// How both builds tile n rows: as few tiles as tiles of `most` rows would
 // take, their sizes as even as can be, the larger ones first (32 rows: 6, 6,
 // 5, 5, 5, 5 rather than 6 x 5 + 2: a small tile reads a weight line from L2
 // for every few FMAs; the 2-row one ran at about a third of the 6-row one's
 // rate). A tile's rows are [start(t), start(t) + size(t)). Measured on a Zen 3
 // (scripts/gemm_ab.py, bf16, SiLU gate_up, 8 rounds, GFLOP/s, 6 x n + tail ->
 // even tiles): 2 threads of 32 rows each 134.1 -> 156.5, of 20 rows 124.4 ->
-// 146.9, of 44 rows 134.9 -> 150.7; float32, 32 rows each 157.4 -> 169.0.
+// 146.9, of 44 rows 134.9 -> 150.7; float32, 32 rows each 157.4 -> 169.0. The
+// AVX-512 build on a Zen 5 (the same, bf16 SiLU): 2 x 20 rows 565.6 -> 615.4
+// (8 of 8 rounds), 2 x 32 676.7 -> 695.1 (7 of 8), 2 x 44 731.8 vs 726.4, the
+// team at 64 rows 764.0 vs 761.2, at 128 796.4 vs 798.0 (no change).
 struct TilePlan {
   int64_t tiles, rows, larger;  // `larger` tiles of rows + 1, then rows each
   TilePlan(int64_t n, int64_t most)
@@ -423,7 +425,9 @@ struct TilePlan {
   }
 };
 
-// The most rows a tile: 6 (12 accumulators), but 5 in the bf16 SiLU matmul,
+// The most rows a tile: 6. AVX-512: 18 accumulators, 24 in the SiLU tile, of
+// 32 registers (objdump: none on the stack in the K loop). AVX2: 6 rows are 12
+// accumulators of 16 registers, but 5 rows in the bf16 SiLU matmul,
 // whose 6-row tile kept accumulators on the stack through its K loop (GCC;
 // objdump: vfmadd213ps from (%rsp), 3 of 12) where the 5-row one keeps its 10
 // in registers: the SiLU gate_up on 2 threads (gemm_ab) of 32 rows each 158.0
@@ -431,14 +435,12 @@ struct TilePlan {
 // 174.5; capping the other bf16 matmuls, or the float32 SiLU one, at 5 too
 // changed nothing (32 rows each: 155.5 vs 153.8; 170.0 vs 172.5).
 template <bool BF16, bool SILU>
-constexpr int64_t max_tile_rows() { return BF16 && SILU ? 5 : 6; }
-#endif
+constexpr int64_t max_tile_rows() { return TOKENMILL_GEMM_BF16 ? 6 : BF16 && SILU ? 5 : 6; }
 
 constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below; with SILU 2 pairs)
 
-// Rows [m0, m1) times the NB blocks at w: tiles as TilePlan lays them out
-// (AVX2), or of MT rows then one of the rest (AVX-512). The next group's
-// weights (pf: a pointer a block, or null) are prefetched meanwhile.
+// Rows [m0, m1) times the NB blocks at w, in tiles as TilePlan lays them out.
+// The next group's weights (pf: a pointer a block, or null) are prefetched meanwhile.
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
@@ -474,18 +476,20 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
 #else
   // AVX-512: over the first tiles, a quarter of the lines in each of the
   // first four where there are three or more (64 rows: 36.8 -> 35.3 ms).
-  const int64_t ntiles = (m1 - m0 + MT - 1) / MT;
+  const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
+  const int64_t ntiles = plan.tiles;
   const int every = ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
-  int t = 0;
-  for (; m0 + MT <= m1; m0 += MT, ++t) tile<BF16, MT, NB, SILU, KV>(a, m0, w, col, t < every ? pf : nullptr, t, every);
-  if (t >= every) pf = nullptr;
-  switch (m1 - m0) {
-    case 1: tile<BF16, 1, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
-    case 2: tile<BF16, 2, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
-    case 3: tile<BF16, 3, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
-    case 4: tile<BF16, 4, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
-    case 5: tile<BF16, 5, NB, SILU, KV>(a, m0, w, col, pf, t, every); break;
-    default: break;
+  for (int t = 0; t < ntiles; ++t) {
+    const int64_t r0 = m0 + plan.start(t);
+    const char* const* p = t < every ? pf : nullptr;
+    switch (plan.size(t)) {
+      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+    }
   }
 #endif
 }
