@@ -474,7 +474,14 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
 
   // Each thread takes a contiguous range of queries, and while it computes one
   // (mostly from its L2 cache after the first pass over K) it prefetches the
-  // next query's K/V rows from memory, a few rows per 16-token group.
+  // next query's K/V rows from memory: a row per 8 keys of each score pass and
+  // a row per 4 tokens of each V pass, spread over the whole query. (Before, 3
+  // rows per 8 keys of the score passes only, in bursts. Zen 5, the kernel
+  // alone, 8 layers of cold K/V on huge pages, A/B alternating, medians, ms a
+  // layer, context 264: blocks in order B=64 0.427 -> 0.388, B=128 0.953 ->
+  // 0.832, B=32 0.213 -> 0.188; one thread B=64 0.735 -> 0.578; blocks
+  // scattered B=64 0.589 -> 0.567, B=32 0.439 -> 0.396. A row per 2 tokens of
+  // the V pass, or rows in the V passes only, were slower than both.)
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -544,7 +551,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
           const scalar_t* q0 = q_ptr + b * q_row + (kvh * group + g0) * head_dim;
           float* s0 = scores.data() + g0 * n_pad;
           auto pf = [&](int64_t t0) {
-            prefetch_rows(gc);  // as many rows as one per head per 8 keys
+            prefetch_rows(1);
             if (kvh == 0 && g0 == 0 && !prefetched && (t0 & 15) == 0)  // the next 16 tokens' rows, all heads
               for (int64_t j = t0 + 16; j < std::min(t0 + 32, n); ++j)
                 prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
@@ -581,6 +588,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
           for (int g = 0; g < G; ++g)
             for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
           for (int64_t t = 0; t < n; t += 2) {
+            if ((t & 3) == 0) prefetch_rows(1);
             const scalar_t* v0 = rows[t] + kv_stride + kv_off;
             const scalar_t* v1 = rows[t + 1] + kv_stride + kv_off;
             __m512bh vi[C];
