@@ -359,7 +359,8 @@ def test_decode_steps_with_the_kv_prefetch_give_the_modules_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, split: bool,
 ) -> None:
     """Decode-only steps of 8-48 rows in bf16 with head_dim 64 are where the
-    C++ layers prefetch the next layer's K/V during the projections
+    C++ layers prefetch the next layer's K/V during the projections (on a
+    Zen 4; here switched on for any CPU)
     (csrc/kv_prefetch.h: each thread of the layer loop for its part of the
     attention kernel's queries, or each thread of a split step for its own).
     Prefetches are hints: the logits must be the modules' to the bit."""
@@ -383,7 +384,12 @@ def test_decode_steps_with_the_kv_prefetch_give_the_modules_bits(
     monkeypatch.setitem(globals(), "NUM_BLOCKS", 128)  # PagedRunner's cache: room for 12 requests
     monkeypatch.setattr(cpu_layers, "threads", lambda: 2)
     monkeypatch.setattr(cpu_layers, "SPLIT_ROWS_PER_WEIGHT_BYTE", 0 if split else 10**9)
-    fast = run_schedule(model, spec, seqs, schedule, one_call=True)
+    kernels = cpu_kernels.load()
+    before = kernels.kv_prefetch_mode(1)  # on, whatever the CPU (csrc/layer_stack.cpp kv_prefetch_pays)
+    try:
+        fast = run_schedule(model, spec, seqs, schedule, one_call=True)
+    finally:
+        kernels.kv_prefetch_mode(before)
     fast_path = model.model._cpu_layers_for
     model.model._cpu_layers_for = lambda dtype: None  # type: ignore[method-assign]
     try:

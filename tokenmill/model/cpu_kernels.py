@@ -32,7 +32,7 @@ _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h", _CSRC / "kv_prefetch.h"]
 _FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
               "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_dtypes", "packed_gemm_max_rows",
               "layer_stack",
-              "layer_loop", "kv_prefetch_rows"]
+              "layer_loop", "kv_prefetch_rows", "kv_prefetch_mode"]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with

@@ -17,6 +17,8 @@
 // and in float32 on a Zen 3 the steps were slower with it. In the layer
 // loop only from 8 rows: below, the projections are bound by reading the
 // weights, and the prefetch competes with them.
+// Only on a Zen 4: on a Zen 5 it made the steps slower (layer_stack.cpp
+// kv_prefetch_pays).
 //
 // Prefetches change no result: every number is the same bits with or without.
 #pragma once

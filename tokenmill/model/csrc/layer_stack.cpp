@@ -46,12 +46,16 @@
 #include "no_gil.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <fstream>
 #include <memory>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <omp.h>
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
@@ -84,6 +88,40 @@ bool avx512_bf16(const at::Tensor& x) {
   (void)x;
   return false;
 #endif
+}
+
+// Whether this CPU is one where the projections' K/V prefetch was measured to
+// pay: AMD's Zen 4 (family 25 with AVX512-BF16; the numbers below). On a Zen 5
+// (family 26) it cost instead: there a core does about twice a Zen 4's bf16
+// FLOPs and the attention kernel reads K/V at ~25-30 GB/s a core alone
+// (paged_decode.cpp's own prefetch), so the projections of a few dozen rows
+// are bound by reading their weights and the extra K/V traffic slows them.
+// Decode steps with and without it alternating (scripts/step_ab.py, context
+// 264, bf16, medians, ms, a noisy hour): B=8 19.2 vs 16.4 without, B=16 20.3
+// vs 16.5 and 20.4 vs 16.4 (both orders), B=32 33.8 vs 31.3, B=64 67.7 vs
+// 62.2, B=96 115.3 vs 82.2. Other CPUs (not measured) go without.
+bool kv_prefetch_pays() {
+  static const bool pays = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx) || ebx != 0x68747541u)  // "Auth(enticAMD)"
+      return false;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
+    return family == 25;
+#else
+    return false;
+#endif
+  }();
+  return pays;
+}
+
+// -1: as kv_prefetch_pays says; 0: never; 1: wherever it applies (tests set it:
+// kv_prefetch_mode below).
+std::atomic<int> g_kv_prefetch{-1};
+bool kv_prefetch_on() {
+  const int mode = g_kv_prefetch.load(std::memory_order_relaxed);
+  return mode < 0 ? kv_prefetch_pays() : mode > 0;
 }
 
 // This machine's L3 in bytes (Linux sysfs), or 0 where unknown.
@@ -279,7 +317,7 @@ at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::T
   // B=16 88.1 -> 105.5, B=32 146.1 -> 190.6, B=48 194.8 -> 235.9.
   const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
-  bool prefetch = !omp_get_dynamic() && bf16_kernel &&
+  bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on() &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
                   kv_fits_l3(kv_caches, ints, seq_lens);
   if (prefetch && query_req.numel()) {
@@ -289,6 +327,15 @@ at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::T
   }
   return run_layers(s, hidden, positions, slot_mapping, seq_lens, query_req, tables,
                     all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone);
+}
+
+// When layer_loop and layer_stack ask for the next layer's K/V during the
+// projections: -1 where kv_prefetch_pays (the default), 0 never, 1 wherever
+// it applies (tests, so that they run the prefetching code on any CPU).
+// Returns the mode before.
+int64_t kv_prefetch_mode(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "kv_prefetch_mode: -1, 0 or 1");
+  return g_kv_prefetch.exchange(static_cast<int>(mode));
 }
 
 // The cache slots (block * block_size + offset) of the K rows that the
@@ -336,8 +383,9 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   // with it), so float32 goes without (decode steps
   // with and without alternating in one process, medians of 12, ms: B=64
   // context 160 268.5 / 278.6 with vs 252.0 / 254.9 without, context 100 221.5
-  // vs 201.8; B=96 context 160 330.1 vs 328.6).
-  const bool prefetch_kv = avx512_bf16(hidden) && kv_fits_l3(kv_caches, ints, seq_lens);
+  // vs 201.8; B=96 context 160 330.1 vs 328.6). On a Zen 5 it cost too
+  // (kv_prefetch_pays), so only a Zen 4 has it.
+  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, ints, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);
