@@ -91,7 +91,8 @@ bool avx512_bf16(const at::Tensor& x) {
 }
 
 // Whether this CPU is one where the projections' K/V prefetch was measured to
-// pay: AMD's Zen 4 (family 25 with AVX512-BF16; the numbers below). On a Zen 5
+// pay: AMD's family 25, of which the Zen 4 has AVX512-BF16 (which the prefetch
+// needs too: avx512_bf16; the Zen 3 is family 25 without it). On a Zen 5
 // (family 26) it cost instead: there a core does about twice a Zen 4's bf16
 // FLOPs and the attention kernel reads K/V at ~25-30 GB/s a core alone
 // (paged_decode.cpp's own prefetch), so the projections of a few dozen rows
