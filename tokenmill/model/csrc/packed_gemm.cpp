@@ -441,6 +441,11 @@ constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below;
 
 // Rows [m0, m1) times the NB blocks at w, in tiles as TilePlan lays them out.
 // The next group's weights (pf: a pointer a block, or null) are prefetched meanwhile.
+// The switch over tile sizes is written out in each build on purpose: one
+// shared helper calling a generic lambda per size (std::integral_constant)
+// changed GCC's inlining of the tiles, and the AVX2 bf16 SiLU matmul slowed
+// (Zen 5 running an -march=znver3 build, gemm_ab, GFLOP/s: 2 x 32 rows split
+// 180.0 -> 154.5, 64 rows 195.0 -> 140.4).
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
