@@ -129,9 +129,10 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu), round_bf16(u)));
 }
 
-// Rows m0 .. m0+MT of x times the NB blocks starting at w[0..NB). `pf`, if
-// not null: the next blocks' weights (pf[j] for w[j]), one cache line each per
-// step where step % every == phase, fetched into L2 meanwhile (into L1 they
+// Rows m0 .. m0+MT of x times the NB blocks starting at w[0..NB). `pp`, if
+// not null: the next group's weights from pp on in address order, NB cache
+// lines (SILU: two at pp and two at pp + pd) every `every` steps while the
+// step is below `stop`, fetched into L2 meanwhile (into L1 they
 // would push out the weights in use: measured 9.9 -> 8.5 ms at 1 row, 11.1 ->
 // 8.9 at 8, 41.7 -> 38.8 at 64 over the default model's 30 layers). A step is
 // one 64-byte vector of each block: a pair of K (bf16) or one K (float32).
@@ -140,19 +141,29 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
 // block (in y's columns / 16) of block 0 (of pair 0 with SILU).
 // KV: this thread feeds its K/V prefetch stream (k_loop).
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
-inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* const* pf,
-                 int phase = 0, int every = 1) {
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* pp,
+                 int64_t pd = 0, int64_t stop = 0, int every = 1) {
   const int64_t steps = BF16 ? a.K / 2 : a.K;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t next_pf = pf ? phase : steps;  // the next step that prefetches (no division a step)
+  int64_t next_pf = pp ? 0 : steps;  // the next step that prefetches (no division a step)
   auto step = [&](int64_t kk) __attribute__((always_inline)) {
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w[j] + kk * 64);
     if (kk == next_pf) {
-      for (int j = 0; j < NB; ++j) _mm_prefetch(pf[j] + kk * 64, _MM_HINT_T1);
+      if constexpr (SILU) {  // two lines of the gate blocks' stretch, two of the up blocks'
+        _mm_prefetch(pp, _MM_HINT_T1);
+        _mm_prefetch(pp + 64, _MM_HINT_T1);
+        _mm_prefetch(pp + pd, _MM_HINT_T1);
+        _mm_prefetch(pp + pd + 64, _MM_HINT_T1);
+        pp += 128;
+      } else {
+        for (int j = 0; j < NB; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T1);
+        pp += 64 * NB;
+      }
       next_pf += every;
+      if (next_pf >= stop) next_pf = steps;
     }
     for (int i = 0; i < MT; ++i) {
       if constexpr (BF16) {  // x[i][2kk], x[i][2kk+1] as one 32-bit pair
@@ -451,7 +462,7 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   constexpr int MT = 6;
 #if !TOKENMILL_GEMM_BF16
   // AVX2: in address order, one line every `every` steps spread over all the
-  // tiles. Before (as the AVX-512 build still does) each of the first four
+  // tiles. Before (as the AVX-512 build did until it took quarters in address order) each of the first four
   // tiles took every fourth line of each next block (a strided stream): in
   // a harness of the model's projections (30 layers, cold weights, each of 2
   // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
@@ -480,20 +491,41 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   }
 #else
   // AVX-512: over the first tiles, a quarter of the lines in each of the
-  // first four where there are three or more (64 rows: 36.8 -> 35.3 ms).
+  // first four where there are three or more (64 rows: 36.8 -> 35.3 ms), each
+  // tile its quarter in address order (the next group's blocks lie one after
+  // the other; with SILU its gate blocks, and its up blocks). Before, each
+  // tile took every fourth line of each next block, strided. Zen 5, same
+  // bits, scripts/gemm_ab.py, GFLOP/s, rounds B won of 8: bf16 team 32 rows
+  // 671.2 -> 715.2 (8), 64 rows 789.9 -> 807.9 (8), 128 837.5 -> 851.4 (4);
+  // split 2 x 32 739.0 -> 768.3 (8), 2 x 64 785.3 -> 829.1 (7); SiLU split 2
+  // x 32 711.8 -> 736.7 (7), team 64 723.9 vs 722.5; float32 team 32 rows 350.2
+  // -> 374.4 (8), split 2 x 32 391.2 -> 402.9 (6); 1 row 30.2 -> 31.0 (7).
+  // Decode steps (step_ab, B=64 / 128, 48 steps each side, both orders): the
+  // same within the noise (39.2 vs 41.7 and 41.3 vs 41.2 ms; 77.6 vs 77.4, 85.4
+  // vs 85.6). Its state is one pointer where there was a pointer a block: an
+  // address-order stream kept as the AVX2 build's WeightStream had GCC spill
+  // accumulators (707 -> 258 GFLOP/s).
   const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
   const int64_t ntiles = plan.tiles;
   const int every = ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
+  const int64_t steps = BF16 ? a.K / 2 : a.K;
+  // The next group's weights are one stretch of NB blocks (SILU: its gate
+  // blocks, and its up blocks pd bytes after them), taken in address order:
+  // tile t < every its t-th part, `per` lines (of each stretch) every `every` steps.
+  const int64_t per = SILU ? 2 : NB, total = steps * per, part = (steps + every - 1) / every * per;
+  const int64_t pd = SILU && pf ? pf[1] - pf[0] : 0;
   for (int t = 0; t < ntiles; ++t) {
     const int64_t r0 = m0 + plan.start(t);
-    const char* const* p = t < every ? pf : nullptr;
+    const int64_t lines = pf && t < every ? std::max<int64_t>(0, std::min(part, total - t * part)) : 0;
+    const char* p = lines ? pf[0] + t * part * 64 : nullptr;
+    const int64_t stop = lines / per * every;
     switch (plan.size(t)) {
-      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
-      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
-      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
-      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
-      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
-      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, p, t, every); break;
+      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
+      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
+      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
+      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
+      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
+      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
     }
   }
 #endif
