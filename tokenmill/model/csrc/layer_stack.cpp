@@ -100,7 +100,12 @@ bool avx512_bf16(const at::Tensor& x) {
 // Decode steps with and without it alternating (scripts/step_ab.py, context
 // 264, bf16, medians, ms, a noisy hour): B=8 19.2 vs 16.4 without, B=16 20.3
 // vs 16.5 and 20.4 vs 16.4 (both orders), B=32 33.8 vs 31.3, B=64 67.7 vs
-// 62.2, B=96 115.3 vs 82.2. Other CPUs (not measured) go without.
+// 62.2, B=96 115.3 vs 82.2. Tried again there (step_ab B=64, ms, without vs
+// with): prefetcht2 37.2 vs 38.0, one row every 32 / 64 GEMM steps instead of
+// 16: 37.1 vs 40.9, 37.0 vs 38.5; in the layer loop (rows on the team) at B=64
+// 37.0 vs 42.1, B=32 20.7 vs 22.1. A core's software prefetches there deliver
+// ~19 GB/s (the tiles' own weight prefetches included), so these compete with
+// the weights. Other CPUs (not measured) go without.
 bool kv_prefetch_pays() {
   static const bool pays = [] {
 #if defined(__x86_64__) || defined(__i386__)

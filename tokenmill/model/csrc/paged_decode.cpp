@@ -534,7 +534,17 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   // layer, context 264: blocks in order B=64 0.427 -> 0.388, B=128 0.953 ->
   // 0.832, B=32 0.213 -> 0.188; one thread B=64 0.735 -> 0.578; blocks
   // scattered B=64 0.589 -> 0.567, B=32 0.439 -> 0.396. A row per 2 tokens of
-  // the V pass, or rows in the V passes only, were slower than both.)
+  // the V pass, or rows in the V passes only, were slower than both.) Not
+  // better on the Zen 5 (same harness, within +-5%): prefetcht0 / t2 / nta;
+  // the next query's blocks line by line in address order, or twice as fast;
+  // a line in 2 or 4 (the rest left to the hardware: 2x slower); part of the
+  // rows prefetched and the rest read by plain loads before the next query;
+  // the K and V passes in address order (all heads at once, the same bits):
+  // 8% less compute with K/V in cache, the same cold, and without the
+  // prefetches 1.7x slower cold (the hardware's prefetchers do not keep up).
+  // Blocks scattered over the cache cost this kernel ~40% (B=64, 16-token
+  // blocks: 0.41 in order vs 0.58 ms a layer; 64-token blocks 0.51), but
+  // throughput-A CAP 512 ran the same with 16-, 64- and 128-token blocks.
 #pragma omp parallel
   {
     std::vector<float> scores;
