@@ -491,7 +491,16 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   }
 #else
   // AVX-512: over the first tiles, a quarter of the lines in each of the
-  // first four where there are three or more (64 rows: 36.8 -> 35.3 ms), each
+  // first four where there are three to six (64 rows: 36.8 -> 35.3 ms), over
+  // all of them from seven on: a core's prefetches deliver only so much (~19
+  // GB/s on a Zen 5), and four of 11 tiles asked for the group's weights at
+  // 2.75 times the rate they are used (Zen 5, gemm_ab, bf16, 16 rounds,
+  // GFLOP/s, four tiles -> all: team 64 rows 693.4 -> 725.3 (B won 13), 128
+  // rows 758.8 -> 798.7 (15), 512 rows 806.2 -> 858.0 (6 of 8); split 2 x 64
+  // 773.3 -> 791.8 (14), 2 x 44 781.0 -> 786.8 (12); SiLU team 64 722.7 ->
+  // 755.5 (12); float32 team 64 / 128 414.1 vs 409.2, 386.1 -> 398.5; but
+  // split 2 x 32, six tiles, 710.8 vs 697.3, 5 of 16, and slower in two
+  // shorter runs, so up to six keep four). Each
   // tile its quarter in address order (the next group's blocks lie one after
   // the other; with SILU its gate blocks, and its up blocks). Before, each
   // tile took every fourth line of each next block, strided. Zen 5, same
@@ -507,7 +516,7 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // accumulators (707 -> 258 GFLOP/s).
   const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
   const int64_t ntiles = plan.tiles;
-  const int every = ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
+  const int every = ntiles > 6 ? static_cast<int>(ntiles) : ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
   const int64_t steps = BF16 ? a.K / 2 : a.K;
   // The next group's weights are one stretch of NB blocks (SILU: its gate
   // blocks, and its up blocks pd bytes after them), taken in address order:
