@@ -130,9 +130,10 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
 }
 
 // Rows m0 .. m0+MT of x times the NB blocks starting at w[0..NB). `pp`, if
-// not null: the next group's weights from pp on in address order, NB cache
-// lines (SILU: two at pp and two at pp + pd) every `every` steps while the
-// step is below `stop`, fetched into L2 meanwhile (into L1 they
+// not null: a step of the next group's blocks (the first at pp, the others a
+// block apart; SILU: two gate blocks at pp, two up blocks pd bytes after),
+// one line of each every `every` steps while the step is below `stop`, the
+// next step's at the next trigger, fetched into L2 meanwhile (into L1 they
 // would push out the weights in use: measured 9.9 -> 8.5 ms at 1 row, 11.1 ->
 // 8.9 at 8, 41.7 -> 38.8 at 64 over the default model's 30 layers). A step is
 // one 64-byte vector of each block: a pair of K (bf16) or one K (float32).
@@ -152,16 +153,16 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w[j] + kk * 64);
     if (kk == next_pf) {
-      if constexpr (SILU) {  // two lines of the gate blocks' stretch, two of the up blocks'
+      const int64_t blk = steps * 64;  // (the next group's blocks lie blk bytes apart)
+      if constexpr (SILU) {  // gate blocks at pp, up blocks pd bytes after them
         _mm_prefetch(pp, _MM_HINT_T1);
-        _mm_prefetch(pp + 64, _MM_HINT_T1);
+        _mm_prefetch(pp + blk, _MM_HINT_T1);
         _mm_prefetch(pp + pd, _MM_HINT_T1);
-        _mm_prefetch(pp + pd + 64, _MM_HINT_T1);
-        pp += 128;
+        _mm_prefetch(pp + pd + blk, _MM_HINT_T1);
       } else {
-        for (int j = 0; j < NB; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T1);
-        pp += 64 * NB;
+        for (int j = 0; j < NB; ++j) _mm_prefetch(pp + blk * j, _MM_HINT_T1);
       }
+      pp += 64;
       next_pf += every;
       if (next_pf >= stop) next_pf = steps;
     }
@@ -462,7 +463,7 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   constexpr int MT = 6;
 #if !TOKENMILL_GEMM_BF16
   // AVX2: in address order, one line every `every` steps spread over all the
-  // tiles. Before (as the AVX-512 build did until it took quarters in address order) each of the first four
+  // tiles. Before (as the AVX-512 build once did) each of the first four
   // tiles took every fourth line of each next block (a strided stream): in
   // a harness of the model's projections (30 layers, cold weights, each of 2
   // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
@@ -490,44 +491,45 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
     }
   }
 #else
-  // AVX-512: over the first tiles, a quarter of the lines in each of the
-  // first four where there are three to six (64 rows: 36.8 -> 35.3 ms), over
-  // all of them from seven on: a core's prefetches deliver only so much (~19
-  // GB/s on a Zen 5), and four of 11 tiles asked for the group's weights at
-  // 2.75 times the rate they are used (Zen 5, gemm_ab, bf16, 16 rounds,
-  // GFLOP/s, four tiles -> all: team 64 rows 693.4 -> 725.3 (B won 13), 128
-  // rows 758.8 -> 798.7 (15), 512 rows 806.2 -> 858.0 (6 of 8); split 2 x 64
-  // 773.3 -> 791.8 (14), 2 x 44 781.0 -> 786.8 (12); SiLU team 64 722.7 ->
-  // 755.5 (12); float32 team 64 / 128 414.1 vs 409.2, 386.1 -> 398.5; but
-  // split 2 x 32, six tiles, 710.8 vs 697.3, 5 of 16, and slower in two
-  // shorter runs, so up to six keep four). Each
-  // tile its quarter in address order (the next group's blocks lie one after
-  // the other; with SILU its gate blocks, and its up blocks). Before, each
-  // tile took every fourth line of each next block, strided. Zen 5, same
-  // bits, scripts/gemm_ab.py, GFLOP/s, rounds B won of 8: bf16 team 32 rows
-  // 671.2 -> 715.2 (8), 64 rows 789.9 -> 807.9 (8), 128 837.5 -> 851.4 (4);
-  // split 2 x 32 739.0 -> 768.3 (8), 2 x 64 785.3 -> 829.1 (7); SiLU split 2
-  // x 32 711.8 -> 736.7 (7), team 64 723.9 vs 722.5; float32 team 32 rows 350.2
-  // -> 374.4 (8), split 2 x 32 391.2 -> 402.9 (6); 1 row 30.2 -> 31.0 (7).
-  // Decode steps (step_ab, B=64 / 128, 48 steps each side, both orders): the
-  // same within the noise (39.2 vs 41.7 and 41.3 vs 41.2 ms; 77.6 vs 77.4, 85.4
-  // vs 85.6). Its state is one pointer where there was a pointer a block: an
-  // address-order stream kept as the AVX2 build's WeightStream had GCC spill
-  // accumulators (707 -> 258 GFLOP/s).
+  // AVX-512: the next group's weights spread over all the tiles where there
+  // are three or more (else all in the first), in the order the tiles will
+  // read them: tile t the next group's steps [t * ps, (t + 1) * ps), a line
+  // of each of its blocks every `every` steps. A core's prefetches deliver
+  // only so much (~19 GB/s on a Zen 5), so the fewer tiles share them, the
+  // more they hold the tiles up. Before (in turn): each of the first four
+  // tiles every fourth line of each next block, strided (64 rows on a Zen 4:
+  // 36.8 -> 35.3 ms against all in the first tile); then each of the first
+  // four a quarter of the group's stretch in address order (block after
+  // block), over all the tiles from seven on. Zen 5, the same bits,
+  // scripts/gemm_ab.py, bf16, GFLOP/s, rounds B won: strided -> address
+  // order (8 rounds): team 32 rows 671.2 -> 715.2 (8), 64 789.9 -> 807.9 (8),
+  // split 2 x 32 739.0 -> 768.3 (8), 2 x 64 785.3 -> 829.1 (7); float32 team
+  // 32 350.2 -> 374.4 (8); then over all tiles from seven on (16 rounds): team
+  // 64 693.4 -> 725.3 (13), 128 758.8 -> 798.7 (15), split 2 x 64 773.3 ->
+  // 791.8 (14) (split 2 x 32, six tiles: 710.8 vs 697.3, 5 of 16); then
+  // this (12 rounds): team 32 719.3 -> 736.2 (10), 64 739.3 -> 805.4 (11), 128
+  // 850.7 -> 871.5 (9), 512 788.3 vs 765.7 (2) and 920.3 vs 918.0 (5); split 2
+  // x 16 524.7 -> 554.2 (9), 2 x 32 784.7 -> 791.9 (11), 2 x 64 663.2 -> 700.3
+  // (7); SiLU split 2 x 32 590.2 -> 675.2 (9), team 64 / 128 +1-2%; float32
+  // about the same. Decode steps (step_ab, 48 steps a side, both orders, ms):
+  // B=64 38.8 -> 38.5, 39.1 -> 39.0; B=128 78.5 -> 78.1, 73.9 -> 71.7. The
+  // state is one pointer where there was a pointer a block: an address-order
+  // stream kept as the AVX2 build's WeightStream had GCC spill accumulators
+  // (707 -> 258 GFLOP/s).
   const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
   const int64_t ntiles = plan.tiles;
-  const int every = ntiles > 6 ? static_cast<int>(ntiles) : ntiles >= 3 ? static_cast<int>(std::min<int64_t>(4, ntiles)) : 1;
+  const int every = ntiles >= 3 ? static_cast<int>(ntiles) : 1;
   const int64_t steps = BF16 ? a.K / 2 : a.K;
-  // The next group's weights are one stretch of NB blocks (SILU: its gate
-  // blocks, and its up blocks pd bytes after them), taken in address order:
-  // tile t < every its t-th part, `per` lines (of each stretch) every `every` steps.
-  const int64_t per = SILU ? 2 : NB, total = steps * per, part = (steps + every - 1) / every * per;
+  // Tile t takes the next group's steps [t * ps, (t + 1) * ps), a line of each
+  // of its blocks (pf[j] = pf[0] + j blocks; SILU: the up blocks pd bytes
+  // after the gate blocks) every `every` steps.
+  const int64_t ps = (steps + every - 1) / every;
   const int64_t pd = SILU && pf ? pf[1] - pf[0] : 0;
   for (int t = 0; t < ntiles; ++t) {
     const int64_t r0 = m0 + plan.start(t);
-    const int64_t lines = pf && t < every ? std::max<int64_t>(0, std::min(part, total - t * part)) : 0;
-    const char* p = lines ? pf[0] + t * part * 64 : nullptr;
-    const int64_t stop = lines / per * every;
+    const int64_t lines = pf && t < every ? std::max<int64_t>(0, std::min(ps, steps - t * ps)) : 0;
+    const char* p = lines ? pf[0] + t * ps * 64 : nullptr;
+    const int64_t stop = lines * every;
     switch (plan.size(t)) {
       case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
       case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
