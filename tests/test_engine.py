@@ -107,3 +107,32 @@ def test_default_model_answers_paris() -> None:
     completion = out[0].outputs[0]
     assert "Paris" in completion.text
     assert completion.finish_reason == "stop"  # the model ended its answer with <|im_end|>
+
+
+def test_the_startup_heap_is_frozen_and_engines_still_free(tiny_llm: LLM) -> None:
+    # llm_engine.freeze_gc_heap: the collector's full passes skip the engine's objects ...
+    import gc
+    import weakref
+
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    tracked = {id(o) for o in gc.get_objects()}
+    engine = tiny_llm.engine
+    assert not {id(engine), id(engine.scheduler), id(engine.runner)} & tracked
+    # ... so an engine must go without the collector once unreferenced, or it would never go.
+    path = str(engine.source.path)
+    gc.disable()
+    try:
+        kwargs = {"dtype": "float32", "device": TEST_DEVICE, "skip_tokenizer_init": True, "num_kv_blocks": 64}
+        llm = LLM(path, **kwargs)  # type: ignore[arg-type]
+        ref = weakref.ref(llm.engine)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(3), use_tqdm=False)
+        del llm
+        assert ref() is None
+        served = AsyncEngine(lambda: LLM(path, **kwargs).engine)  # type: ignore[arg-type]
+        refs = weakref.ref(served), weakref.ref(served.engine)
+        served.shutdown()
+        del served
+        assert refs[0]() is None and refs[1]() is None
+    finally:
+        gc.enable()

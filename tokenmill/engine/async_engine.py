@@ -269,6 +269,15 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._loop()
+        finally:
+            # The one reference cycle (engine -> on_scheduled -> self): both were
+            # alive when the engine froze the heap (llm_engine.freeze_gc_heap), so
+            # the collector would never free them.
+            self.engine.on_scheduled = None
+
+    def _loop(self) -> None:
+        try:
             while True:
                 if not self._iteration():
                     break

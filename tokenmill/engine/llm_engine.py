@@ -5,6 +5,7 @@ schedule, run the model, update requests, detokenize, hand out outputs."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -40,6 +41,23 @@ class StepStats:
     num_scheduled_reqs: int
     num_preempted: int
     scheduled_req_ids: tuple[str, ...] = ()  # for queue-time metrics (AsyncEngine)
+
+
+def freeze_gc_heap() -> None:
+    """Move everything alive now to the collector's permanent generation, as
+    vLLM does after building its engine. The heap at this point (torch,
+    transformers, the model, the tokenizer, the block pool: ~320K tracked
+    objects with the default model) lives as long as the engine, yet every
+    full collection walked all of it: 150-220 ms a pause on a Zen 5, one every
+    few thousand steps of a busy engine, and every running request stalls for
+    it (a stream's inter-token latency, a new request's time to first token).
+    After the freeze a full collection walks only what came later (measured:
+    155 ms -> 0.002 ms right after start). Frozen objects are still freed when
+    their last reference goes; only a reference cycle among them would stay,
+    and the engine's own objects form none (an LLM is freed without the
+    collector; AsyncEngine breaks its one cycle at shutdown)."""
+    gc.collect()
+    gc.freeze()
 
 
 class LLMEngine:
@@ -93,6 +111,7 @@ class LLMEngine:
         # Called inside step() right after scheduling (AsyncEngine publishes its stats
         # there, so a long step shows its requests as running, not waiting).
         self.on_scheduled: Callable[[], None] | None = None
+        freeze_gc_heap()
 
     # ---- requests ---------------------------------------------------------------
 
