@@ -265,3 +265,15 @@ def test_bad_words_become_token_sequences(tok: Tokenizer) -> None:
     assert tok.encode("Paris", add_special_tokens=False) in seqs
     assert tok.encode(" Paris", add_special_tokens=False) in seqs
     assert tok.encode("forty-two", add_special_tokens=False) in seqs
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_decode_is_transformers_decode(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    # The default model's tokenizer takes the Rust decode directly (tokenizer._backend_decode);
+    # its text must be transformers' for any ids: words, specials, pieces of characters.
+    assert tok._backend_decode is not None
+    ids = tok.encode("Hello 😀 world<|im_end|>, ünïcode\n\n  x", add_special_tokens=False)
+    windows = [ids, ids[1:4], ids[2:3], [EOS, *ids[:3]], list(range(0, 4000, 37))]
+    for window in windows:
+        expected = tok.hf.decode(window, skip_special_tokens=skip_special_tokens)
+        assert tok.decode(window, skip_special_tokens, False) == expected

@@ -32,6 +32,7 @@ class Tokenizer:
             if getattr(t, "special", False)
         }
         self._token_strings: dict[int, str] = {}
+        self._backend_decode = _backend_decode(hf_tokenizer)
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
@@ -61,6 +62,8 @@ class Tokenizer:
         """With spaces_between_special_tokens, text runs and added tokens are
         joined with a space, as transformers' slow tokenizers (and vLLM) do."""
         if not spaces_between_special_tokens or self.added_tokens.keys().isdisjoint(token_ids):
+            if self._backend_decode is not None:
+                return str(self._backend_decode(list(token_ids), skip_special_tokens=skip_special_tokens))
             return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
         pieces: list[str] = []
         run: list[int] = []
@@ -128,6 +131,22 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
         # The template writes the special tokens itself.
         return self.encode(text, add_special_tokens=False)
+
+
+def _backend_decode(hf: Any) -> Any:
+    """The Rust tokenizer's own decode where transformers' decode is exactly it
+    (a fast tokenizer with the stock _decode and no clean-up of spaces), else
+    None. It skips transformers' Python layers: 3.4 -> 1.3 us a call with the
+    default model, and the detokenizer calls it twice per token of every
+    running request each step (0.6 ms of a B=64 decode step on a Zen 5)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if (not isinstance(hf, TokenizersBackend) or type(hf)._decode is not TokenizersBackend._decode
+            or hf.clean_up_tokenization_spaces):
+        return None
+    return hf.backend_tokenizer.decode
 
 
 # How many prompt tokens to keep as left context when decoding the first output
