@@ -136,3 +136,21 @@ def test_the_startup_heap_is_frozen_and_engines_still_free(tiny_llm: LLM) -> Non
         assert refs[0]() is None and refs[1]() is None
     finally:
         gc.enable()
+
+
+def test_generate_stats_time_each_part_of_the_steps(tiny_llm: LLM) -> None:
+    from tokenmill.bench.throughput import STEP_PHASES
+
+    llm = tiny_llm
+    llm.generate([{"prompt_token_ids": list(range(1, 30))}, {"prompt_token_ids": [5, 6, 7]}],
+                 greedy(6), use_tqdm=False)
+    stats = llm.last_generate_stats
+    assert set(stats.phase_s) == set(STEP_PHASES)
+    assert all(s > 0 for s in stats.phase_s.values()), stats.phase_s
+    assert sum(stats.phase_s.values()) <= stats.wall_time_s
+    # Per step, too, and a step's parts are its own (the timer starts again each step).
+    llm.engine.add_request("solo", {"prompt_token_ids": [1, 2]}, greedy(1))
+    llm.engine.step()
+    phases = llm.engine.last_step.phase_s
+    assert set(phases) == set(STEP_PHASES) and sum(phases.values()) < stats.wall_time_s
+    run_to_end(llm)

@@ -88,6 +88,9 @@ class GenerateStats:
     num_scheduled_reqs: int = 0  # summed over steps
     num_preemptions: int = 0
     wall_time_s: float = 0.0
+    # Seconds in each part of the steps, summed: schedule, prepare_inputs,
+    # forward, head, sample, update, detokenize.
+    phase_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def mean_batch_size(self) -> float:

@@ -100,17 +100,17 @@ def make_row(policy: str, cap: int, dtype: str, workload: Workload, wall: float,
     )
 
 
-PROFILE_LABELS = (
-    "tokenmill::schedule", "tokenmill::prepare_inputs", "tokenmill::forward",
-    "tokenmill::attention", "tokenmill::linear", "tokenmill::head", "tokenmill::sample",
-    "tokenmill::update", "tokenmill::detokenize",
-)
+# The parts of a step, in order (GenerateStats.phase_s; torch.profiler labels "tokenmill::NAME").
+STEP_PHASES = ("schedule", "prepare_inputs", "forward", "head", "sample", "update", "detokenize")
 
 
 def profile_one(args: argparse.Namespace) -> int:
-    """One continuous-batching run of the first CAP under torch.profiler: where a
-    step's time goes (scheduling, input building, forward split into attention,
-    linear layers and the head, sampling, detokenizing)."""
+    """One continuous-batching run of the first CAP, timed part by part on the
+    path timed runs take (scheduling, input building, forward, the head,
+    sampling, the scheduler's update, detokenizing: GenerateStats.phase_s), then
+    the same run under torch.profiler for the forward's split between
+    attention and linear layers (under the profiler the model runs its per-op
+    path, not the C++ layer stack, so that split is the per-op path's)."""
     from torch.profiler import ProfilerActivity, profile
 
     from tokenmill import LLM, SamplingParams
@@ -125,20 +125,28 @@ def profile_one(args: argparse.Namespace) -> int:
               for n in workload.output_lens]
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.last_generate_stats
+    steps, wall = max(stats.num_steps, 1), stats.wall_time_s
+    print(f"continuous, cap {cap}, {args.dtype}: {wall:.1f} s wall, {stats.num_steps} steps, "
+          f"{stats.mean_batch_size:.1f} requests a step")
+    print("| part | total ms | ms / step | % of wall |")
+    print("|---|---|---|---|")
+    for name in (*STEP_PHASES, "other"):
+        seconds = (stats.phase_s.get(name, 0.0) if name != "other"
+                   else wall - sum(stats.phase_s.values()))  # between the parts, outside step()
+        print(f"| {name} | {seconds * 1e3:.0f} | {seconds * 1e3 / steps:.2f} | "
+              f"{100 * seconds / max(wall, 1e-9):.1f} |")
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-    totals = {e.key: (e.cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
-    steps = llm.last_generate_stats.num_steps
-    print(f"continuous, cap {cap}, {args.dtype}: {wall:.1f} s wall under the profiler, {steps} steps")
-    print("| part | total ms | ms / step | % of wall | calls |")
-    print("|---|---|---|---|---|")
-    for label in PROFILE_LABELS:
-        ms, count = totals.get(label, (0.0, 0))
-        print(f"| {label.removeprefix('tokenmill::')} | {ms:.0f} | {ms / max(steps, 1):.2f} | "
-              f"{100 * ms / 1e3 / wall:.1f} | {count} |")
-    print("(attention and linear are parts of forward; head, the logits, comes after it)")
+    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
+    forward = totals.get("tokenmill::forward", 0.0)
+    print(f"\nThe same run under torch.profiler ({llm.last_generate_stats.wall_time_s:.1f} s wall): "
+          f"the per-op path's forward {forward / steps:.2f} ms a step, of which")
+    for name in ("attention", "linear"):
+        ms = totals.get(f"tokenmill::{name}", 0.0)
+        print(f"  {name}: {ms / steps:.2f} ms a step ({100 * ms / max(forward, 1e-9):.0f}% of it)")
     return 0
 
 

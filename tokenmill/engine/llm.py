@@ -186,6 +186,8 @@ class LLM:
                 stats.num_computed_tokens += step.num_scheduled_tokens
                 stats.num_scheduled_reqs += step.num_scheduled_reqs
                 stats.num_preemptions += step.num_preempted
+                for name, seconds in step.phase_s.items():
+                    stats.phase_s[name] = stats.phase_s.get(name, 0.0) + seconds
                 for out in step_outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
-from torch.profiler import record_function
 
 from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig
 from tokenmill.core.request import Request, RequestStatus
@@ -41,6 +40,9 @@ class StepStats:
     num_scheduled_reqs: int
     num_preempted: int
     scheduled_req_ids: tuple[str, ...] = ()  # for queue-time metrics (AsyncEngine)
+    # Seconds in each part of the step: schedule, prepare_inputs, forward, head,
+    # sample, update, detokenize (worker/step_timer.py).
+    phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def freeze_gc_heap() -> None:
@@ -226,15 +228,17 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        # The labels show up in `tokenmill bench throughput --profile` (torch.profiler).
-        with record_function("tokenmill::schedule"):
+        # Each part's wall time goes to last_step.phase_s, and its label to torch.profiler
+        # (`tokenmill bench throughput --profile` reports both).
+        timer = self.runner.timer
+        with timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
         runner_output = self.runner.execute(scheduler_output)
-        with record_function("tokenmill::update"):
+        with timer.phase("update"):
             core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        with record_function("tokenmill::detokenize"):
+        with timer.phase("detokenize"):
             outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -243,6 +247,7 @@ class LLMEngine:
             num_scheduled_reqs=len(scheduler_output.scheduled),
             num_preempted=len(scheduler_output.preempted_req_ids),
             scheduled_req_ids=tuple(r.request_id for r in scheduler_output.scheduled),
+            phase_s=timer.take(),
         )
         if self.check_integrity:
             self.scheduler.check_integrity()

@@ -10,7 +10,6 @@ prompt_logprobs), and samples.
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
 from tokenmill.config import ModelSpec
 from tokenmill.core.contracts import (
@@ -24,6 +23,7 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.step_timer import StepTimer
 
 # Prompt logprobs are computed this many positions at a time ([rows, vocab] floats).
 PROMPT_LOGPROBS_CHUNK = 256
@@ -59,6 +59,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        self.timer = StepTimer()  # the engine times its own parts of a step on it too
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -83,7 +84,7 @@ class ModelRunner:
         # Decodes first: the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1)
         states = [self._state(r) for r in reqs]
-        with record_function("tokenmill::prepare_inputs"):
+        with self.timer.phase("prepare_inputs"):
             input_ids, positions, meta = self._prepare_inputs(reqs)
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
         rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], dtype=torch.int64,
@@ -95,7 +96,7 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
         ]
         all_rows = bool(wants_prompt_logprobs) or len(sample) == input_ids.shape[0]  # (decodes)
-        with record_function("tokenmill::forward"):
+        with self.timer.phase("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta,
                                 output_rows=None if all_rows else rows)
 
@@ -108,9 +109,10 @@ class ModelRunner:
             hidden = hidden[rows]
         # (Else with all rows, every request is sampled and has one row: rows is 0..n-1,
         # and the hidden states are already the sampled ones, in order.)
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
+        with self.timer.phase("head", label=False):  # (compute_logits labels itself)
+            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
-        with record_function("tokenmill::sample"):
+        with self.timer.phase("sample"):
             out = self.sampler(logits, sample_states, self.eos_token_ids)
         prompt_logprobs: list[list[TokenLogprobs] | None] = []
         for state, token_id in zip(sample_states, out.token_ids, strict=True):
