@@ -110,7 +110,7 @@ def test_default_model_answers_paris() -> None:
 
 
 def test_the_startup_heap_is_frozen_and_engines_still_free(tiny_llm: LLM) -> None:
-    # llm_engine.freeze_gc_heap: the collector's full passes skip the engine's objects ...
+    # process_settings.freeze_gc_heap: the collector's full passes skip the engine's objects ...
     import gc
     import weakref
 
@@ -154,3 +154,25 @@ def test_generate_stats_time_each_part_of_the_steps(tiny_llm: LLM) -> None:
     phases = llm.engine.last_step.phase_s
     assert set(phases) == set(STEP_PHASES) and sum(phases.values()) < stats.wall_time_s
     run_to_end(llm)
+
+
+def test_freed_activations_are_reused_without_page_faults(tiny_llm: LLM) -> None:
+    # process_settings.keep_freed_memory: a block above glibc's mmap threshold (32 MiB at
+    # most) came back as fresh pages every time, a fault per 4 KiB page.
+    import platform
+    import resource
+
+    import torch
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+
+    def faults_of_one_block() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = torch.empty(48 << 20, dtype=torch.uint8)  # [48 MiB]
+        block.fill_(1)
+        del block
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults_of_one_block()  # the heap grows once
+    assert faults_of_one_block() < 1000  # (12,288 pages of 4 KiB when mapped fresh)

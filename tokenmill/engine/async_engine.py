@@ -272,7 +272,7 @@ class AsyncEngine:
             self._loop()
         finally:
             # The one reference cycle (engine -> on_scheduled -> self): both were
-            # alive when the engine froze the heap (llm_engine.freeze_gc_heap), so
+            # alive when the engine froze the heap (process_settings.freeze_gc_heap), so
             # the collector would never free them.
             self.engine.on_scheduled = None
 

@@ -5,7 +5,6 @@ schedule, run the model, update requests, detokenize, hand out outputs."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import logging
 import time
@@ -20,6 +19,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from tokenmill.engine.process_settings import freeze_gc_heap, keep_freed_memory
 from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import RequestMetrics, RequestOutput
@@ -43,26 +43,6 @@ class StepStats:
     # Seconds in each part of the step: schedule, prepare_inputs, forward, head,
     # sample, update, detokenize (worker/step_timer.py).
     phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-def freeze_gc_heap() -> None:
-    """Move everything alive now to the collector's permanent generation, as
-    vLLM does after building its engine. The heap at this point (torch,
-    transformers, the model, the tokenizer, the block pool: ~320K tracked
-    objects with the default model) lives as long as the engine, yet every
-    full collection walked all of it: 150-220 ms a pause on a Zen 5, one every
-    ~100-200 steps of 128 requests decoding there, and every running request
-    stalls for it (a stream's inter-token latency, a new request's time to
-    first token). After the freeze a full collection walks only what came
-    later (measured: 155 ms -> 0.002 ms right after start). Frozen objects are still freed when
-    their last reference goes; only a reference cycle among them would stay,
-    and the engine's own objects form none (an LLM is freed without the
-    collector; AsyncEngine breaks its one cycle at shutdown). The freeze is
-    process-wide: the caller's objects alive at that moment are frozen too (as
-    with vLLM's worker when it runs in the caller's process); `gc.unfreeze()`
-    undoes it."""
-    gc.collect()
-    gc.freeze()
 
 
 class LLMEngine:
@@ -116,6 +96,7 @@ class LLMEngine:
         # Called inside step() right after scheduling (AsyncEngine publishes its stats
         # there, so a long step shows its requests as running, not waiting).
         self.on_scheduled: Callable[[], None] | None = None
+        keep_freed_memory()
         freeze_gc_heap()
 
     # ---- requests ---------------------------------------------------------------
