@@ -41,10 +41,10 @@ def keep_freed_memory() -> bool:
     activations of a big prefill step (at 8192 tokens the layers allocate
     ~48 MB a layer) came back as new pages every layer: 368,670 page faults
     (1.4 GiB zeroed) a step of 64 x 128 prompt tokens. Measured on a Zen 5
-    (scripts/prefill_step.py, the settings as glibc's environment variables,
-    processes alternating, ms a step): 64 x 128 tokens 3261 / 3222 / 2916 ->
-    2569 / 2514 / 2617, 128 x 128 6549 -> 4845; 16 x 128 (the default token
-    budget, no faults before either) 647 -> 613. The cost is that the heap
+    (scripts/prefill_step.py, the code before and after alternating
+    processes, ms a step): 64 x 128 tokens 2845 / 3008 -> 2383 / 2606, 128 x
+    128 5797 / 6583 -> 4757 / 5158; 16 x 128 (the default token budget, no
+    faults before either) 694 / 621 vs 654 / 778, the same. The cost is that the heap
     stays at its peak (the biggest step's activations) instead of shrinking
     after it; set after the model is loaded so that loading's temporaries are
     given back as before. Threads' arenas still map blocks above 64 MiB."""
