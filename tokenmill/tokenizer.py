@@ -136,8 +136,8 @@ class Tokenizer:
 def _backend_decode(hf: Any) -> Any:
     """The Rust tokenizer's own decode where transformers' decode is exactly it
     (a fast tokenizer with the stock _decode and no clean-up of spaces), else
-    None. It skips transformers' Python layers: 3.4 -> 1.3 us a call with the
-    default model, and the detokenizer calls it twice per token of every
+    None. It skips transformers' Python layers: Tokenizer.decode 3.4 -> 2.3 us
+    a call with the default model (the Rust call alone 1.3), and the detokenizer calls it twice per token of every
     running request each step (0.6 ms of a B=64 decode step on a Zen 5)."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

@@ -22,10 +22,10 @@ def freeze_gc_heap() -> None:
     ~100-200 steps of 128 requests decoding there, and every running request
     stalls for it (a stream's inter-token latency, a new request's time to
     first token). After the freeze a full collection walks only what came
-    later (measured: 155 ms -> 0.002 ms right after start). Frozen objects are still freed when
-    their last reference goes; only a reference cycle among them would stay,
-    and the engine's own objects form none (an LLM is freed without the
-    collector; AsyncEngine breaks its one cycle at shutdown). The freeze is
+    later (measured: 155 ms -> 0.002 ms right after start). Frozen objects are
+    still freed when their last reference goes; only a reference cycle among
+    them would stay, and the engine's own objects form none (an LLM is freed
+    without the collector; AsyncEngine breaks its one cycle at shutdown). The freeze is
     process-wide: the caller's objects alive at that moment are frozen too (as
     with vLLM's worker when it runs in the caller's process); `gc.unfreeze()`
     undoes it."""
@@ -44,10 +44,11 @@ def keep_freed_memory() -> bool:
     (scripts/prefill_step.py, the code before and after alternating
     processes, ms a step): 64 x 128 tokens 2845 / 3008 -> 2383 / 2606, 128 x
     128 5797 / 6583 -> 4757 / 5158; 16 x 128 (the default token budget, no
-    faults before either) 694 / 621 vs 654 / 778, the same. The cost is that the heap
-    stays at its peak (the biggest step's activations) instead of shrinking
-    after it; set after the model is loaded so that loading's temporaries are
-    given back as before. Threads' arenas still map blocks above 64 MiB."""
+    faults before either) 694 / 621 vs 654 / 778, the same. The cost is that
+    the heap stays at its peak (the biggest step's activations) instead of
+    shrinking after it; set after the model is loaded so that loading's
+    temporaries are given back as before. Threads' arenas still map blocks
+    above 64 MiB."""
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
