@@ -477,3 +477,37 @@ def test_kernel_reads_q_in_place_from_wider_rows(kernel_available: None, dtype: 
     assert not view.is_contiguous()
     backend = TorchAttentionBackend(use_cpp_kernels=True)
     assert torch.equal(backend.attend(view, kv_cache, meta, 0.3, None), backend.attend(q, kv_cache, meta, 0.3, None))
+
+
+def _faults_writing_every_page(t: torch.Tensor) -> int:
+    """Minor page faults of this thread while one byte of every 4 KiB page of t is written."""
+    import resource
+
+    flat = t.view(-1).view(torch.uint8)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    flat[::4096].add_(0)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@pytest.mark.parametrize("madvise", ["kernel", "refused"])
+def test_populated_pages_take_no_faults_later(madvise: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """populate_pages faults a mapped tensor's pages in at once (the KV cache's, at
+    start: worker/model_runner.zeros), contents unchanged, also where the kernel
+    refuses MADV_POPULATE_WRITE (one byte a page written instead)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("page faults counted through Linux's getrusage")
+    if madvise == "refused":
+        monkeypatch.setattr(cpu_kernels, "_madvise", lambda addr, length, advice: -1)
+    lazy = cpu_kernels.mapped_zeros((16 << 20,), torch.int16)  # [32 MiB]
+    assert _faults_writing_every_page(lazy) >= 16  # (16 huge pages, or 8192 small ones)
+
+    t = cpu_kernels.mapped_zeros((16 << 20,), torch.int16)
+    t[::1000] = 7
+    cpu_kernels.populate_pages(t, num_threads=3)  # (ranges of whole huge pages, the last short)
+    assert _faults_writing_every_page(t) <= 2
+    assert t[::1000].eq(7).all() and t.ne(0).sum() == t[::1000].numel()
+
+    populated = cpu_kernels.mapped_zeros((5, 1000), torch.float32, populate=True)  # (one short range)
+    assert _faults_writing_every_page(populated) == 0 and not populated.any()

@@ -176,3 +176,43 @@ def test_freed_activations_are_reused_without_page_faults(tiny_llm: LLM) -> None
 
     faults_of_one_block()  # the heap grows once
     assert faults_of_one_block() < 1000  # (12,288 pages of 4 KiB when mapped fresh)
+
+
+def test_the_kv_cache_is_faulted_in_at_start(tiny_llm: LLM) -> None:
+    # worker/model_runner.zeros: a step that first touched a page of the cache stalled.
+    import resource
+    import sys
+
+    import torch
+
+    if not sys.platform.startswith("linux") or tiny_llm.engine.device.type != "cpu":
+        pytest.skip("CPU page faults counted through Linux's getrusage")
+    torch.ones(1 << 16).view(torch.uint8)[::4096].add_(0)  # (the first call's own faults)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for kv in tiny_llm.engine.runner.kv_caches:  # (32 pages of 4 KiB here)
+        kv.view(-1).view(torch.uint8)[::4096].add_(0)
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before <= 2
+
+
+def test_a_kv_cache_larger_than_free_memory_is_refused(
+    tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from tokenmill.config import CacheConfig
+    from tokenmill.worker import cache_sizing
+
+    spec = tiny_llm.engine.spec
+    per_block = cache_sizing.bytes_per_block(spec, torch.float32, 16)
+    monkeypatch.setattr(cache_sizing, "available_cpu_memory_bytes", lambda: 10 * per_block)
+    cpu = torch.device("cpu")
+    assert cache_sizing.num_kv_blocks(spec, torch.float32, CacheConfig(num_blocks_override=10), cpu) == 10
+    with pytest.raises(ValueError, match="lower kv_cache_memory_bytes"):
+        cache_sizing.num_kv_blocks(spec, torch.float32, CacheConfig(num_blocks_override=11), cpu)
+    with pytest.raises(ValueError, match="lower kv_cache_memory_bytes"):
+        cache_sizing.num_kv_blocks(
+            spec, torch.float32, CacheConfig(kv_cache_memory_bytes=11 * per_block), cpu)
+    # Where free memory is unknown (no /proc/meminfo), the default budget, unchecked.
+    monkeypatch.setattr(cache_sizing, "available_cpu_memory_bytes", lambda: None)
+    assert cache_sizing.num_kv_blocks(spec, torch.float32, CacheConfig(), cpu) == (
+        cache_sizing.DEFAULT_CPU_KV_BYTES // per_block)

@@ -13,7 +13,8 @@ CPU_FREE_MEMORY_SHARE = 0.3
 CUDA_FREE_MEMORY_SHARE = 0.5
 
 
-def available_cpu_memory_bytes() -> int:
+def available_cpu_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -21,14 +22,17 @@ def available_cpu_memory_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return DEFAULT_CPU_KV_BYTES  # unknown: assume the default fits
+    return None
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * CUDA_FREE_MEMORY_SHARE)
-    return min(DEFAULT_CPU_KV_BYTES, int(available_cpu_memory_bytes() * CPU_FREE_MEMORY_SHARE))
+    available = available_cpu_memory_bytes()
+    if available is None:  # unknown: assume the default fits
+        return DEFAULT_CPU_KV_BYTES
+    return min(DEFAULT_CPU_KV_BYTES, int(available * CPU_FREE_MEMORY_SHARE))
 
 
 def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
@@ -39,14 +43,24 @@ def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int
 def num_kv_blocks(
     spec: ModelSpec, dtype: torch.dtype, cache_config: CacheConfig, device: torch.device
 ) -> int:
-    if cache_config.num_blocks_override is not None:
-        return cache_config.num_blocks_override
     per_block = bytes_per_block(spec, dtype, cache_config.block_size)
-    budget = cache_config.kv_cache_memory_bytes or default_kv_cache_bytes(device)
-    num_blocks = budget // per_block
-    if num_blocks < 1:
+    if cache_config.num_blocks_override is not None:
+        num_blocks = cache_config.num_blocks_override
+    else:
+        budget = cache_config.kv_cache_memory_bytes or default_kv_cache_bytes(device)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
+                f"{cache_config.block_size} tokens needs {per_block} bytes for this model"
+            )
+    # On the CPU every page of the cache is faulted in at start (worker/model_runner.zeros):
+    # a cache larger than the free memory would meet the OOM killer there, not this message.
+    available = available_cpu_memory_bytes() if device.type == "cpu" else None
+    if available is not None and num_blocks * per_block > available:
         raise ValueError(
-            f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
-            f"{cache_config.block_size} tokens needs {per_block} bytes for this model"
+            f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / 2**30:.1f} GiB) is more "
+            f"than this machine's {available / 2**30:.1f} GiB of available memory; lower "
+            "kv_cache_memory_bytes (or num_kv_blocks)"
         )
     return int(num_blocks)

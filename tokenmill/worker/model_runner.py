@@ -40,10 +40,22 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     as prefills write them, the attention kernel read a decode step's K/V at
     half the speed of the same bytes in a fresh copy (Zen 3, float32, B=128,
     30 layers: 2.8 vs 5.9 GB/s one thread); decode steps B=128 ~680 -> ~490
-    ms, B=64 ~370 -> ~300 (context 264, bench roofline's set-up)."""
+    ms, B=64 ~370 -> ~300 (context 264, bench roofline's set-up).
+
+    Every page is faulted in here, at start (cpu_kernels.populate_pages), as
+    vLLM and llama.cpp fill their caches at start: a page first touched in a
+    step stalled that step. On a 2-core Zen 5 VM a fresh huge page took ~2 ms
+    to fault in (0.35-1.1 GB/s; the host backs a guest's new memory then): a
+    B=64 decode step in which every request opened a new block took 62-72 ms
+    instead of 36 (16 huge pages), and throughput-A bf16 (fresh processes,
+    alternating) went 931 / 960 -> 1068 / 1038 generated tok/s at CAP 128,
+    894 / 959 -> 1048 / 980 at CAP 512, 530 / 485 -> 558 / 553 at CAP 32. The
+    cost moves to start: ~5.7 s for the default 4 GiB there (0.2 s where the
+    memory was just freed by another process), and the cache's memory counts
+    in RSS from the start."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return cpu_kernels.mapped_zeros(shape, dtype)
+    return cpu_kernels.mapped_zeros(shape, dtype, populate=True)
 
 
 class ModelRunner:
