@@ -8,6 +8,8 @@ a stop string, and must add up to the final text.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -277,3 +279,44 @@ def test_fast_decode_is_transformers_decode(tok: Tokenizer, skip_special_tokens:
     for window in windows:
         expected = tok.hf.decode(window, skip_special_tokens=skip_special_tokens)
         assert tok.decode(window, skip_special_tokens, False) == expected
+
+
+def _same_hf_tokenizer(ours: Any, ref: Any) -> None:
+    assert type(ours) is type(ref)
+    assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    assert ours.chat_template == ref.chat_template
+    assert ours.special_tokens_map == ref.special_tokens_map
+    assert ours.get_added_vocab() == ref.get_added_vocab()
+    assert ours.init_kwargs == ref.init_kwargs
+
+
+def test_gguf_tokenizer_is_the_one_auto_tokenizer_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenizer.load skips AutoTokenizer's slow class lookup for a llama GGUF;
+    what it builds must be what AutoTokenizer builds. A folder with its own
+    tokenizer_config.json still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    directory, filename = os.path.split(path)
+    calls: list[str] = []
+    real = AutoTokenizer.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(str(args[0]))
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(spy))
+    ours = Tokenizer.load(path).hf
+    assert calls == []
+    ref = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    _same_hf_tokenizer(ours, ref)
+    text = "Hello <|im_start|>user\nwörld  ✓ 123 🙂 日本"
+    assert ours.encode(text) == ref.encode(text)
+
+    (tmp_path / filename).symlink_to(path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    calls.clear()
+    Tokenizer.load(str(tmp_path / filename))
+    assert calls == [str(tmp_path)]

@@ -242,9 +242,9 @@ def _thunk(get: Callable[[str], torch.Tensor], name: str) -> TensorThunk:
 def _load_gguf(
     model_config: ModelConfig, source: ModelSource
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
-    import gguf
+    from tokenmill.model.gguf_file import GGUFFile  # imports the gguf package
 
-    reader = gguf.GGUFReader(source.path)
+    reader = GGUFFile(source.path)
     spec = spec_from_gguf(reader)
     dtype = resolve_dtype(model_config.dtype, source, None, model_config.device)
     model = LlamaForCausalLM(

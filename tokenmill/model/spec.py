@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tokenmill.config import ModelSpec
 from tokenmill.model.rope import SUPPORTED_ROPE_TYPES
+
+if TYPE_CHECKING:
+    from tokenmill.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -148,15 +151,10 @@ def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str) -> int | None:
 # --- GGUF -------------------------------------------------------------------
 
 
-def gguf_field(reader: Any, key: str) -> Any:
-    """The value of a GGUF metadata field (None if absent)."""
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def spec_from_gguf(reader: Any) -> ModelSpec:
-    """A ModelSpec from the metadata of a `gguf.GGUFReader` (Llama architecture only)."""
-    arch = gguf_field(reader, "general.architecture")
+def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
+    """A ModelSpec from a GGUF file's metadata (Llama architecture only)."""
+    fields = reader.fields
+    arch = fields.get("general.architecture")
     if arch != "llama":
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files "
@@ -164,35 +162,35 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
         )
 
     def require(key: str) -> Any:
-        value = gguf_field(reader, f"llama.{key}")
+        value = fields.get(f"llama.{key}")
         if value is None:
             raise ValueError(f"GGUF file has no 'llama.{key}' metadata")
         return value
 
     hidden_size = int(require("embedding_length"))
     num_heads = int(require("attention.head_count"))
-    num_kv_heads = int(gguf_field(reader, "llama.attention.head_count_kv") or num_heads)
-    head_dim = int(gguf_field(reader, "llama.attention.key_length") or hidden_size // num_heads)
-    rope_dim = gguf_field(reader, "llama.rope.dimension_count")
+    num_kv_heads = int(fields.get("llama.attention.head_count_kv") or num_heads)
+    head_dim = int(fields.get("llama.attention.key_length") or hidden_size // num_heads)
+    rope_dim = fields.get("llama.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ValueError(
             f"partial rotary embeddings (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
             "are not supported"
         )
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError("GGUF file has no tokenizer.ggml.tokens; it cannot be used alone")
     tensor_names = {t.name for t in reader.tensors}
     eos_ids: list[int] = []
     # llama.cpp stops generation at any of these (its "end of generation" set).
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = gguf_field(reader, f"tokenizer.ggml.{key}")
+        value = fields.get(f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    bos = fields.get("tokenizer.ggml.bos_token_id")
     return ModelSpec(
         architecture="LlamaForCausalLM",
-        vocab_size=len(tokens.data),
+        vocab_size=len(tokens),
         hidden_size=hidden_size,
         intermediate_size=int(require("feed_forward_length")),
         num_layers=int(require("block_count")),
@@ -200,7 +198,7 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(require("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base") or 10000.0),
+        rope_theta=float(fields.get("llama.rope.freq_base") or 10000.0),
         max_position_embeddings=int(require("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_gguf_rope_scaling(reader),
@@ -209,18 +207,19 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
     )
 
 
-def _gguf_rope_scaling(reader: Any) -> dict[str, Any] | None:
+def _gguf_rope_scaling(reader: GGUFFile) -> dict[str, Any] | None:
+    fields = reader.fields
     # Llama 3.x GGUFs carry their rope scaling as per-frequency divisors.
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
             return {"rope_type": "freq_factors", "freq_factors": tuple(float(f) for f in factors)}
-    rope_type = gguf_field(reader, "llama.rope.scaling.type")
+    rope_type = fields.get("llama.rope.scaling.type")
     if rope_type in (None, "none"):
         return None
     if rope_type == "linear":
-        return {
-            "rope_type": "linear",
-            "factor": float(gguf_field(reader, "llama.rope.scaling.factor")),
-        }
+        factor = fields.get("llama.rope.scaling.factor")
+        if factor is None:
+            raise ValueError("GGUF file has linear rope scaling but no 'llama.rope.scaling.factor'")
+        return {"rope_type": "linear", "factor": float(factor)}
     raise ValueError(f"GGUF rope scaling type {rope_type!r} is not supported")
