@@ -92,6 +92,11 @@ def test_bad_files_get_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(GGUFFormatError, match="is not a GGUF file"):
         GGUFFile(str(not_gguf))
 
+    empty = tmp_path / "e.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match="is empty"):
+        GGUFFile(str(empty))
+
     good = tmp_path / "m.gguf"
     _write(good)
     blob = good.read_bytes()
@@ -103,6 +108,16 @@ def test_bad_files_get_a_clear_error(tmp_path: Path) -> None:
     no_data.write_bytes(blob[: len(blob) - 40])
     with pytest.raises(GGUFFormatError, match="runs past the end of the file"):
         GGUFFile(str(no_data))
+
+    # A metadata array claiming more numbers than the file holds.
+    huge = bytearray(blob)
+    key = b"test.floats"
+    at = huge.index(key) + len(key) + 4 + 4  # past the key, the value type and the element type
+    huge[at:at + 8] = (2**40).to_bytes(8, "little")
+    bad_count = tmp_path / "c.gguf"
+    bad_count.write_bytes(bytes(huge))
+    with pytest.raises(GGUFFormatError, match="truncated or corrupt"):
+        GGUFFile(str(bad_count))
 
     old = tmp_path / "v1.gguf"
     old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(100))

@@ -19,6 +19,7 @@ and UTF-8 bytes; an array is an element type u32, a count u64 and elements.
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 from typing import Any
 
@@ -67,6 +68,8 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.getsize(path) == 0:
+            raise GGUFFormatError(f"{path} is empty, not a GGUF file")
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
         self._mv = memoryview(self._buf)  # type: ignore[arg-type]
         self._pos = 4  # after the magic
@@ -86,7 +89,9 @@ class GGUFFile:
                 key = self._string()
                 self.fields[key] = self._value(self._read("<I", 4))
             infos = [self._tensor_info() for _ in range(num_tensors)]
-        except (struct.error, IndexError, UnicodeDecodeError) as e:
+        except GGUFFormatError:
+            raise
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
             raise GGUFFormatError(f"{path} is truncated or corrupt ({e})") from e
         alignment = int(self.fields.get("general.alignment", 32))
         start = -(-self._pos // alignment) * alignment
