@@ -22,6 +22,7 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import (
     WeightLoadError,
+    _longer_rows,
     dequantize_gguf_tensor,
     load_model,
     resolve_dtype,
@@ -321,6 +322,31 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     # llama.cpp's convert_hf_to_gguf permute
     permuted = weight.reshape(num_heads, 2, head_dim // 2, 5).swapaxes(1, 2).reshape(weight.shape)
     assert torch.equal(unpermute_rope_rows(permuted, num_heads), weight)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 48, 96])
+@pytest.mark.parametrize(
+    "qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+              gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16]
+)
+def test_dequantize_in_longer_rows_gives_the_same_values(
+    rows: int, qtype: gguf.GGMLQuantizationType
+) -> None:
+    weight = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
+    data = quantize(weight, qtype)
+
+    class Tensor:
+        name = "w"
+        tensor_type = qtype
+        shape = np.array([64, rows])
+
+    Tensor.data = data  # type: ignore[attr-defined]
+    ref = dequantize(data, qtype).reshape(rows, 64)
+    assert torch.equal(dequantize_gguf_tensor(Tensor()), torch.from_numpy(np.ascontiguousarray(ref)))
+    # other group sizes (one row a group, three, all): the same values again
+    for group_bytes in (1, 16 * data.shape[-1] * 3, 1 << 30):
+        regrouped = dequantize(_longer_rows(data, group_bytes), qtype).reshape(rows, 64)
+        assert np.array_equal(regrouped, ref)
 
 
 def test_unsupported_gguf_type_names_tensor() -> None:
