@@ -210,14 +210,16 @@ def _gguf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     directory, filename = os.path.split(os.path.abspath(path))
+    builder: Any = AutoTokenizer
     try:
         from transformers.integrations.gguf.reader import read_gguf_metadata
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    metadata, _ = read_gguf_metadata(path)  # (arrays as counts: 0.02 s)
-    if metadata.get("general.architecture") == "llama" and not os.path.exists(
-        os.path.join(directory, "tokenizer_config.json")
-    ):
-        return TokenizersBackend.from_pretrained(directory, gguf_file=filename)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        pass
+    else:
+        metadata, _ = read_gguf_metadata(path)  # (arrays as counts: 0.02 s)
+        if metadata.get("general.architecture") == "llama" and not os.path.exists(
+            os.path.join(directory, "tokenizer_config.json")
+        ):
+            builder = TokenizersBackend
+    return builder.from_pretrained(directory, gguf_file=filename)
