@@ -19,7 +19,7 @@ import torch
 
 from tests.hf_models import TEST_DEVICE, VOCAB_SIZE, build_hf_model, save_hf_model
 from tokenmill import LLM, RequestOutput, SamplingParams
-from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.sampling_params import MAX_SEED, MIN_SEED, RequestOutputKind
 
 EOS = 2
 
@@ -139,6 +139,22 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible(
     single = llm.generate([ids(TARGET_PROMPT)], SamplingParams(
         temperature=1.0, seed=5, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     assert tuple(single.outputs[0].token_ids) == samples[2]
+
+
+def test_n_samples_of_the_largest_seed_wrap_around_the_seed_range(
+    model_dir: tuple[torch.nn.Module, str],
+) -> None:
+    # Sample i draws with seed + i, wrapped inside the signed 64-bit range: the
+    # largest seed's sample 1 is the smallest seed's request.
+    _, path = model_dir
+    llm = make_llm(path)
+    params = SamplingParams(n=2, temperature=1.0, seed=MAX_SEED, max_tokens=6, ignore_eos=True)
+    out = llm.generate([ids(TARGET_PROMPT)], params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [6, 6]
+    single = llm.generate([ids(TARGET_PROMPT)], SamplingParams(
+        temperature=1.0, seed=MIN_SEED, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == out.outputs[1].token_ids
+    assert_all_free(llm)
 
 
 def test_n_samples_stream_as_deltas_and_abort_together(

@@ -2,7 +2,8 @@
 and httpx against uvicorn on a loopback port, on the default model (float32).
 
 One engine serves two apps built by the factory: `main` (no limits) and
-`strict` (API key, served model name, max_queued_requests=2). Greedy outputs
+`strict` (API key, served model name, max_queued_requests=2, chat templates
+taken from requests). Greedy outputs
 are checked against offline generation on the same engine, run before the
 server starts."""
 
@@ -69,6 +70,7 @@ def served() -> Iterator[Served]:
     main = ServerThread(build_app(engine, ServerConfig())).start()
     strict = ServerThread(build_app(engine, ServerConfig(
         api_key=API_KEY, served_model_name="strict-model", max_queued_requests=MAX_QUEUED,
+        trust_request_chat_template=True,
     ))).start()
     try:
         yield Served(llm, engine, main, strict, expected)
@@ -91,6 +93,13 @@ def wait_until_idle(engine: AsyncEngine, timeout_s: float = 20.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"the engine did not go idle: {engine.stats()}")
+
+
+def post_json(url: str, body: Any, **kwargs: Any) -> httpx.Response:
+    """POST `body` as JSON with non-ASCII escaped, so it can carry what UTF-8
+    cannot (lone surrogates, as any JSON client may send them)."""
+    return httpx.post(url, content=json.dumps(body), timeout=TIMEOUT_S,
+                      headers={"content-type": "application/json"}, **kwargs)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -123,6 +132,8 @@ def test_models_health_and_tokenize(served: Served) -> None:
         assert text == HELLO
         chat_tokens = http.post("/tokenize", json={"messages": CHAT}).json()
         assert chat_tokens["tokens"] == served.expected["chat"].prompt_token_ids
+        assert_error(http.post("/tokenize", json={"messages": []}), 400, "messages")
+        assert_error(post_json(served.main.url + "/tokenize", {"prompt": "a\ud800b"}), 400, "prompt")
 
 
 def test_completion_matches_offline_with_usage(served: Served) -> None:
@@ -214,6 +225,20 @@ def test_completion_logprobs(served: Served) -> None:
     assert out.choices[0].text == served.llm.get_tokenizer().decode(hello.outputs[0].token_ids[:6])
 
 
+def test_chat_logprobs_not_streamed(served: Served) -> None:
+    out = served.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=5, temperature=0,  # type: ignore[arg-type]
+        logprobs=True, top_logprobs=2,
+    )
+    assert out.choices[0].logprobs is not None
+    entries = out.choices[0].logprobs.content or []
+    assert len(entries) == 5
+    assert "".join(e.token for e in entries) == out.choices[0].message.content
+    for entry in entries:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
 def test_chat_logprobs_streamed(served: Served) -> None:
     stream = served.client().chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=8, temperature=0,  # type: ignore[arg-type]
@@ -288,20 +313,26 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),  # over the context length
-    ({"prompt": [10**9]}, None),  # a token id outside the vocabulary
+    ({"prompt": [10**9]}, "prompt"),  # a token id outside the vocabulary
+    ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": []}, "prompt"),
     ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": "hi", "suffix": "tail"}, "suffix"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),  # past the signed 64-bit range
+    ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": "a lone surrogate \ud800"}, "prompt"),
+    ({"prompt": ["fine", "\udc00"]}, "prompt"),
     ({}, "prompt"),
 ]
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=[str(b) for b, _ in BAD_COMPLETIONS])
 def test_bad_completion_requests_are_400(served: Served, body: dict[str, Any], param: str | None) -> None:
-    response = httpx.post(served.main.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
-    assert_error(response, 400, param)
+    assert_error(post_json(served.main.url + "/v1/completions", body), 400, param)
 
 
 def test_bad_chat_requests_are_400(served: Served) -> None:
@@ -311,11 +342,48 @@ def test_bad_chat_requests_are_400(served: Served) -> None:
     assert_error(httpx.post(url, json={"messages": CHAT, "top_logprobs": 2}, timeout=TIMEOUT_S), 400)
     response = httpx.post(url, content=b"{not json", timeout=TIMEOUT_S,
                           headers={"content-type": "application/json"})
-    assert_error(response, 400)
+    assert "not valid JSON" in assert_error(response, 400)["message"]
+    assert response.json()["error"]["param"] is None
+    assert_error(httpx.post(url, json={"messages": CHAT, "max_completion_tokens": 0}, timeout=TIMEOUT_S),
+                 400, "max_tokens")
+    lone = [{"role": "user", "content": "hi \udfff"}]
+    assert_error(post_json(url, {"messages": lone}), 400, "messages")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert_error(httpx.post(url, json={"messages": CHAT, "tools": [tool]}, timeout=TIMEOUT_S), 400, "tools")
+    # A template is code the server would run: refused unless the server trusts them.
+    templated = {"messages": CHAT, "max_tokens": 2, "chat_template": "{{ messages[0]['content'] }}"}
+    assert_error(httpx.post(url, json=templated, timeout=TIMEOUT_S), 400, "chat_template")
+    trusting = httpx.post(served.strict.url + "/v1/chat/completions", timeout=TIMEOUT_S,
+                          json={**templated, "model": "strict-model"},
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert trusting.status_code == 200, trusting.text
+    assert trusting.json()["usage"]["prompt_tokens"] == len(served.llm.get_tokenizer().encode(
+        CHAT[0]["content"], add_special_tokens=False))
     with pytest.raises(openai.BadRequestError):  # the client sees it as OpenAI's error
         served.client().chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=CHAT, temperature=-2  # type: ignore[arg-type]
         )
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine(served: Served) -> None:
+    tokenizer = served.llm.get_tokenizer()
+    only = tokenizer.encode(" Paris", add_special_tokens=False)[:1]
+    body = {"prompt": HELLO, "max_tokens": 3, "temperature": 0, "allowed_token_ids": only}
+    out = httpx.post(served.main.url + "/v1/completions", json=body, timeout=TIMEOUT_S).json()
+    assert out["choices"][0]["text"] == tokenizer.decode(only * 3)
+    first = served.expected["hello"].outputs[0].text.split()[0]
+    body = {"prompt": HELLO, "max_tokens": 4, "temperature": 0, "bad_words": [first]}
+    out = httpx.post(served.main.url + "/v1/completions", json=body, timeout=TIMEOUT_S).json()
+    assert not out["choices"][0]["text"].split() or out["choices"][0]["text"].split()[0] != first
+
+
+def test_a_refused_prompt_leaves_none_of_its_batch_running(served: Served) -> None:
+    # The third prompt is refused after the first two were queued: those are aborted,
+    # not left to run their 1000 tokens for nobody.
+    wait_until_idle(served.engine)
+    body = {"prompt": [[1, 2, 3], [4, 5], [10**9]], "max_tokens": 1000, "ignore_eos": True}
+    assert_error(httpx.post(served.main.url + "/v1/completions", json=body, timeout=TIMEOUT_S), 400)
+    wait_until_idle(served.engine, timeout_s=5)
 
 
 def test_unknown_route_is_404(served: Served) -> None:

@@ -86,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     kwargs = serve_engine_kwargs(args)
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
@@ -105,6 +106,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="the model id clients send (default: the model's name)")
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="answer 503 while this many requests wait to run")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="run a chat_template sent in a request (off: such requests get 400)")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     add_engine_args(serve)

@@ -149,4 +149,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     max_queued_requests: int | None = None
+    # Run a chat_template sent in a request (vLLM's --trust-request-chat-template);
+    # off: such a request is refused, since a template is code the server runs.
+    trust_request_chat_template: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -8,6 +8,7 @@ the engine when the request is added.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -17,6 +18,9 @@ GREEDY_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# A seed is a signed 64-bit integer, as in vLLM (torch's generators take it; the
+# extra samples of n > 1 use seed + index, which still fits their unsigned range).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(Enum):
@@ -91,7 +95,8 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0 (1 disables it)")
-        check(self.temperature >= 0.0, "temperature", ">= 0 (0 is greedy)")
+        check(math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
+              "finite and >= 0 (0 is greedy)")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
         check(self.top_k >= 0, "top_k", "0 or -1 (disabled) or >= 1")
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
@@ -99,6 +104,8 @@ class SamplingParams:
             self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1 (or None)"
         )
         check(self.min_tokens >= 0, "min_tokens", ">= 0")
+        check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed",
+              f"None or an integer in [{MIN_SEED}, {MAX_SEED}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"

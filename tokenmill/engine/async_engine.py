@@ -218,7 +218,10 @@ class AsyncEngine:
         do) if the engine refuses it, EngineDeadError if the loop is down.
 
         Closing the stream before it finishes (or cancelling its consumer)
-        aborts the request; its blocks are freed at the next step boundary."""
+        aborts the request once the stream has been iterated; a stream never
+        iterated must be aborted with abort(request_id) (an async generator that
+        has not started runs nothing when closed). Its blocks are freed at the
+        next step boundary."""
         if not self.is_running:
             raise EngineDeadError(self._dead_reason or "the engine loop is not running")
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import MAX_SEED, MIN_SEED, RequestOutputKind, SamplingParams
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -27,14 +27,17 @@ def child_request_id(request_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """One sample's options: n=1, and for a seeded request the seed + index, so
-    the children draw distinct streams that are still reproducible. Only the
-    first child computes prompt logprobs (the others may then use the prefix
-    cache)."""
+    """One sample's options: n=1, and for a seeded request the seed + index
+    (wrapped around inside the seeds' signed 64-bit range), so the children
+    draw distinct streams that are still reproducible. Only the first child
+    computes prompt logprobs (the others may then use the prefix cache)."""
+    seed = params.seed
+    if seed is not None:
+        seed = (seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
     child = dataclasses.replace(
         params,
         n=1,
-        seed=None if params.seed is None else params.seed + index,
+        seed=seed,
         prompt_logprobs=params.prompt_logprobs if index == 0 else None,
     )
     child.bad_words_token_ids = params.bad_words_token_ids

@@ -7,12 +7,13 @@ import secrets
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.chat import chat_prompt, create_chat_completion
 from tokenmill.server.completions import create_completion
-from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.errors import APIError, describe_validation_error, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -81,12 +82,16 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if request.messages is not None:
-            chat = ChatCompletionRequest(
-                messages=request.messages, add_generation_prompt=request.add_generation_prompt
-            )
-            tokens = chat_prompt(serving, chat).token_ids
+            try:
+                chat = ChatCompletionRequest(
+                    messages=request.messages, add_generation_prompt=request.add_generation_prompt
+                )
+            except ValidationError as e:  # e.g. no messages
+                message, param = describe_validation_error(e.errors())
+                raise APIError(400, message, param) from e
+            tokens = (await chat_prompt(serving, chat)).token_ids
         else:
-            tokens = serving.encode(request.prompt or "", request.add_special_tokens)
+            tokens = await serving.encode(request.prompt or "", "prompt", request.add_special_tokens)
         return JSONResponse(
             {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
         )

@@ -61,7 +61,15 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return plain
 
 
-def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
+async def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
+    if request.chat_template is not None and not serving.config.trust_request_chat_template:
+        # A template is code the server runs: one line of Jinja can take minutes
+        # and gigabytes. As vLLM, only a server started to trust them takes one.
+        raise APIError(
+            400, "this request brings its own chat_template, and the server does not run "
+            "templates from requests; drop it (the model's template is used) or start the "
+            "server with --trust-request-chat-template", param="chat_template",
+        )
     messages = plain_messages(request.messages)
     try:
         text = serving.engine.apply_chat_template(
@@ -72,7 +80,7 @@ def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
     except Exception as e:  # a template that fails on these messages (jinja errors)
         raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
     # The template writes the special tokens itself.
-    return Prompt(text, serving.encode(text, add_special_tokens=False))
+    return Prompt(text, await serving.encode(text, "messages", add_special_tokens=False))
 
 
 def chat_logprobs(serving: Serving, token_ids: list[int], entries: LogprobEntries,
@@ -102,9 +110,11 @@ async def create_chat_completion(
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     top_k = (request.top_logprobs or 0) if request.logprobs else None
-    prompt = chat_prompt(serving, request)
-    max_tokens = request.max_completion_tokens or request.max_tokens
-    params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens), top_k)
+    prompt = await chat_prompt(serving, request)
+    max_tokens = request.max_completion_tokens
+    if max_tokens is None:  # (not `or`: a 0 is an error to report, not "unset")
+        max_tokens = request.max_tokens
+    params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens, "messages"), top_k)
     request_id = random_id("chatcmpl")
     streams = await serving.start(request_id, [prompt], [params], request.priority)
     outputs = merge(streams)
@@ -142,7 +152,9 @@ async def _collect(
                 num_completion += len(c.token_ids)
                 if top_k is not None and c.logprobs is not None and choice.logprobs is not None:
                     new = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
-                    (choice.logprobs.content or []).extend(new.content or [])
+                    if choice.logprobs.content is None:
+                        choice.logprobs.content = []
+                    choice.logprobs.content.extend(new.content or [])
                 if c.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     except RuntimeError as e:

@@ -33,15 +33,17 @@ from tokenmill.server.serving import (
 )
 
 
-def parse_prompts(serving: Serving, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+async def parse_prompts(
+    serving: Serving, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[Prompt]:
     if isinstance(prompt, str):
-        return [Prompt(prompt, serving.encode(prompt))]
+        return [Prompt(prompt, await serving.encode(prompt, "prompt"))]
     if not prompt:
         raise APIError(400, "prompt is empty; give a string, token ids or a list of them", param="prompt")
     prompts: list[Prompt] = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(Prompt(item, serving.encode(item)))
+            prompts.append(Prompt(item, await serving.encode(item, "prompt")))
         elif isinstance(item, int):
             return [Prompt(None, [int(t) for t in prompt])]  # type: ignore[arg-type]
         else:
@@ -93,9 +95,9 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
         )
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-    prompts = parse_prompts(serving, request.prompt)
+    prompts = await parse_prompts(serving, request.prompt)
     params = [
-        build_sampling_params(request, serving.max_tokens_for(p, request.max_tokens), request.logprobs)
+        build_sampling_params(request, serving.max_tokens_for(p, request.max_tokens, "prompt"), request.logprobs)
         for p in prompts
     ]
     request_id = random_id("cmpl")

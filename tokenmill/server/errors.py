@@ -7,6 +7,8 @@ never with a traceback in the body)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,6 +63,21 @@ def error_json(
     return JSONResponse(body.model_dump(), status_code=status_code)
 
 
+def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) for the first of pydantic's (or FastAPI's) errors: the
+    field it names, or none for a body that is not JSON at all."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # loc is ("body", character position)
+        where = [p for p in first.get("loc", ()) if isinstance(p, int)]
+        at = f" at character {where[0]}" if where else ""
+        reason = first.get("ctx", {}).get("error", first.get("msg", "invalid JSON"))
+        return f"the request body is not valid JSON: {reason}{at}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    return (f"{param}: {msg}" if param else msg or "invalid request body"), param
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -68,11 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI says 422; OpenAI and vLLM say 400. Name the first bad field.
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request body"))
+        # FastAPI says 422; OpenAI and vLLM say 400.
+        message, param = describe_validation_error(exc.errors())
         return error_json(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

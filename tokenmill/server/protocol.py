@@ -2,7 +2,9 @@
 
 Requests ignore fields they do not know (as OpenAI's and vLLM's servers do),
 so newer clients keep working; every known field is type-checked and a bad one
-becomes a 400 naming it.
+becomes a 400 naming it. Fields that would change the output and that this
+server does not implement (tools, response_format, prompt_logprobs) are known
+so that a request using them gets a 400 instead of an answer that ignores them.
 """
 
 from __future__ import annotations
@@ -53,7 +55,15 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     priority: int = 0
+    # Known, so that asking for them is refused rather than silently ignored
+    # (sampling.build_sampling_params): they would change what comes back.
+    prompt_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

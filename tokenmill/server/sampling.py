@@ -34,12 +34,29 @@ NEUTRAL: dict[str, Any] = {
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
+    "allowed_token_ids": None,
+    "bad_words": None,
 }
+
+
+def refuse_unsupported(request: SamplingFields) -> None:
+    """400 for fields that would change the output and are not implemented here."""
+    if request.tools:
+        raise APIError(400, "tools (function calling) is not supported by this engine", param="tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice is not supported by this engine (no tools)", param="tool_choice")
+    if request.response_format is not None and request.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format other than {'type': 'text'} (structured output) is not "
+                       "supported by this engine", param="response_format")
+    if request.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported by this server yet (the offline LLM "
+                       "API has it)", param="prompt_logprobs")
 
 
 def build_sampling_params(
     request: SamplingFields, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
+    refuse_unsupported(request)
     kwargs: dict[str, Any] = {"max_tokens": max_tokens}
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

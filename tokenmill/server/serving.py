@@ -65,15 +65,16 @@ class Serving:
                 code="queue_full",
             )
 
-    def max_tokens_for(self, prompt: Prompt, max_tokens: int | None) -> int:
-        """max_tokens, checked against the context length (None: all that is left)."""
+    def max_tokens_for(self, prompt: Prompt, max_tokens: int | None, prompt_param: str) -> int:
+        """max_tokens, checked against the context length (None: all that is left).
+        `prompt_param` names the prompt's field in errors ("prompt" or "messages")."""
         max_len = self.engine.max_model_len
         num_prompt = len(prompt.token_ids)
         if max_tokens is None:
             if num_prompt >= max_len:
                 raise APIError(
                     400, f"This model's maximum context length is {max_len} tokens. However, "
-                    f"your prompt has {num_prompt} tokens; shorten it.", param="messages",
+                    f"your prompt has {num_prompt} tokens; shorten it.", param=prompt_param,
                 )
             return max_len - num_prompt
         if num_prompt + max_tokens > max_len:
@@ -85,11 +86,24 @@ class Serving:
             )
         return max_tokens
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        try:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, on a worker thread: the tokenizer lets go of the GIL,
+        so a long prompt (seconds for megabytes) does not hold up other requests."""
+
+        def encode() -> list[int]:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800")
+                raise APIError(
+                    400, f"{param} is not valid Unicode: {e.reason} at character {e.start}; "
+                    "send UTF-8 text (surrogates only in pairs)", param=param,
+                ) from e
             return self.engine.encode(text, add_special_tokens)
+
+        try:
+            return await asyncio.to_thread(encode)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=param) from e
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -118,10 +132,14 @@ class Serving:
                     await self.engine.add_request(f"{request_id}-{i}", engine_prompt, p, priority)
                 )
         except BaseException as e:
-            for stream in streams:
-                await stream.aclose()
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e)) from e
+            # A stream never iterated does not abort when closed (its generator
+            # has not started): abort the queued requests by id.
+            for i in range(len(streams)):
+                self.engine.abort(f"{request_id}-{i}")
+            if isinstance(e, ValueError):  # the engine's messages start with the field
+                first_word = str(e).split(" ", 1)[0]
+                raise APIError(400, str(e), param=first_word if first_word in (
+                    "prompt", "stop_token_ids", "allowed_token_ids", "logit_bias") else None) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
             if isinstance(e, EngineError):
