@@ -67,6 +67,25 @@ def test_generate_checks_every_prompt_before_running_any(tiny_llm: LLM) -> None:
     assert not tiny_llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
         tiny_llm.generate("text needs a tokenizer", greedy(4), use_tqdm=False)
+    # Refused by the engine after the first was queued (its options, an empty
+    # prompt, a bad priority): the first does not run either.
+    for prompts, params, priority, match in [
+        ([[3] * 5, [4] * 5], [greedy(4), SamplingParams(stop_token_ids=[10**6])], None, "stop_token_ids"),
+        ([[3] * 5, []], greedy(4), None, "empty"),
+        ([[3] * 5, [4] * 5], greedy(4), [0, 1], "scheduling_policy='priority'"),
+        ([[3] * 5, [4] * 5], greedy(4), [0, "1"], "priority must be an integer"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params,  # type: ignore[arg-type]
+                              use_tqdm=False, priority=priority)
+        assert not tiny_llm.engine.has_unfinished_requests()
+        tiny_llm.engine.scheduler.check_integrity()
+    for bad in ("123", [1, None], [[1, 2]], 7, [True]):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+            tiny_llm.generate({"prompt_token_ids": bad}, greedy(2), use_tqdm=False)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="a prompt is a string"):
+        tiny_llm.generate({"prompt": None}, greedy(2), use_tqdm=False)  # type: ignore[dict-item]
+    assert len(tiny_llm.generate({"prompt_token_ids": [3] * 5}, greedy(2), use_tqdm=False)) == 1
 
 
 def test_abort_frees_blocks_at_once(tiny_llm: LLM) -> None:
@@ -94,6 +113,12 @@ def test_priority_policy_runs_urgent_requests_first(tmp_path: Path) -> None:
     first_token_times = [o.metrics.first_token_time for o in outs if o.metrics]
     order = sorted(range(3), key=lambda i: first_token_times[i] or 0.0)
     assert order == [1, 2, 0]
+    # A priority that is not an integer is refused before it reaches the queue's
+    # ordering (which it once broke for every later request).
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate([{"prompt_token_ids": [5] * 4}] * 2, greedy(3), use_tqdm=False, priority=[1, "0"])  # type: ignore[list-item]
+    llm.engine.scheduler.check_integrity()
+    assert len(llm.generate([{"prompt_token_ids": [5] * 4}], greedy(3), use_tqdm=False)) == 1
 
 
 def test_default_model_answers_paris() -> None:

@@ -270,6 +270,10 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("auto", HF_SOURCE, "float16", "cpu", cpu_bf16=False) == torch.float32
     assert resolve_dtype("bfloat16", GGUF_SOURCE, None, cpu_bf16=False) == torch.bfloat16
     assert resolve_dtype("auto", GGUF_SOURCE, None) in (torch.bfloat16, torch.float32)
+    # float16 kernels exist on CUDA only: asked for on the CPU, a clear error at once.
+    with pytest.raises(ValueError, match=r"float16.*CUDA only"):
+        ModelConfig(dtype="float16")
+    assert ModelConfig(dtype="float16", device="cuda").dtype == "float16"
 
 
 def test_loaded_model_uses_requested_dtype(tmp_path: Path) -> None:

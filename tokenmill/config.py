@@ -62,6 +62,9 @@ class ModelConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
+        if self.dtype == "float16" and self.device == "cpu":
+            raise ValueError("dtype='float16' runs on CUDA only; on the CPU use 'bfloat16', "
+                             "'float32' or 'auto' (a float16 checkpoint then runs in bfloat16)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -9,6 +9,7 @@ the engine when the request is added.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -61,8 +62,11 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:
@@ -71,7 +75,7 @@ class SamplingParams:
             # JSON sends token ids as strings: accept them, as vLLM does.
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
+            except (AttributeError, TypeError, ValueError) as e:
                 raise ValueError(
                     f"logit_bias must map token ids (int) to floats, got {self.logit_bias!r}"
                 ) from e
@@ -85,6 +89,23 @@ class SamplingParams:
         if self.greedy:
             # Filtering cannot change an argmax (vLLM resets these too).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_types(self) -> None:
+        """Numbers of the right kind, before any arithmetic on them: an int where a
+        count is asked for (not a bool, not 2.5), an int or float for the rest."""
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if value is None and name not in ("n", "top_k", "min_tokens"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            setattr(self, name, int(value))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                     "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
 
     def _verify(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -138,6 +159,14 @@ class SamplingParams:
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
             raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        for name in ("stop", "bad_words"):
+            for text in getattr(self, name) or []:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate, as JSON's "\ud800"
+                    raise ValueError(
+                        f"{name} must be valid Unicode text, got {text!r} ({e.reason})"
+                    ) from e
         if self.n > 1 and self.greedy:
             raise ValueError(
                 f"n must be 1 when temperature is 0 (greedy samples are identical), got {self.n}"

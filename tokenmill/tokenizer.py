@@ -48,7 +48,17 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:
+            try:  # JSON can carry lone surrogates ("\ud800"); the tokenizer cannot
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"the text is not valid Unicode: {e.reason} at character {e.start}; "
+                    "send UTF-8 text (surrogates only in pairs)"
+                ) from e
+            raise
 
     def decode(
         self,

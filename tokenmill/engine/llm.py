@@ -126,13 +126,18 @@ class LLM:
                     f"prompt {i} has {len(ids)} tokens, more than max_model_len="
                     f"{engine.max_model_len}; shorten it or raise max_model_len"
                 )
-        request_ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            request_id = engine.new_request_id()
-            engine.add_request(
-                request_id, prompt, params, priority=priority[i] if priority else 0
-            )
-            request_ids.append(request_id)
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = engine.new_request_id()
+                engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority is not None else 0
+                )
+                request_ids.append(request_id)
+        except BaseException:
+            # A later request was refused (its options, say): none of this call runs.
+            engine.abort_request(request_ids)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(

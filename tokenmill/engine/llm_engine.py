@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,15 +111,23 @@ class LLMEngine:
                 )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            raw = prompt["prompt_token_ids"]
+            try:
+                ok = not isinstance(raw, str | bytes) and all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in raw)
+            except TypeError:  # not iterable
+                ok = False
+            if not ok:
+                raise ValueError(f"prompt_token_ids must be a list of integers, got {raw!r:.80}")
+            ids = [int(t) for t in raw]
             bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
             if bad:
                 raise ValueError(
                     f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})"
                 )
             return prompt.get("prompt"), ids
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.tokenize_prompt(str(prompt["prompt"]))
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self.tokenize_prompt(prompt["prompt"])
         raise ValueError(
             "a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'); "
             f"got {type(prompt).__name__}"
@@ -137,6 +146,14 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (with what to do) if it can never run.
         With params.n > 1 it runs as n child requests (see parallel_sampling.py)."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        priority = int(priority)
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs scheduling_policy='priority' (this engine's is "
+                f"{self.scheduler.config.policy!r}); start the engine with it, or leave priority at 0"
+            )
         text, prompt_ids = self.tokenize_prompt(prompt)
         params = self.resolve_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time

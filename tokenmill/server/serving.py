@@ -89,19 +89,8 @@ class Serving:
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, on a worker thread: the tokenizer lets go of the GIL,
         so a long prompt (seconds for megabytes) does not hold up other requests."""
-
-        def encode() -> list[int]:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800")
-                raise APIError(
-                    400, f"{param} is not valid Unicode: {e.reason} at character {e.start}; "
-                    "send UTF-8 text (surrogates only in pairs)", param=param,
-                ) from e
-            return self.engine.encode(text, add_special_tokens)
-
         try:
-            return await asyncio.to_thread(encode)
+            return await asyncio.to_thread(self.engine.encode, text, add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
@@ -139,7 +128,8 @@ class Serving:
             if isinstance(e, ValueError):  # the engine's messages start with the field
                 first_word = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), param=first_word if first_word in (
-                    "prompt", "stop_token_ids", "allowed_token_ids", "logit_bias") else None) from e
+                    "prompt", "priority", "stop_token_ids", "allowed_token_ids", "logit_bias")
+                    else None) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
             if isinstance(e, EngineError):
