@@ -948,6 +948,35 @@ def test_static_batch_member_stopped_from_outside_keeps_its_slot() -> None:
     assert finals == {"a": "stop", "b": "length"}
 
 
+def test_static_batch_padding_member_gives_its_blocks_to_one_still_generating() -> None:
+    # 4 blocks of 4 tokens: b alone needs all of them by its end. a is done after
+    # one token and, as padding, keeps growing: it gives its blocks up (and waits,
+    # not computed again) rather than hold what b needs (which once hung the batch).
+    sched = make_scheduler(policy="static", max_num_seqs=2, num_blocks=4)
+    a = make_request("a", toks(1, 4), max_tokens=1)
+    b = make_request("b", toks(11, 14), max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    outputs = run_to_completion(sched, max_steps=40)
+    assert b.output_token_ids == [SAMPLED] * 10 and b.num_preemptions == 0
+    assert a.output_token_ids[:1] == [SAMPLED] and a.num_preemptions >= 1
+    finals = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert finals == {"a": "length", "b": "length"}
+    assert sched.kv.pool.num_free_blocks == 4
+
+
+def test_static_batch_member_stop_token_goes_out_with_its_reason() -> None:
+    # A stop token's text is left out of the output only beside finish_reason
+    # "stop": under the static policy both go out when the batch ends.
+    sched = make_scheduler(policy="static", max_num_seqs=2)
+    sched.add_request(make_request("a", toks(1, 4), max_tokens=5, eos=(9,)))
+    sched.add_request(make_request("b", toks(11, 14), max_tokens=3))
+    _, outputs = step(sched, {"a": 9})
+    assert [o.request_id for o in outputs] == ["b"]
+    outputs = run_to_completion(sched, {"a": 9})
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs if o.request_id == "a"] == [([9], "stop")]
+
+
 # ---- Scheduler: aborts -----------------------------------------------------------------
 
 

@@ -73,6 +73,11 @@ def test_bad_values_name_the_field(kwargs: dict[str, Any], field: str) -> None:
         SamplingParams(**kwargs)
 
 
+def test_one_bad_word_or_stop_string_may_come_as_a_string() -> None:
+    assert SamplingParams(bad_words="Alex").bad_words == ["Alex"]
+    assert SamplingParams(stop="Alex").stop == ["Alex"]
+
+
 def test_seed_takes_the_signed_64_bit_range() -> None:
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)

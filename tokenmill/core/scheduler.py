@@ -16,7 +16,10 @@ usually come back as prefix-cache hits).
 The `static` policy exists to reproduce the classic batching study: a batch of
 up to `max_num_seqs` requests is admitted only once the previous batch has
 completely finished, and a member that finishes early keeps its slot and keeps
-being computed (its tokens discarded) until the whole batch ends.
+being computed (its tokens discarded) until the whole batch ends. When blocks
+run short, such a padding member is the first to give its blocks up (it then
+waits, not computed again, for its batch to end): it never holds blocks that a
+member still generating needs.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.finished_req_ids: list[str] = []  # since the last schedule()
         self.static_batch: set[str] = set()  # static policy: the current batch's members
+        # Static policy: a member's stop token, held back until its batch ends, to
+        # go out with its finish reason.
+        self._held_outputs: dict[str, EngineCoreOutput] = {}
         self._order = itertools.count()  # FCFS tie-break for the priority policy
         self._queue_key: dict[str, tuple[int, float, int]] = {}
         self.num_preemptions = 0
@@ -130,6 +136,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.static_batch.discard(request.request_id)
+        self._held_outputs.pop(request.request_id, None)
         del self.requests[request.request_id]
         del self._queue_key[request.request_id]
         self.finished_req_ids.append(request.request_id)
@@ -207,15 +214,21 @@ class Scheduler:
         if static and not self.static_batch:
             # A new static batch: the next max_num_seqs waiting requests.
             self.static_batch = {r.request_id for r in self.waiting[: self.config.max_num_seqs]}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if static and request.request_id not in self.static_batch:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._next_to_admit(static)
+            if request is None:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
-                break  # wait for blocks to be freed; never preempt for a newcomer
-            self.waiting.pop(0)
+            while self.kv.allocate_slots(request, num_new, hits) is None:
+                # Wait for blocks to be freed; never preempt for a newcomer, only
+                # a static batch's padding members for one of its own.
+                padding = [r for r in self.running if r.padding_only]
+                if not padding:
+                    return budget
+                budget += num_new_by_req.pop(padding[-1].request_id, 0)
+                self._preempt(padding[-1])
+            self.waiting.remove(request)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -227,7 +240,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _next_to_admit(self, static: bool) -> Request | None:
+        """The next waiting request to admit: the queue's first, or under the static
+        policy the current batch's first member still generating (padding members
+        that gave up their blocks wait for the batch to end without running)."""
+        if not static:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting
+                     if r.request_id in self.static_batch and not r.padding_only), None)
+
     def _pick_victim(self) -> Request:
+        padding = [r for r in self.running if r.padding_only]
+        if padding:  # static batching: a finished member's blocks go first
+            return padding[-1]
         if self.config.policy == "priority":
             keys = self._queue_key
             return max(self.running, key=lambda r: keys[r.request_id])
@@ -278,6 +303,11 @@ class Scheduler:
                 if self.config.policy == "static":
                     request.padding_only = True
                     request.padding_status = status
+                    if status is RequestStatus.FINISHED_STOPPED:
+                        # A stop token: its text is left out only beside its finish
+                        # reason, which comes when the batch ends.
+                        self._held_outputs[request_id] = out
+                        continue
                 else:
                     self._finish(request, status)
                     out.finish_reason = status.finish_reason
@@ -294,7 +324,13 @@ class Scheduler:
         outputs = []
         for request in members:
             status = request.padding_status or RequestStatus.FINISHED_LENGTH
+            held = self._held_outputs.pop(request.request_id, None)
             self._finish(request, status)
+            if held is not None:  # its stopping token, now with the reason
+                held.finish_reason = status.finish_reason
+                held.stop_reason = request.stop_reason
+                outputs.append(held)
+                continue
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
