@@ -320,3 +320,23 @@ def test_gguf_tokenizer_is_the_one_auto_tokenizer_builds(
     calls.clear()
     Tokenizer.load(str(tmp_path / filename))
     assert calls == [str(tmp_path)]
+
+
+def test_chat_messages_are_checked_and_text_parts_joined(tok: Tokenizer) -> None:
+    plain = [{"role": "user", "content": "What is 2 + 2?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template(plain)
+    assert tok.apply_chat_template([{"role": "user", "content": None}]) == tok.apply_chat_template(
+        [{"role": "user", "content": ""}])
+    for bad, match in [
+        ([{"content": "no role"}], r"messages\[0\] must be a dict with a string 'role'"),
+        ([plain[0], "text"], r"messages\[1\]"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text"),
+        ([{"role": "user", "content": 7}], "must be a string or a list of text parts"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tok.apply_chat_template(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="the chat template failed"):
+        tok.apply_chat_template(plain, chat_template="{{ raise_exception('no') }}{% if %}")
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        tok.encode("a lone surrogate \ud800")

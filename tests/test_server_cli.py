@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.server_harness import HOST, free_port
 
@@ -76,8 +77,23 @@ def test_serve_help_lists_the_server_options() -> None:
     )
     assert result.returncode == 0, result.stderr
     for option in ("--host", "--port", "--api-key", "--served-model-name",
-                   "--max-queued-requests", "--max-num-seqs", "--dtype"):
+                   "--max-queued-requests", "--max-num-seqs", "--dtype", "--trust-request-chat-template"):
         assert option in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--port", "99999"], "port must be in"),
+    (["--max-queued-requests", "-1"], "max_queued_requests must be >= 1"),
+    (["--dtype", "float16"], "float16"),
+])
+def test_serve_refuses_bad_options_before_loading_the_model(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", *args], capture_output=True,
+        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "error:" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_serve_takes_the_cpu_serving_budget_unless_given_one() -> None:

@@ -156,3 +156,11 @@ class ServerConfig:
     # off: such a request is refused, since a template is code the server runs.
     trust_request_chat_template: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be >= 1 (or unset: no limit), got {self.max_queued_requests}"
+            )

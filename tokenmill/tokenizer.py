@@ -7,7 +7,7 @@ metadata (transformers converts it), so a GGUF file is self-contained.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Chat messages as OpenAI and vLLM take them: {"role": ..., "content": ...}.
@@ -121,12 +121,17 @@ class Tokenizer:
                 "this model's tokenizer has no chat template; send a plain prompt "
                 "(completions, or --raw) or pass chat_template"
             )
-        text = self.hf.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-        )
+        import jinja2  # (transformers renders templates with it)
+
+        try:
+            text = self.hf.apply_chat_template(
+                plain_chat_messages(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+        except jinja2.TemplateError as e:  # a template that fails on these messages
+            raise ValueError(f"the chat template failed on these messages: {e}") from e
         return str(text)
 
     def encode_chat(
@@ -138,6 +143,29 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
         # The template writes the special tokens itself.
         return self.encode(text, add_special_tokens=False)
+
+
+def plain_chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: each a dict with a string role;
+    content None as "", and OpenAI's content parts (text only) joined into one
+    string, as vLLM does. ValueError naming the message otherwise."""
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r:.80}")
+        message = dict(m)
+        content = message.get("content")
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text content parts are supported")
+            message["content"] = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        plain.append(message)
+    return plain
 
 
 def _backend_decode(hf: Any) -> Any:

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench import vllm_peer
-from tokenmill.bench.throughput import ThroughputRow, format_table, make_row, run_in_subprocess
+from tokenmill.bench.throughput import (
+    BENCH_DTYPES,
+    ThroughputRow,
+    format_table,
+    make_row,
+    positive_ints,
+    run_in_subprocess,
+)
 from tokenmill.bench.workloads import throughput_a
 
 PEERS = ("hf-static", "hf-continuous")  # the default set: nothing to install
@@ -96,11 +103,11 @@ def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: i
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--caps", default="32,128")
+    p.add_argument("--caps", default="32,128", type=positive_ints)
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated, from {','.join(ALL_PEERS)} ({VLLM} installs vLLM "
                         "into its own venv on first use)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES)
     p.add_argument("--max-num-seqs", type=int, default=32, help="for every row, vLLM's too")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokenmill's token budget per step")

@@ -133,7 +133,7 @@ def _vllm_settings_line(rows: list[ThroughputRow]) -> str:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--caps", default="32,128,512")
+    p.add_argument("--caps", default="32,128,512", type=throughput.positive_ints)
     p.add_argument("--fp32-caps", default="32,128", help="caps for the fp32 rows ('' for none)")
     p.add_argument("--peer-caps", default="32,128", help="caps for the HF peers ('' for none)")
     p.add_argument("--dtype", default="bfloat16")

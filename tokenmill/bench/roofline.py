@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tokenmill.bench.throughput import positive_ints
+
 
 @dataclass
 class Ceilings:
@@ -96,8 +98,8 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batches", default="64,128")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--batches", default="64,128", type=positive_ints)
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed (K)")
     p.add_argument("--output-dir", default="bench-results")

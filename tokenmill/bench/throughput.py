@@ -212,12 +212,26 @@ def plot(rows: list[ThroughputRow], path: Path) -> None:
     plt.close(fig)
 
 
+BENCH_DTYPES = ("bfloat16", "float32", "float16", "auto")  # float16: CUDA only
+
+
+def positive_ints(text: str) -> str:
+    """An argparse type: comma-separated positive integers ("32,128"), kept as given."""
+    try:
+        ok = all(int(x) >= 1 for x in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return text
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--workload", default="throughput-A", choices=["throughput-A"])
-    p.add_argument("--caps", default="32,128,512")
+    p.add_argument("--caps", default="32,128,512", type=positive_ints)
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

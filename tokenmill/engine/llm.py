@@ -124,7 +124,8 @@ class LLM:
             if len(ids) > engine.max_model_len:
                 raise ValueError(
                     f"prompt {i} has {len(ids)} tokens, more than max_model_len="
-                    f"{engine.max_model_len}; shorten it or raise max_model_len"
+                    f"{engine.max_model_len} (the model's context length, capped by what the "
+                    "KV cache holds); shorten it, or raise max_model_len or kv_cache_memory_bytes"
                 )
         request_ids: list[str] = []
         try:

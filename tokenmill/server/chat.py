@@ -42,23 +42,9 @@ from tokenmill.server.serving import (
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them; content parts must be text."""
-    plain = []
-    for i, m in enumerate(messages):
-        message = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(
-                        400, "only text content parts are supported", param=f"messages.{i}.content"
-                    )
-                texts.append(part["text"])
-            message["content"] = "".join(texts)
-        elif m.content is None:
-            message["content"] = ""
-        plain.append(message)
-    return plain
+    """Messages as the chat template takes them (the tokenizer joins text content
+    parts, and refuses other parts, when it applies the template)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
 
 
 async def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
