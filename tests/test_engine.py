@@ -113,6 +113,13 @@ def test_priority_policy_runs_urgent_requests_first(tmp_path: Path) -> None:
     first_token_times = [o.metrics.first_token_time for o in outs if o.metrics]
     order = sorted(range(3), key=lambda i: first_token_times[i] or 0.0)
     assert order == [1, 2, 0]
+    # One at a time (max_num_seqs=1): each waited in the queue for those before it.
+    queue_times = [o.metrics.queue_time for o in outs if o.metrics]
+    assert all(q is not None and q >= 0 for q in queue_times)
+    assert queue_times[0] > queue_times[2] > queue_times[1]  # type: ignore[operator]
+    for o in outs:
+        assert o.metrics is not None and o.metrics.first_scheduled_time is not None
+        assert o.metrics.arrival_time <= o.metrics.first_scheduled_time <= (o.metrics.first_token_time or 0)
     # A priority that is not an integer is refused before it reaches the queue's
     # ordering (which it once broke for every later request).
     with pytest.raises(ValueError, match="priority must be an integer"):

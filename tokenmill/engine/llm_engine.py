@@ -234,6 +234,10 @@ class LLMEngine:
         timer = self.runner.timer
         with timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
+            now = time.monotonic()
+            for scheduled in scheduler_output.scheduled:
+                if scheduled.prompt_token_ids is not None:  # admitted in this step
+                    self.output_processor.mark_scheduled(scheduled.request_id, now)
         if self.on_scheduled is not None:
             self.on_scheduled()
         runner_output = self.runner.execute(scheduler_output)

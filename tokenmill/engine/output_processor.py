@@ -110,6 +110,15 @@ class OutputProcessor:
     def add_parent(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
 
+    def mark_scheduled(self, request_id: str, now: float) -> None:
+        """The request (a child: and its parent) ran for the first time at `now`."""
+        state = self.states.get(request_id)
+        if state is None:
+            return
+        for metrics in (state.metrics, state.parent.metrics if state.parent else None):
+            if metrics is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+
     def core_request_ids(self, request_id: str) -> list[str]:
         """The scheduler's ids for a request: its children's for n > 1."""
         parent = self.parents.get(request_id)
