@@ -132,6 +132,11 @@ def test_models_health_and_tokenize(served: Served) -> None:
         assert text == HELLO
         chat_tokens = http.post("/tokenize", json={"messages": CHAT}).json()
         assert chat_tokens["tokens"] == served.expected["chat"].prompt_token_ids
+        # Special tokens come back too (as vLLM's /detokenize): the round trip is whole.
+        chat_text = http.post("/detokenize", json={"tokens": chat_tokens["tokens"]}).json()["prompt"]
+        assert "<|im_start|>" in chat_text
+        assert http.post("/tokenize", json={"prompt": chat_text, "add_special_tokens": False}).json()[
+            "tokens"] == chat_tokens["tokens"]
         assert_error(http.post("/tokenize", json={"messages": []}), 400, "messages")
         assert_error(post_json(served.main.url + "/tokenize", {"prompt": "a\ud800b"}), 400, "prompt")
 
@@ -174,6 +179,16 @@ def test_chat_streaming_and_not_match_offline(served: Served) -> None:
     assert not chunks[-1].choices and chunks[-1].usage is not None  # usage on a final chunk
     assert chunks[-1].usage.completion_tokens == len(chat.outputs[0].token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+    # A stop string: the final chunk says which, as the non-streamed reply does.
+    body = {"messages": CHAT, "max_tokens": 32, "temperature": 0, "stop": [" Paris"]}
+    whole = httpx.post(served.main.url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S).json()
+    assert whole["choices"][0]["stop_reason"] == " Paris"
+    with httpx.stream("POST", served.main.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=TIMEOUT_S) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    assert (last["choices"][0]["finish_reason"], last["choices"][0]["stop_reason"]) == ("stop", " Paris")
 
 
 def test_32_concurrent_streams_match_offline_greedy(served: Served) -> None:
@@ -318,6 +333,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "n": 129, "temperature": 1.0}, "n"),  # OpenAI's limit: 128
     ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": "hi", "suffix": "tail"}, "suffix"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
@@ -340,6 +357,8 @@ def test_bad_chat_requests_are_400(served: Served) -> None:
     assert_error(httpx.post(url, json={"messages": []}, timeout=TIMEOUT_S), 400, "messages")
     assert_error(httpx.post(url, json={"messages": CHAT, "max_tokens": 10**6}, timeout=TIMEOUT_S), 400)
     assert_error(httpx.post(url, json={"messages": CHAT, "top_logprobs": 2}, timeout=TIMEOUT_S), 400)
+    assert_error(httpx.post(url, json={"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+                            timeout=TIMEOUT_S), 400, "top_logprobs")
     response = httpx.post(url, content=b"{not json", timeout=TIMEOUT_S,
                           headers={"content-type": "application/json"})
     assert "not valid JSON" in assert_error(response, 400)["message"]
@@ -388,6 +407,9 @@ def test_a_refused_prompt_leaves_none_of_its_batch_running(served: Served) -> No
 
 def test_unknown_route_is_404(served: Served) -> None:
     assert_error(httpx.get(served.main.url + "/v1/nothing-here", timeout=10), 404)
+    wrong_method = httpx.get(served.main.url + "/v1/completions", timeout=10)
+    assert_error(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"
     assert_error(httpx.post(served.main.url + "/nope", json={}, timeout=10), 404)
 
 
@@ -541,6 +563,11 @@ def test_queue_limit_is_503(served: Served) -> None:
     statuses, overflow_status = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert statuses == [200] * MAX_QUEUED
     assert overflow_status == 503
+    # Each of n samples waits as a request of its own: n over the limit is refused.
+    wait_until_idle(served.engine)
+    many = {**short, "n": MAX_QUEUED + 1, "temperature": 1.0}
+    assert_error(httpx.post(strict + "/v1/completions", json=many, headers=headers, timeout=TIMEOUT_S), 503)
+    wait_until_idle(served.engine, timeout_s=5)
 
 
 def test_metrics_appear_and_move(served: Served) -> None:

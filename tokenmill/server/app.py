@@ -105,6 +105,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 400, f"token ids {bad[:5]} are outside the vocabulary [0, {engine.vocab_size})",
                 param="tokens",
             )
-        return JSONResponse({"prompt": engine.decode(request.tokens)})
+        # Special tokens kept, as vLLM's /detokenize: /tokenize's ids come back whole.
+        return JSONResponse({"prompt": engine.decode(request.tokens, skip_special_tokens=False)})
 
     return app

@@ -10,6 +10,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -95,6 +96,9 @@ async def create_chat_completion(
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}",
+                       param="top_logprobs")
     top_k = (request.top_logprobs or 0) if request.logprobs else None
     prompt = await chat_prompt(serving, request)
     max_tokens = request.max_completion_tokens
@@ -183,7 +187,7 @@ async def _stream(
                 if c.text or logprobs is not None or c.finish_reason is not None:
                     yield chunk(ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(content=c.text or None),
-                        logprobs=logprobs, finish_reason=c.finish_reason,
+                        logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     ))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,

@@ -36,18 +36,21 @@ from tokenmill.server.serving import (
 async def parse_prompts(
     serving: Serving, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[Prompt]:
-    if isinstance(prompt, str):
-        return [Prompt(prompt, await serving.encode(prompt, "prompt"))]
     if not prompt:
         raise APIError(400, "prompt is empty; give a string, token ids or a list of them", param="prompt")
     prompts: list[Prompt] = []
-    for item in prompt:
-        if isinstance(item, str):
-            prompts.append(Prompt(item, await serving.encode(item, "prompt")))
-        elif isinstance(item, int):
-            return [Prompt(None, [int(t) for t in prompt])]  # type: ignore[arg-type]
-        else:
-            prompts.append(Prompt(None, list(item)))
+    if isinstance(prompt, str):
+        prompts.append(Prompt(prompt, await serving.encode(prompt, "prompt")))
+    elif isinstance(prompt[0], int):
+        prompts.append(Prompt(None, [int(t) for t in prompt]))  # type: ignore[arg-type]
+    else:
+        for item in prompt:
+            if isinstance(item, str):
+                prompts.append(Prompt(item, await serving.encode(item, "prompt")))
+            elif isinstance(item, int):
+                raise APIError(400, "prompt mixes token ids and lists; give one form", param="prompt")
+            else:
+                prompts.append(Prompt(None, list(item)))
     if any(not p.token_ids for p in prompts):
         raise APIError(400, "a prompt is empty; give at least one token", param="prompt")
     return prompts

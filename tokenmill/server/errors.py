@@ -92,7 +92,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail) if exc.status_code != 404 else "not found: no such route"
-        return error_json(exc.status_code, message)
+        response = error_json(exc.status_code, message)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

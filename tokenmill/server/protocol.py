@@ -34,7 +34,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)  # OpenAI's range: each sample is a request of its own
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -187,6 +187,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

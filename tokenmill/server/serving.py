@@ -110,7 +110,7 @@ class Serving:
         priority: int,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """Queue every prompt; if one is refused, abort the ones already queued."""
-        self.check_queue(len(prompts))
+        self.check_queue(sum(p.n for p in params))  # each sample waits as a request
         streams: list[AsyncGenerator[RequestOutput, None]] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
