@@ -42,7 +42,7 @@ async def parse_prompts(
     if isinstance(prompt, str):
         prompts.append(Prompt(prompt, await serving.encode(prompt, "prompt")))
     elif isinstance(prompt[0], int):
-        prompts.append(Prompt(None, [int(t) for t in prompt]))  # type: ignore[arg-type]
+        prompts.append(Prompt(None, [int(t) for t in prompt]))
     else:
         for item in prompt:
             if isinstance(item, str):

@@ -34,7 +34,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)  # OpenAI's range: each sample is a request of its own
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's range: each sample is a request of its own
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
