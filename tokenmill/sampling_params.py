@@ -24,6 +24,11 @@ MAX_LOGIT_BIAS = 100.0
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
+def is_integer(value: object) -> bool:
+    """An int (numpy's too), not a bool and not a float such as 2.0."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new since the last one
@@ -97,7 +102,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and name not in ("n", "top_k", "min_tokens"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             setattr(self, name, int(value))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",

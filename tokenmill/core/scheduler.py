@@ -223,11 +223,11 @@ class Scheduler:
             while self.kv.allocate_slots(request, num_new, hits) is None:
                 # Wait for blocks to be freed; never preempt for a newcomer, only
                 # a static batch's padding members for one of its own.
-                padding = [r for r in self.running if r.padding_only]
-                if not padding:
+                victim = self._last_padding_member()
+                if victim is None:
                     return budget
-                budget += num_new_by_req.pop(padding[-1].request_id, 0)
-                self._preempt(padding[-1])
+                budget += num_new_by_req.pop(victim.request_id, 0)
+                self._preempt(victim)
             self.waiting.remove(request)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
@@ -249,10 +249,15 @@ class Scheduler:
         return next((r for r in self.waiting
                      if r.request_id in self.static_batch and not r.padding_only), None)
 
+    def _last_padding_member(self) -> Request | None:
+        """Static batching: the latest running member that is done (padding only),
+        whose blocks go first when blocks run short."""
+        return next((r for r in reversed(self.running) if r.padding_only), None)
+
     def _pick_victim(self) -> Request:
-        padding = [r for r in self.running if r.padding_only]
-        if padding:  # static batching: a finished member's blocks go first
-            return padding[-1]
+        padding = self._last_padding_member()
+        if padding is not None:
+            return padding
         if self.config.policy == "priority":
             keys = self._queue_key
             return max(self.running, key=lambda r: keys[r.request_id])

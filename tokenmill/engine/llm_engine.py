@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from tokenmill.engine.process_settings import freeze_gc_heap, keep_freed_memory
 from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, is_integer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
 from tokenmill.worker.model_runner import ModelRunner
@@ -113,8 +112,7 @@ class LLMEngine:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             raw = prompt["prompt_token_ids"]
             try:
-                ok = not isinstance(raw, str | bytes) and all(
-                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in raw)
+                ok = not isinstance(raw, str | bytes) and all(is_integer(t) for t in raw)
             except TypeError:  # not iterable
                 ok = False
             if not ok:
@@ -146,7 +144,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (with what to do) if it can never run.
         With params.n > 1 it runs as n child requests (see parallel_sampling.py)."""
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        if not is_integer(priority):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         priority = int(priority)
         if priority != 0 and self.scheduler.config.policy != "priority":

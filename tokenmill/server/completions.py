@@ -44,11 +44,9 @@ async def parse_prompts(
     elif isinstance(prompt[0], int):
         prompts.append(Prompt(None, [int(t) for t in prompt]))
     else:
-        for item in prompt:
+        for item in prompt:  # strings or lists of token ids (the request model allows no mix)
             if isinstance(item, str):
                 prompts.append(Prompt(item, await serving.encode(item, "prompt")))
-            elif isinstance(item, int):
-                raise APIError(400, "prompt mixes token ids and lists; give one form", param="prompt")
             else:
                 prompts.append(Prompt(None, list(item)))
     if any(not p.token_ids for p in prompts):
