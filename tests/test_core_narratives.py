@@ -33,6 +33,7 @@ from tokenmill.core.kv_cache_manager import (
 )
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.static_scheduler import make_scheduler as make_policy_scheduler
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -75,7 +76,7 @@ def make_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
 ) -> Scheduler:
-    return Scheduler(
+    return make_policy_scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

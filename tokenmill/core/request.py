@@ -44,7 +44,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention)
-    max_model_len: int = 1 << 62
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
@@ -55,10 +54,6 @@ class Request:
     num_cached_tokens: int = field(default=-1, init=False)  # prefix hits at first schedule
     # Chained hashes of this request's full blocks of tokens (prefix caching).
     block_hashes: list[int] = field(default_factory=list, init=False)
-    # Static batching only: the request's result is complete, but it keeps its
-    # slot and keeps being computed until its whole batch ends.
-    padding_only: bool = field(default=False, init=False)
-    padding_status: RequestStatus | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -75,21 +70,14 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def max_tokens(self) -> int:
-        """The most tokens this request may generate."""
-        limit = self.max_model_len - self.num_prompt_tokens
-        if self.sampling_params.max_tokens is not None:
-            limit = min(limit, self.sampling_params.max_tokens)
-        return max(limit, 1)
-
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
-        if not self.padding_only:
-            self.output_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
-    def check_stop(self) -> RequestStatus | None:
-        """The finished status the newest token puts this request in, if any."""
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the newest token puts this request in, if any.
+        `max_model_len` is the scheduler's (capped by the KV cache), so the one
+        limit every request shares is kept in one place."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
@@ -99,6 +87,9 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+        max_tokens = params.max_tokens
+        if self.num_tokens >= max_model_len or (
+            max_tokens is not None and self.num_output_tokens >= max_tokens
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -4,28 +4,19 @@ Each step may compute at most `max_num_batched_tokens` tokens for at most
 `max_num_seqs` running requests. The budget goes to running requests first (a
 decoding request needs 1 token, a request in the middle of its prefill needs
 the rest of its prompt, chunked to what is left), then to waiting requests in
-policy order (FCFS or priority), each chunked to what is left. Chunked
-prefill, prefix-cache hits, mixed prefill+decode steps and recompute
-preemption all fall out of this one piece of arithmetic.
+the order of the policy's queue (request_queue.py), each chunked to what is
+left. Chunked prefill, prefix-cache hits, mixed prefill+decode steps and
+recompute preemption all fall out of this one piece of arithmetic.
 
-When the KV pool runs short, the lowest-priority (FCFS: most recently
-admitted) running request is preempted: its blocks are freed and it goes back
-to the front of the waiting queue, to be recomputed later (its full blocks
-usually come back as prefix-cache hits).
+When the KV pool runs short, the running request the queue's order puts last
+is preempted: its blocks are freed and it goes back to the waiting queue, to be
+recomputed later (its full blocks usually come back as prefix-cache hits).
 
-The `static` policy exists to reproduce the classic batching study: a batch of
-up to `max_num_seqs` requests is admitted only once the previous batch has
-completely finished, and a member that finishes early keeps its slot and keeps
-being computed (its tokens discarded) until the whole batch ends. When blocks
-run short, such a padding member is the first to give its blocks up (it then
-waits, not computed again, for its batch to end): it never holds blocks that a
-member still generating needs.
+Static batching, the classic baseline, is a subclass (static_scheduler.py).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from dataclasses import dataclass
 
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -37,6 +28,7 @@ from tokenmill.core.contracts import (
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import RequestQueue, make_request_queue
 
 
 @dataclass
@@ -65,18 +57,17 @@ class Scheduler:
         # A request must always fit alone in the pool, or preemption could loop.
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # in policy order; waiting[0] is next
+        self.queue: RequestQueue = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []  # in admission order
         self.finished_req_ids: list[str] = []  # since the last schedule()
-        self.static_batch: set[str] = set()  # static policy: the current batch's members
-        # Static policy: a member's stop token, held back until its batch ends, to
-        # go out with its finish reason.
-        self._held_outputs: dict[str, EngineCoreOutput] = {}
-        self._order = itertools.count()  # FCFS tie-break for the priority policy
-        self._queue_key: dict[str, tuple[int, float, int]] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def waiting(self) -> list[Request]:
+        """The waiting requests, next to be admitted first."""
+        return list(self.queue)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -93,52 +84,24 @@ class Scheduler:
                 f"context length of {self.max_model_len} tokens (max_model_len, capped by "
                 "the KV cache size); shorten the prompt or raise max_model_len / the KV cache"
             )
-        request.max_model_len = self.max_model_len
         self.requests[request.request_id] = request
-        self._queue_key[request.request_id] = (
-            request.priority if self.config.policy == "priority" else 0,
-            request.arrival_time,
-            next(self._order),
-        )
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        if self.config.policy == "priority":
-            keys = self._queue_key
-            bisect.insort(self.waiting, request, key=lambda r: keys[r.request_id])
-        elif front:
-            self.waiting.insert(0, request)
-        else:
-            self.waiting.append(request)
+        self.queue.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Finish requests from outside the step (abort, a matched stop string).
-        Under the static policy a stopped member keeps its slot until its batch ends."""
+        """Finish requests from outside the step (abort, a matched stop string)."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if (
-                self.config.policy == "static"
-                and status is not RequestStatus.FINISHED_ABORTED
-                and request.status is RequestStatus.RUNNING
-            ):
-                request.padding_only = True
-                request.padding_status = status
-                continue
-            self._finish(request, status)
+            if request is not None:
+                self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        else:
+            self.queue.remove(request)
         request.status = status
         self.kv.free(request)
-        self.static_batch.discard(request.request_id)
-        self._held_outputs.pop(request.request_id, None)
         del self.requests[request.request_id]
-        del self._queue_key[request.request_id]
         self.finished_req_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -152,17 +115,14 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. Running requests, in admission order.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # a static-batch member that reached max_model_len
-                i += 1
+        for request in self._running_to_schedule():
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
-                if self.running.index(victim) < i:
-                    i -= 1
                 budget += num_new_by_req.pop(victim.request_id, 0)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -171,9 +131,8 @@ class Scheduler:
             else:
                 num_new_by_req[request.request_id] = num_new
                 budget -= num_new
-                i += 1
 
-        # 2. Waiting requests, in policy order, unless we just had to preempt.
+        # 2. Waiting requests, in queue order, unless we just had to preempt.
         num_running_before = len(self.running)
         if not preempted:
             budget = self._admit_waiting(budget, num_new_by_req)
@@ -209,59 +168,41 @@ class Scheduler:
         self.finished_req_ids = []
         return out
 
+    def _running_to_schedule(self) -> list[Request]:
+        """The running requests to give budget to, in admission order (a copy:
+        preemption changes `running` while they are gone through)."""
+        return list(self.running)
+
     def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int]) -> int:
-        static = self.config.policy == "static"
-        if static and not self.static_batch:
-            # A new static batch: the next max_num_seqs waiting requests.
-            self.static_batch = {r.request_id for r in self.waiting[: self.config.max_num_seqs]}
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_to_admit(static)
-            if request is None:
-                break
+        """Admit from the queue's head while budget, seats and blocks last. A
+        newcomer waits for blocks to be freed and never preempts: preempting for
+        it would only trade one waiting request for another."""
+        while budget > 0 and len(self.running) < self.config.max_num_seqs and self.queue:
+            request = self.queue.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            while self.kv.allocate_slots(request, num_new, hits) is None:
-                # Wait for blocks to be freed; never preempt for a newcomer, only
-                # a static batch's padding members for one of its own.
-                victim = self._last_padding_member()
-                if victim is None:
-                    return budget
-                budget += num_new_by_req.pop(victim.request_id, 0)
-                self._preempt(victim)
-            self.waiting.remove(request)
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_new_by_req[request.request_id] = num_new
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.queue.pop()
+            self._admit(request, num_hit_tokens, num_new, num_new_by_req)
             budget -= num_new
         return budget
 
-    def _next_to_admit(self, static: bool) -> Request | None:
-        """The next waiting request to admit: the queue's first, or under the static
-        policy the current batch's first member still generating (padding members
-        that gave up their blocks wait for the batch to end without running)."""
-        if not static:
-            return self.waiting[0] if self.waiting else None
-        return next((r for r in self.waiting
-                     if r.request_id in self.static_batch and not r.padding_only), None)
-
-    def _last_padding_member(self) -> Request | None:
-        """Static batching: the latest running member that is done (padding only),
-        whose blocks go first when blocks run short."""
-        return next((r for r in reversed(self.running) if r.padding_only), None)
+    def _admit(
+        self, request: Request, num_hit_tokens: int, num_new: int, num_new_by_req: dict[str, int]
+    ) -> None:
+        """Move a request whose blocks are allocated (and that has left the queue) to running."""
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        num_new_by_req[request.request_id] = num_new
 
     def _pick_victim(self) -> Request:
-        padding = self._last_padding_member()
-        if padding is not None:
-            return padding
-        if self.config.policy == "priority":
-            keys = self._queue_key
-            return max(self.running, key=lambda r: keys[r.request_id])
-        return self.running[-1]
+        return self.queue.preemption_victim(self.running)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -270,7 +211,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, front=True)
+        self.queue.add_front(request)
 
     # ---- after the forward pass ---------------------------------------------------
 
@@ -283,80 +224,52 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            token_id = runner_output.sampled_token_ids[k]
-            if request.padding_only:  # static batching: computed, then discarded
-                if request.num_tokens < self.max_model_len:
-                    request.append_token(token_id)
-                continue
-            request.append_token(token_id)
-            top = runner_output.top_logprobs[k] if runner_output.top_logprobs else None
-            ranks = runner_output.sampled_token_ranks
-            out = EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=[token_id],
-                new_logprobs=[runner_output.logprobs[k]],
-                new_top_logprobs=[top],
-                new_token_ranks=[ranks[k]] if ranks else [],
-                prompt_logprobs=(
-                    runner_output.prompt_logprobs[k] if runner_output.prompt_logprobs else None
-                ),
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                num_preemptions=request.num_preemptions,
-            )
-            status = request.check_stop()
-            if status is not None:
-                if self.config.policy == "static":
-                    request.padding_only = True
-                    request.padding_status = status
-                    if status is RequestStatus.FINISHED_STOPPED:
-                        # A stop token: its text is left out only beside its finish
-                        # reason, which comes when the batch ends.
-                        self._held_outputs[request_id] = out
-                        continue
-                else:
-                    self._finish(request, status)
-                    out.finish_reason = status.finish_reason
-                    out.stop_reason = request.stop_reason
-            outputs.append(out)
-        if self.config.policy == "static":
-            outputs.extend(self._end_static_batch_if_done())
+            out = self._append_sampled(request, runner_output, k)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _end_static_batch_if_done(self) -> list[EngineCoreOutput]:
-        members = [self.requests[i] for i in self.static_batch]
-        if not members or not all(r.padding_only for r in members):
-            return []
-        outputs = []
-        for request in members:
-            status = request.padding_status or RequestStatus.FINISHED_LENGTH
-            held = self._held_outputs.pop(request.request_id, None)
-            self._finish(request, status)
-            if held is not None:  # its stopping token, now with the reason
-                held.finish_reason = status.finish_reason
-                held.stop_reason = request.stop_reason
-                outputs.append(held)
-                continue
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    new_logprobs=[],
-                    new_top_logprobs=[],
-                    finish_reason=status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_preemptions=request.num_preemptions,
-                )
-            )
-        self.static_batch.clear()
-        return outputs
+    def _append_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, k: int
+    ) -> EngineCoreOutput | None:
+        """Append the request's sampled token (runner_output's k-th); its output,
+        if it has one to give out now."""
+        token_id = runner_output.sampled_token_ids[k]
+        request.append_token(token_id)
+        top = runner_output.top_logprobs[k] if runner_output.top_logprobs else None
+        ranks = runner_output.sampled_token_ranks
+        out = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[runner_output.logprobs[k]],
+            new_top_logprobs=[top],
+            new_token_ranks=[ranks[k]] if ranks else [],
+            prompt_logprobs=(
+                runner_output.prompt_logprobs[k] if runner_output.prompt_logprobs else None
+            ),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+        )
+        status = request.check_stop(self.max_model_len)
+        if status is None:
+            return out
+        return self._stop(request, status, out)
+
+    def _stop(
+        self, request: Request, status: RequestStatus, out: EngineCoreOutput
+    ) -> EngineCoreOutput | None:
+        """A sampled token ended the request: finish it; `out` carries the reason."""
+        self._finish(request, status)
+        out.finish_reason = status.finish_reason
+        out.stop_reason = request.stop_reason
+        return out
 
     # ---- introspection -------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.queue),
             kv_cache_usage=self.kv.usage(),
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.pool.num_free_blocks,
@@ -374,4 +287,4 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens
         assert len(self.running) <= self.config.max_num_seqs
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert len(self.running) + len(self.queue) == len(self.requests)

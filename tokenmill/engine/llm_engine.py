@@ -16,7 +16,8 @@ import torch
 
 from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerStats
+from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.core.static_scheduler import make_scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from tokenmill.engine.process_settings import freeze_gc_heap, keep_freed_memory
@@ -88,7 +89,7 @@ class LLMEngine:
             model, spec, num_blocks, cache_config.block_size, self.dtype, self.device,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids,
         )
-        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, max_model_len)
+        self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len)
         self.max_model_len = self.scheduler.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
