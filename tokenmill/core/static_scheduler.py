@@ -44,7 +44,8 @@ class StaticBatchScheduler(Scheduler):
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if status is not RequestStatus.FINISHED_ABORTED and request.status is RequestStatus.RUNNING:
+            running = request.status is RequestStatus.RUNNING
+            if running and status is not RequestStatus.FINISHED_ABORTED:
                 self.padding[request_id] = status
             else:
                 self._finish(request, status)
@@ -117,7 +118,8 @@ class StaticBatchScheduler(Scheduler):
 
     def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int]) -> int:
         if not self.batch:
-            self.batch = {r.request_id for r in itertools.islice(self.queue, self.config.max_num_seqs)}
+            first = itertools.islice(self.queue, self.config.max_num_seqs)
+            self.batch = {r.request_id for r in first}
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             # The batch's first member still generating; padding that gave its
             # blocks up waits for the batch to end without running.
