@@ -1,6 +1,6 @@
 """`tokenmill bench serve`: latency under load against any OpenAI-compatible server.
 
-serve-B (WORKLOADS.md): the throughput-A requests with CAP 128, sent as
+serve-B (docs/WORKLOADS.md): the throughput-A requests with CAP 128, sent as
 streaming `/v1/completions` with prompt token ids, `max_tokens` = the drawn
 length, `ignore_eos`, temperature 0, with Poisson arrivals (default_rng(2) for
 the gaps) at each rate. Metrics are defined as `vllm bench serve` defines them:
