@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from tokenmill.bench import roofline, throughput, vllm_peer
+from tokenmill.bench import extras, roofline, throughput, vllm_peer
 from tokenmill.bench import serve as serve_bench
 from tokenmill.bench.peers import PEERS, VLLM
 from tokenmill.bench.throughput import ThroughputRow
@@ -166,6 +166,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_all(args: argparse.Namespace) -> int:
+    if not args.report_only:
+        extras.require("matplotlib", "httpx")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
