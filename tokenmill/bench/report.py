@@ -57,6 +57,8 @@ def run_serve_against_tokenmill(args: argparse.Namespace, out: Path) -> list[ser
 
 
 SIDE_BY_SIDE = ("continuous", VLLM, "hf-static")
+# BENCHMARKS.md's last section, kept from the file a run replaces (hand-kept tables).
+OTHER_MACHINES = "## Other machine kinds"
 
 
 def side_by_side_command(args: argparse.Namespace, dtype: str) -> str:
@@ -324,7 +326,12 @@ def main_all(args: argparse.Namespace) -> int:
         md += [serve_side_by_side_table({"tokenmill": serve_reports, VLLM: vllm_serve}), "",
                serve_bench.format_table(vllm_serve), "",
                f"![vLLM latency vs rate]({out.as_posix()}/serve-vllm-cpu.png)", ""]
-    Path(args.markdown).write_text("\n".join(md))
+    # Runs on other machine kinds stay as they were: this command measures only its own.
+    markdown = Path(args.markdown)
+    previous = markdown.read_text() if markdown.exists() else ""
+    if OTHER_MACHINES in previous:
+        md += [previous[previous.index(OTHER_MACHINES):].rstrip("\n"), ""]
+    markdown.write_text("\n".join(md))
     (out / "summary.json").write_text(json.dumps({
         "throughput": [asdict(r) for r in rows], "fp32": [asdict(r) for r in fp32_rows],
         "peers": [asdict(r) for r in peer_rows], "serve": [asdict(r) for r in serve_reports],
