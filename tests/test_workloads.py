@@ -1,4 +1,4 @@
-"""The benchmark workloads are exactly WORKLOADS.md's (its check sums)."""
+"""The benchmark workloads are exactly docs/WORKLOADS.md's (its check sums)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`tokenmill bench serve`: latency under load against any OpenAI-compatible server.
 
-serve-B (WORKLOADS.md): the throughput-A requests with CAP 128, sent as
+serve-B (docs/WORKLOADS.md): the throughput-A requests with CAP 128, sent as
 streaming `/v1/completions` with prompt token ids, `max_tokens` = the drawn
 length, `ignore_eos`, temperature 0, with Poisson arrivals (default_rng(2) for
 the gaps) at each rate. Metrics are defined as `vllm bench serve` defines them:
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.bench import extras
 from tokenmill.bench.workloads import throughput_a
 
 PERCENTILES = (50, 90, 99)
@@ -260,6 +261,7 @@ def _first_model(base_url: str, api_key: str | None) -> str:
 
 
 def main_serve(args: argparse.Namespace) -> int:
+    extras.require("httpx", "matplotlib")
     workload = throughput_a(128)
     n = args.num_requests
     prompts, lens = workload.prompts[:n], workload.output_lens[:n]
@@ -300,6 +302,7 @@ def run_against_server(
 ) -> list[RateReport]:
     """Start a server (`cmd`), wait until its /health answers, run serve-B at
     args.rates against it (out/serve-LABEL.json), stop it."""
+    extras.require("httpx", "matplotlib")
     import httpx
 
     out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import extras
 from tokenmill.bench.workloads import Workload, throughput_a
 
 POLICIES: dict[str, dict[str, Any]] = {
@@ -241,6 +242,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_throughput(args: argparse.Namespace) -> int:
+    extras.require("matplotlib")
     if getattr(args, "profile", False):
         return profile_one(args)
     caps = [int(c) for c in args.caps.split(",")]

@@ -1,4 +1,4 @@
-"""Benchmark workloads, exactly as WORKLOADS.md defines them (numpy default_rng)."""
+"""Benchmark workloads, exactly as docs/WORKLOADS.md defines them (numpy default_rng)."""
 
 from __future__ import annotations
 

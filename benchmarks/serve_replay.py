@@ -1,10 +1,6 @@
-"""serve-B's arrivals replayed straight into LLMEngine (no HTTP, no event loop):
-TTFT / TPOT as the engine alone gives them, and a log of the steps around the
-slowest first tokens. Compare with `tokenmill bench serve` against the server to
-see what serving adds.
+"""serve-B's arrivals replayed straight into LLMEngine (no HTTP): TTFT / TPOT of the engine alone and the steps around the slowest first tokens: PYTHONPATH=. .venv/bin/python benchmarks/serve_replay.py [RATE] [--budget N]."""
 
-    PYTHONPATH=. .venv/bin/python scripts/serve_replay.py [RATE] [--budget N]
-"""
+# Compare with `tokenmill bench serve` against the server to see what serving adds.
 
 from __future__ import annotations
 
@@ -50,11 +46,11 @@ def main() -> None:
             time.sleep(max(0.0, arrivals[nxt] - now))
             continue
         start = time.perf_counter() - t0
-        outs = engine.step()
+        result = engine.step()
         end = time.perf_counter() - t0
-        steps.append((start, end - start, engine.last_step.num_scheduled_tokens,
-                      engine.last_step.num_scheduled_reqs))
-        for o in outs:
+        steps.append((start, end - start, result.stats.num_scheduled_tokens,
+                      result.stats.num_scheduled_reqs))
+        for o in result.outputs:
             if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
                 first[o.request_id] = end
             if o.finished:

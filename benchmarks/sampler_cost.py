@@ -1,13 +1,4 @@
-"""Per-step sampling cost for a batch of requests with mixed options.
-
-A measurement, not a test: it times Sampler(...) on random logits of SmolLM2's
-vocabulary (49152) for a batch of 256 requests whose options are mixed the way
-a busy server sees them (greedy, temperature, top-k, top-p, min-p, penalties,
-logit bias, seeds, logprobs), and prints the median per-step time beside the
-all-greedy and all-plain-sampling baselines.
-
-    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/sampler_cost.py [--batch 256] [--device cpu]
-"""
+"""Per-step sampling cost of a batch with mixed options (greedy, temperature, top-k/p, min-p, penalties, bias, seeds, logprobs) beside all-greedy and all-plain: OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/sampler_cost.py [--batch 256] [--device cpu]."""
 
 from __future__ import annotations
 
@@ -71,7 +62,7 @@ def time_steps(sampler: Sampler, states: list[CachedRequestState], device: torch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split(":")[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=256)

@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA path, checked in one short run on a machine with an NVIDIA GPU and a
-# CUDA build of torch (the device tool's H200; CI has no GPU):
+# The CUDA path in one run on an NVIDIA GPU (engine tests on cuda, then throughput-A on a random-weight model of the default model's shape): OUT=/tmp/cuda-check bash benchmarks/cuda_check.sh
 #   1. the engine-level tests with the engine on cuda (transformers, the oracle,
 #      stays on the CPU): greedy tokens and logprobs, sampling, errors, aborts;
 #   2. throughput-A (static vs continuous, CAP 128 and 512, max_num_seqs 128, bf16)
-#      on a random-weight model of the default model's shape (SmolLM2-135M: 30
-#      layers, hidden 576, vocab 49152, tied head). Speed depends on the shapes
-#      alone with ignore_eos; the GGUF's real weights are larger than what can be
-#      carried to that machine. The real tokenizer is used where TOKENIZER_DIR
-#      holds it (saved here from the GGUF: Tokenizer.load(...).hf.save_pretrained).
-# Usage (repository root):  OUT=/tmp/cuda-check bash scripts/cuda_check.sh
+#      on random weights of SmolLM2-135M's shape: with ignore_eos the speed
+#      depends on the shapes alone. The real tokenizer is used where TOKENIZER_DIR
+#      holds it (saved from the GGUF: Tokenizer.load(...).hf.save_pretrained).
 # DEVICE=cpu runs the same steps here (a dry run of the script itself).
-# Wheels of packages the machine lacks (gguf) may lie in .whl/ (see the device tool).
+# Wheels of packages the GPU machine lacks (gguf) may lie in .whl/.
 set -u
 OUT=${OUT:-/tmp/cuda-check}
 DEVICE=${DEVICE:-cuda}
