@@ -303,6 +303,7 @@ class LlamaForCausalLM(nn.Module):
         """Every layer's attention through `backend` from now on (the runner
         picks it for the device at load time)."""
         for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.backend = backend
 
     def forward(

@@ -26,17 +26,45 @@ from tokenmill.backends.cpu.memory import pack_weight
 logger = logging.getLogger("tokenmill")
 
 _CSRC = Path(__file__).parent / "csrc"
+# One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp",
-                                      "layer_stack.cpp")]
-_HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "no_gil.h", _CSRC / "kv_prefetch.h"]
-_FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "rope_qkv_cache", "silu_and_mul",
-              "argmax_rows", "packed_gemm", "packed_gemm_silu", "packed_gemm_dtypes", "packed_gemm_max_rows",
-              "layer_stack", "layer_loop", "kv_prefetch_rows", "kv_prefetch_mode"]
+                                      "layer_stack.cpp", "bindings.cpp")]
+_HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a
 # select in them on AVX2, where it keeps them scalar otherwise.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+
+
+class CppLayerWeights(Protocol):
+    """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h)."""
+
+    norm1: torch.Tensor
+    qkv: torch.Tensor  # packed (memory.pack_weight), as o, gate_up and down
+    qkv_bias: torch.Tensor  # empty: none, as o_bias
+    o: torch.Tensor
+    o_bias: torch.Tensor
+    norm2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_n: int  # output features, as o_n, gate_up_n and down_n
+    o_n: int
+    gate_up_n: int
+    down_n: int
+    sliding_window: int  # 0: none
+    scale: float
+
+
+class CppModelWeights(Protocol):
+    """The decoder stack's weights and shape (csrc/layer_stack.h), built once per plan."""
+
+    layers: list[CppLayerWeights]
+    final_norm: torch.Tensor
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class CpuOps(Protocol):
@@ -69,18 +97,24 @@ class CpuOps(Protocol):
 
     def packed_gemm_max_rows(self) -> int: ...
 
-    def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, weights: list[torch.Tensor],
-                   ints: list[int], scales: list[float], kv_caches: list[torch.Tensor],
-                   final_norm: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
-                   head_dim: int, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                   tables: torch.Tensor, seq_lens: torch.Tensor, query_req: torch.Tensor,
-                   output_rows: torch.Tensor, all_rows: bool) -> torch.Tensor: ...
+    def LayerWeights(self, *, norm1: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor,
+                     o: torch.Tensor, o_bias: torch.Tensor, norm2: torch.Tensor,
+                     gate_up: torch.Tensor, down: torch.Tensor, qkv_n: int, o_n: int,
+                     gate_up_n: int, down_n: int, sliding_window: int,
+                     scale: float) -> CppLayerWeights: ...
 
-    def layer_stack(self, hidden: torch.Tensor, positions: torch.Tensor, weights: list[torch.Tensor],
-                    ints: list[int], scales: list[float], kv_caches: list[torch.Tensor],
-                    final_norm: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
-                    head_dim: int, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                    tables: torch.Tensor, seq_lens: torch.Tensor, query_req: torch.Tensor,
+    def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
+                     num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> CppModelWeights: ...
+
+    def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
+                   all_rows: bool) -> torch.Tensor: ...
+
+    def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_req: torch.Tensor,
                     bounds: list[int]) -> torch.Tensor: ...
 
     def kv_prefetch_rows(self, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -147,7 +181,6 @@ def _build() -> CpuOps:
     module = load_inline(
         name=f"tokenmill_cpu_kernels_{digest}",
         cpp_sources=sources,
-        functions=_FUNCTIONS,
         extra_cflags=_CFLAGS,
         extra_include_paths=[str(_CSRC)],
         extra_ldflags=["-fopenmp"],

@@ -105,12 +105,10 @@ class CpuPlan:
         self.dtype = dtype
         self.ops = ops
         self.attention = CpuAttentionBackend()
-        first = model.model.layers[0].self_attn if len(model.model.layers) else None
-        self.num_heads = 0 if first is None else first.num_heads
-        self.num_kv_heads = 0 if first is None else first.num_kv_heads
-        self.head_dim = 0 if first is None else first.head_dim
+        spec = model.spec
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
-        self.eps = model.model.norm.eps
+        self.eps = float(spec.rms_norm_eps)
         self.rotary = model.model.rotary_emb
         self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
@@ -142,18 +140,22 @@ class CpuPlan:
             for module in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj,
                            layer.input_layernorm, layer.post_attention_layernorm):
                 self._watch(module)
-        for module in (model.embed_tokens, model.norm, self.model.lm_head):
-            self._watch(module)
+        for other in (model.embed_tokens, model.norm, self.model.lm_head):
+            self._watch(other)
         self.final_norm = model.norm.weight.detach()
         self.head = _proj(self.model.lm_head)
-        # The same, flat, for csrc/layer_stack.cpp: 8 tensors, 5 ints and a scale a layer.
-        weights: list[torch.Tensor] = []
-        ints: list[int] = []
-        for lay in self.layers:
-            weights += [lay.norm1, lay.qkv.packed, lay.qkv.bias, lay.o.packed, lay.o.bias, lay.norm2,
-                        lay.gate_up.packed, lay.down.packed]
-            ints += [lay.qkv.n, lay.o.n, lay.gate_up.n, lay.down.n, lay.sliding_window or 0]
-        self.flat = (weights, ints, [lay.scale for lay in self.layers])
+        # The same for csrc/layer_stack.cpp, by name (csrc/layer_stack.h).
+        self.weights = self.ops.ModelWeights(
+            layers=[self.ops.LayerWeights(
+                norm1=lay.norm1, qkv=lay.qkv.packed, qkv_bias=lay.qkv.bias, o=lay.o.packed,
+                o_bias=lay.o.bias, norm2=lay.norm2, gate_up=lay.gate_up.packed,
+                down=lay.down.packed, qkv_n=lay.qkv.n, o_n=lay.o.n, gate_up_n=lay.gate_up.n,
+                down_n=lay.down.n, sliding_window=lay.sliding_window or 0, scale=lay.scale,
+            ) for lay in self.layers],
+            final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            cos=self.rotary.cos_cache, sin=self.rotary.sin_cache,
+        )
         # A query row through a layer's projections (2 FLOPs a parameter at ~200
         # GFLOP/s a thread) against attention reading one context token's K and
         # V (at ~10 GB/s a thread): what split_bounds weighs a row against its context.
@@ -213,18 +215,6 @@ class CpuPlan:
                      meta: AttentionMetadata) -> KernelCall | None:
         return self.attention.kernel_call(q, kv_caches[0], meta) if self.layers else None
 
-    def _stack_args(self, hidden: torch.Tensor, positions: torch.Tensor,
-                    kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> list[Any] | None:
-        """The arguments csrc/layer_stack.cpp's calls share, where one attention
-        kernel call serves every layer of the step; else None."""
-        call = self._kernel_call(hidden, kv_caches, meta)  # (checks device and dtype only)
-        if call is None:
-            return None
-        weights, ints, scales = self.flat
-        return [hidden, positions, weights, ints, scales, kv_caches, self.final_norm, self.eps,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.rotary.cos_cache,
-                self.rotary.sin_cache, meta.slot_mapping, call.tables, call.seq_lens, call.query_req]
-
     def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor | None:
         """The whole stack in one C++ call with the rows split between threads
@@ -233,18 +223,28 @@ class CpuPlan:
             return None  # (under the profiler: the per-op rows of `bench --profile`)
         min_rows = SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize
         bounds = split_bounds(meta, threads(), self.row_cost, min_rows)
-        args = None if bounds is None else self._stack_args(hidden, positions, kv_caches, meta)
-        return None if args is None else self.ops.layer_stack(*args, bounds)
+        # One attention kernel call must serve every layer of the step.
+        call = None if bounds is None else self._kernel_call(hidden, kv_caches, meta)
+        if bounds is None or call is None:
+            return None
+        return self.ops.layer_stack(
+            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+            query_req=call.query_req, bounds=bounds)
 
     def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                    meta: AttentionMetadata, output_rows: torch.Tensor | None,
                    ) -> torch.Tensor | None:
-        """The layer loop in one C++ call (csrc/layer_stack.cpp layer_loop); else None."""
-        args = self._stack_args(hidden, positions, kv_caches, meta)
-        if args is None:
+        """The layer loop in one C++ call (csrc/layer_stack.cpp layer_loop), where
+        one attention kernel call serves every layer of the step; else None."""
+        call = self._kernel_call(hidden, kv_caches, meta)  # (checks device and dtype only)
+        if call is None:
             return None
-        rows_out = _NO_ROWS if output_rows is None else output_rows
-        return self.ops.layer_loop(*args, rows_out, output_rows is None)
+        return self.ops.layer_loop(
+            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+            query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
+            all_rows=output_rows is None)
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,

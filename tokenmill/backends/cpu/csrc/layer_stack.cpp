@@ -43,6 +43,7 @@
 #include <torch/extension.h>
 
 #include "kv_prefetch.h"
+#include "layer_stack.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -70,7 +71,6 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 
 namespace {
-constexpr size_t kWeights = 8, kInts = 5;
 constexpr int64_t kPrefetchMaxRows = 48;  // a thread's rows, past which the K/V prefetch did not pay
 // Below this many rows the projections are bound by reading the weights, and
 // the prefetch competes with them (layer loop, decode B=4: 10.6-11.2 -> 11.2-13.0 ms).
@@ -143,24 +143,11 @@ int64_t l3_bytes() {
   return bytes;
 }
 
-// What every call shares: the flat weights and the model's shape.
-struct Stack {
-  const std::vector<at::Tensor>& weights;
-  const std::vector<int64_t>& ints;
-  const std::vector<double>& scales;
-  const std::vector<at::Tensor>& kv_caches;
-  const at::Tensor& final_norm;
-  double eps;
-  int64_t num_heads, num_kv_heads, head_dim;
-  const at::Tensor &cos, &sin;
-};
-
-void check_stack(const Stack& s, const at::Tensor& hidden, const at::Tensor& positions,
-                 const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& query_req) {
-  const size_t layers = s.kv_caches.size();
-  TORCH_CHECK(layers > 0 && s.weights.size() == kWeights * layers && s.ints.size() == kInts * layers &&
-                  s.scales.size() == layers,
-              "layer_stack: 8 weights, 5 ints and a scale per layer");
+void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
+                 const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                 const at::Tensor& query_req) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layers > 0 && s.layers.size() == layers, "layer_stack: a KV cache per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "layer_stack: hidden [n, hidden] contiguous");
   const int64_t n = hidden.size(0);
   TORCH_CHECK(positions.numel() == n && slot_mapping.numel() == n && seq_lens.numel() == n,
@@ -170,13 +157,13 @@ void check_stack(const Stack& s, const at::Tensor& hidden, const at::Tensor& pos
 
 // Whether a layer's K/V for these queries (the largest layer's: windows may
 // differ) fits 3/4 of L3, where the prefetch of kv_prefetch.h pays.
-bool kv_fits_l3(const std::vector<at::Tensor>& kv_caches, const std::vector<int64_t>& ints,
+bool kv_fits_l3(const std::vector<at::Tensor>& kv_caches, const std::vector<LayerWeights>& layers,
                 const at::Tensor& seq_lens) {
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* l = lens.data_ptr<int64_t>();
   int64_t kv_bytes = 0;
   for (size_t i = 0; i < kv_caches.size(); ++i) {
-    const int64_t window = ints[kInts * i + 4];
+    const int64_t window = layers[i].sliding_window;
     int64_t rows = 0;
     for (int64_t j = 0; j < lens.numel(); ++j) rows += window > 0 ? std::min(l[j], window) : l[j];
     kv_bytes = std::max(kv_bytes, 2 * rows * kv_caches[i].stride(2) * kv_caches[i].element_size());
@@ -230,10 +217,10 @@ struct TeamStreams {
   TeamStreams& operator=(const TeamStreams&) = delete;
 };
 
-at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const at::Tensor& slots,
+at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h, const at::Tensor& pos, const at::Tensor& slots,
                       at::Tensor lens, at::Tensor req, const at::Tensor& tab, const at::Tensor* out_rows,
                       Prefetch prefetch = Prefetch::kNone) {
-  const size_t layers = s.kv_caches.size();
+  const size_t layers = kv_caches.size();
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
   at::Tensor residual = h;
@@ -246,17 +233,16 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
     pf_req = req.numel() ? req.to(at::kLong).contiguous() : req;
   }
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = &s.weights[kWeights * i];
-    const int64_t* k = &s.ints[kInts * i];
+    const LayerWeights& w = s.layers[i];
     at::Tensor x;
     if (i == 0) {
-      x = rms_norm(h, w[0], s.eps);
+      x = rms_norm(h, w.norm1, s.eps);
     } else {
-      fused_add_rms_norm(h, residual, w[0], s.eps);
+      fused_add_rms_norm(h, residual, w.norm1, s.eps);
       x = h;
     }
-    at::Tensor qkv = packed_gemm(x, w[1], k[0], w[2], false);
-    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, s.kv_caches[i], slots);
+    at::Tensor qkv = packed_gemm(x, w.qkv, w.qkv_n, w.qkv_bias, false);
+    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
       q = q.index_select(0, *out_rows);
@@ -265,11 +251,11 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
       req = req.numel() ? req.index_select(0, *out_rows) : *out_rows;
       m = out_rows->numel();
     }
-    at::Tensor out = paged_decode(q, s.kv_caches[i], tab, lens, s.scales[i], k[4], req);
+    at::Tensor out = paged_decode(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, req);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvPrefetch next_kv;
-    if (pf) next_kv = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.ints[kInts * (i + 1) + 4]);
+    if (pf) next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.layers[i + 1].sliding_window);
     if (pf && team) {  // each thread the queries its part of the kernel takes
       const int64_t nth = static_cast<int64_t>(team->streams.size());
       for (int64_t t = 0; t < nth; ++t) {
@@ -278,13 +264,13 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
       }
     }
     KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr);
-    h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
-    fused_add_rms_norm(h, residual, w[5], s.eps);
+    h = packed_gemm(out.view({m, q_size}), w.o, w.o_n, w.o_bias, false);
+    fused_add_rms_norm(h, residual, w.norm2, s.eps);
     // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
-    const bool fused_silu = k[2] % 32 == 0;
-    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w[6], k[2] / 2)
-                                      : silu_and_mul(packed_gemm(h, w[6], k[2], at::Tensor(), false));
-    h = packed_gemm(act, w[7], k[3], at::Tensor(), false);
+    const bool fused_silu = w.gate_up_n % 32 == 0;
+    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w.gate_up, w.gate_up_n / 2)
+                                      : silu_and_mul(packed_gemm(h, w.gate_up, w.gate_up_n, at::Tensor(), false));
+    h = packed_gemm(act, w.down, w.down_n, at::Tensor(), false);
     if (team)
       for (KvPrefetch& p : team->streams) p.q = p.q_end;  // idle through the next layer's qkv and attention
   }
@@ -300,15 +286,13 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
 // layer is written before any row of it attends, as a prefill that hits the
 // prefix cache on a block written in the same step needs. output_rows: the
 // rows to return (all of them when all_rows).
-at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> weights,
-                      std::vector<int64_t> ints, std::vector<double> scales,
-                      std::vector<at::Tensor> kv_caches, at::Tensor final_norm, double eps,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
-                      at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables, at::Tensor seq_lens,
-                      at::Tensor query_req, at::Tensor output_rows, bool all_rows) {
+at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
+                      std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
+                      at::Tensor seq_lens, at::Tensor query_req, at::Tensor output_rows, bool all_rows) {
   NoGil no_gil;
-  const Stack s{weights, ints, scales, kv_caches, final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
-  check_stack(s, hidden, positions, slot_mapping, seq_lens, query_req);
+  const ModelWeights& s = model;
+  const int64_t head_dim = s.head_dim;
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req);
   if (!all_rows) output_rows = output_rows.to(at::kLong).contiguous();
   // The K/V prefetch (kv_prefetch.h) as in layer_stack's split steps, each
   // thread for the queries its part of the bf16 attention kernel takes: for
@@ -325,13 +309,13 @@ at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::T
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
   bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on() &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
-                  kv_fits_l3(kv_caches, ints, seq_lens);
+                  kv_fits_l3(kv_caches, s.layers, seq_lens);
   if (prefetch && query_req.numel()) {
     const at::Tensor r = query_req.to(at::kLong).contiguous();
     const int64_t* q = r.data_ptr<int64_t>();
     for (int64_t i = 1; i < r.numel() && prefetch; ++i) prefetch = q[i] != q[i - 1];
   }
-  return run_layers(s, hidden, positions, slot_mapping, seq_lens, query_req, tables,
+  return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req, tables,
                     all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone);
 }
 
@@ -359,17 +343,14 @@ at::Tensor kv_prefetch_rows(at::Tensor kv_cache, at::Tensor tables, at::Tensor s
   return at::tensor(slots, at::kLong);
 }
 
-at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> weights,
-                       std::vector<int64_t> ints, std::vector<double> scales,
-                       std::vector<at::Tensor> kv_caches, at::Tensor final_norm, double eps,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
-                       at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables, at::Tensor seq_lens,
-                       at::Tensor query_req, std::vector<int64_t> bounds) {
+at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
+                       std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
+                       at::Tensor seq_lens, at::Tensor query_req, std::vector<int64_t> bounds) {
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
   NoGil no_gil;
-  const Stack s{weights, ints, scales, kv_caches, final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
-  check_stack(s, hidden, positions, slot_mapping, seq_lens, query_req);
+  const ModelWeights& s = model;
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req);
   const int64_t n = hidden.size(0);
   TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == n &&
                   std::is_sorted(bounds.begin(), bounds.end()),
@@ -391,7 +372,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   // context 160 268.5 / 278.6 with vs 252.0 / 254.9 without, context 100 221.5
   // vs 201.8; B=96 context 160 330.1 vs 328.6). On a Zen 5 it cost too
   // (kv_prefetch_pays), so only a Zen 4 has it.
-  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, ints, seq_lens);
+  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, s.layers, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);
@@ -409,7 +390,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
       if (m > 0) {
         const at::Tensor req = per_query_row ? query_req : query_req.narrow(0, r0, m);
         const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
-        result.narrow(0, r0, m).copy_(run_layers(s, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
+        result.narrow(0, r0, m).copy_(run_layers(s, kv_caches, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
                                                  slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
                                                  req, tab, nullptr,
                                                  prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
