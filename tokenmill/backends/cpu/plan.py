@@ -321,13 +321,7 @@ def threads() -> int:
 # Split the rows between threads only from this many rows a thread for each
 # byte of a weight (16 rows in bf16, 32 in float32): a split thread reads all
 # of the weights for itself, which pays only once each weight serves enough
-# rows. Measured on decode steps at context 264: bf16 on a Zen 4, B=16 25.3 ->
-# 27.7 ms split, B=32 41.0 -> 38.1; float32 on a Zen 3 (steps alternating
-# split / layer loop in one process, medians of 12-15, ms): B=32 133.4 split
-# vs 121.4 loop, B=48 217.6 vs 189.1, B=64 217.7 vs 214.7, B=128 466.9 vs
-# 500.1 (the float32 threshold was 16 rows, as bf16's, before); bf16 on the
-# Zen 3 (float32 math on bf16 weights, csrc/packed_gemm.cpp), B=48: 155.2 ms
-# split vs 162.7 loop (scripts/step_ab.py, medians of 12), so 16 rows there too.
+# rows (docs/perf-notes/cpu-backend.md).
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
@@ -344,9 +338,7 @@ def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float,
     same step (a prefix-cache hit on a block registered when allocated, as
     kv_cache_manager does), which the layer loop orders (every row's K/V of a
     layer is written before any row attends) and separate threads would not.
-    A decode reads only blocks computed in earlier steps, and its own new slot.
-    (Prefill steps measured no faster split anyway: 2 x 128 tokens 169.9 ->
-    163.7 ms, with 20 decodes 198.8 -> 205.7.)"""
+    A decode reads only blocks computed in earlier steps, and its own new slot."""
     if (threads < 2 or meta.num_tokens < min_rows * threads
             or meta.num_decodes != meta.num_reqs):
         return None
