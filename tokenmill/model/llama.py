@@ -88,8 +88,8 @@ class RMSNorm(nn.Module):
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual stream's add and the next
-        norm together, in HF's order (as the CPU plan's fused kernel does)."""
+        """(norm(x + residual), x + residual): the residual stream's add and the
+        next norm as one call, the pair the CPU plan fuses into one kernel."""
         residual = x + residual
         return self.forward(residual), residual
 
