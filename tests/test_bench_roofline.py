@@ -56,8 +56,8 @@ def test_measured_ceilings_are_plausible() -> None:
     assert 0.5 < read < 2000 and 0.5 < copy < 2000  # GB/s
     import torch
 
-    from tokenmill.model import cpu_kernels
+    from tokenmill.backends.cpu import kernels
 
     for dtype in (torch.float32, torch.bfloat16):
-        rate = cpu_kernels.best_matmul_rate([(64, 128)], 8, dtype, repeats=2)
+        rate = kernels.best_matmul_rate([(64, 128)], 8, dtype, repeats=2)
         assert 0.01 < rate < 1e5  # GFLOP/s

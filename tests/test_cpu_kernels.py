@@ -1,4 +1,4 @@
-"""The C++ kernels agree with the portable torch code they replace: the paged
+"""The C++ kernels agree with the reference torch code they stand in for: the paged
 decode kernel within rounding, the fused elementwise ops bit for bit in bfloat16."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import cpu_kernels
+from tokenmill.backends.cpu import kernels, memory
+from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.model.attention import TorchAttentionBackend, write_kv_cache
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import RMSNorm
@@ -18,8 +19,8 @@ from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 @pytest.fixture(scope="module")
 def kernel_available() -> None:
-    if cpu_kernels.paged_decode_kernel() is None:
-        pytest.skip(f"C++ kernels could not be built here: {cpu_kernels._failed}")
+    if kernels.paged_decode_kernel() is None:
+        pytest.skip(f"C++ kernels could not be built here: {kernels._failed}")
 
 
 def decode_case(
@@ -63,8 +64,8 @@ def test_paged_decode_kernel_matches_torch(
 ) -> None:
     q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, sliding_window, head_dim)
     scale = 0.25
-    ours = TorchAttentionBackend(use_cpp_kernels=True)._decode(q, kv_cache, meta, scale, sliding_window)
-    ref = TorchAttentionBackend(use_cpp_kernels=False)._decode(q, kv_cache, meta, scale, sliding_window)
+    ours = CpuAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window)
+    ref = TorchAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -89,16 +90,16 @@ def test_kv_prefetch_stream_visits_the_rows_attention_reads(
     for r, n in zip(req, lens, strict=True):
         first = max(0, n - sliding_window) if sliding_window else 0
         expected += [int(meta.block_tables[r, t // bs]) * bs + t % bs for t in range(first, n)]
-    visited = cpu_kernels.load().kv_prefetch_rows(
+    visited = kernels.load().kv_prefetch_rows(
         kv_cache, meta.block_tables, torch.tensor(lens),
         torch.empty(0, dtype=torch.int64) if per_query_row else torch.tensor(req), sliding_window or 0)
     assert visited.tolist() == expected
 
 
 def _fused_or_skip(x: torch.Tensor) -> object:
-    ops = cpu_kernels.fused_ops(x)
+    ops = kernels.fused_ops(x)
     if ops is None:
-        pytest.skip(f"C++ kernels could not be built here: {cpu_kernels._failed}")
+        pytest.skip(f"C++ kernels could not be built here: {kernels._failed}")
     return ops
 
 
@@ -148,11 +149,7 @@ def _same_but_sum_order(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _torch_rms(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    cpu_kernels.set_enabled(False)
-    try:
-        return norm(x)
-    finally:
-        cpu_kernels.set_enabled(True)
+    return norm(x)  # (the reference model's RMSNorm: torch code only)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,7 +206,7 @@ def test_pack_weight_layout_on_a_mapped_tensor(dtype: torch.dtype) -> None:
     padding N to 16), in a tensor of its own memory map (mapped_zeros: huge
     pages asked for), which outlives the weight it was packed from."""
     weight = torch.randn(40, 12).to(dtype)
-    packed = cpu_kernels.pack_weight(weight.clone())
+    packed = memory.pack_weight(weight.clone())
     padded = torch.cat([weight, torch.zeros(8, 12, dtype=dtype)])
     if dtype == torch.float32:
         assert packed.shape == (3, 12, 16)
@@ -221,7 +218,7 @@ def test_pack_weight_layout_on_a_mapped_tensor(dtype: torch.dtype) -> None:
             assert packed[b, k // 2, j, k % 2] == padded[16 * b + j, k]
     assert packed.is_contiguous() and packed.dtype == dtype
     assert torch.equal(packed[2, :, 8:], torch.zeros_like(packed[2, :, 8:]))  # the padding rows
-    zeros = cpu_kernels.mapped_zeros((3, 5), dtype)
+    zeros = memory.mapped_zeros((3, 5), dtype)
     assert zeros.shape == (3, 5) and zeros.dtype == dtype and not zeros.any()
     zeros[1, 2] = 7  # writable
     assert zeros.sum() == 7
@@ -237,10 +234,10 @@ def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool)
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
     weight = (torch.randn(outputs, 96, generator=gen) * 0.1).to(torch.bfloat16)
     b = torch.randn(outputs, generator=gen).to(torch.bfloat16) if bias else None
-    ops = cpu_kernels.packed_gemm_ops(x)
+    ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no packed bf16 kernel here (no AVX2 with FMA, or the kernels could not be built)")
-    packed = cpu_kernels.pack_weight(weight)
+    packed = memory.pack_weight(weight)
     assert packed.shape == (-(-outputs // 16), 48, 16, 2)
     ours = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), False)
     # Exact products, float32 sums, one rounding to bf16: equal to the float32
@@ -265,10 +262,10 @@ def test_packed_gemm_float32_matches_torch(rows: int, outputs: int, bias: bool) 
     x = torch.randn(rows, 96, generator=gen)
     weight = torch.randn(outputs, 96, generator=gen) * 0.1
     b = torch.randn(outputs, generator=gen) if bias else None
-    ops = cpu_kernels.packed_gemm_ops(x)
+    ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no AVX2/AVX-512 GEMM here (or the kernels could not be built)")
-    packed = cpu_kernels.pack_weight(weight)
+    packed = memory.pack_weight(weight)
     assert packed.shape == (-(-outputs // 16), 96, 16)
     bias = b if b is not None else torch.empty(0)
     ours = ops.packed_gemm(x, packed, outputs, bias, False)
@@ -293,10 +290,10 @@ def test_packed_gemm_silu_gives_silu_and_mul_bits(rows: int, inter: int, dtype: 
     weight = (torch.randn(2 * inter, 96, generator=gen) * 0.3).to(dtype)
     if dtype == torch.float32:  # (and activations past exp_approx's clamps, both ways)
         x[0, :4] = torch.tensor([300.0, -300.0, 0.0, -0.0])
-    ops = cpu_kernels.packed_gemm_ops(x)
+    ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip(f"no packed kernel for {dtype} here (or the kernels could not be built)")
-    packed = cpu_kernels.pack_weight(weight)
+    packed = memory.pack_weight(weight)
     two_steps = ops.silu_and_mul(ops.packed_gemm(x, packed, 2 * inter, torch.empty(0), False))
     fused = ops.packed_gemm_silu(x, packed, inter)
     assert fused.shape == (rows, inter) and fused.dtype == dtype and torch.equal(fused, two_steps)
@@ -305,55 +302,19 @@ def test_packed_gemm_silu_gives_silu_and_mul_bits(rows: int, inter: int, dtype: 
                                rtol=2**-6 if dtype == torch.bfloat16 else 1e-4,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-3)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.packed_gemm_silu(x, cpu_kernels.pack_weight(weight[:40]), 20)
+        ops.packed_gemm_silu(x, memory.pack_weight(weight[:40]), 20)
 
 
 def test_packed_gemm_refuses_mismatched_shapes() -> None:
     x = torch.randn(3, 64).to(torch.bfloat16)
-    ops = cpu_kernels.packed_gemm_ops(x)
+    ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no packed bf16 kernel here (no AVX2 with FMA, or the kernels could not be built)")
-    packed = cpu_kernels.pack_weight(torch.randn(32, 96).to(torch.bfloat16))
+    packed = memory.pack_weight(torch.randn(32, 96).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="K = 64"):
         ops.packed_gemm(x, packed, 32, torch.empty(0), False)
     with pytest.raises(RuntimeError, match="n_out"):
         ops.packed_gemm(torch.randn(3, 96).to(torch.bfloat16), packed, 33, torch.empty(0), False)
-
-
-def test_linear_packs_its_weight_and_repacks_after_a_change() -> None:
-    from tokenmill.model.llama import Linear
-
-    layer = Linear(64, 40, bias=True, dtype=torch.bfloat16)
-    layer.weight.data.copy_(torch.randn(40, 64) * 0.1)
-    layer.bias.data.copy_(torch.randn(40))
-    x = torch.randn(5, 64).to(torch.bfloat16)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
-    if cpu_kernels.packed_gemm_ops(x) is not None:
-        assert layer.packed_weight() is not None
-    with torch.no_grad():
-        layer.weight.mul_(-1.0)  # in place: the packed copy must follow
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
-    limit = cpu_kernels.packed_max_rows()  # (AVX512-BF16: 4096; AVX2: none; no kernels: 0)
-    many = torch.randn(min(limit, 4096) + 1, 64).to(torch.bfloat16)
-    if limit <= 4096:  # torch's matmul past the limit
-        assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
-    else:  # the kernel at any size
-        torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
-    logits = layer.matmul(many, float32_out=True)
-    if cpu_kernels.packed_gemm_ops(x) is not None:  # the head's path keeps the kernel's float32 sums
-        torch.testing.assert_close(logits, F.linear(many.float(), layer.weight.float(), layer.bias.float()),
-                                   rtol=1e-5, atol=1e-4)
-    else:  # torch's bf16 matmul (as transformers' head), then float32
-        assert logits.dtype == torch.float32 and torch.equal(logits, F.linear(many, layer.weight, layer.bias).float())
-    x32 = torch.randn(3, 64)
-    layer32 = Linear(64, 32, bias=False)
-    layer32.weight.data.copy_(torch.randn(32, 64))
-    torch.testing.assert_close(layer32(x32), F.linear(x32, layer32.weight), rtol=1e-5, atol=1e-5)
-    x16 = torch.randn(3, 63).to(torch.bfloat16)
-    odd = Linear(63, 32, bias=False, dtype=torch.bfloat16)  # odd K: torch's matmul
-    odd.weight.data.copy_(torch.randn(32, 63))
-    assert odd.packed_weight() is None
-    assert torch.equal(odd(x16), F.linear(x16, odd.weight))
 
 
 def mixed_step_case(
@@ -405,8 +366,8 @@ def test_one_kernel_call_serves_decodes_and_prefill_chunks(
     kernel_available: None, dtype: torch.dtype, head_dim: int, sliding_window: int | None
 ) -> None:
     q, kv_cache, meta = mixed_step_case(dtype, head_dim)
-    ours = TorchAttentionBackend(use_cpp_kernels=True).attend(q, kv_cache, meta, 0.3, sliding_window)
-    ref = TorchAttentionBackend(use_cpp_kernels=False).attend(q, kv_cache, meta, 0.3, sliding_window)
+    ours = CpuAttentionBackend().attend(q, kv_cache, meta, 0.3, sliding_window)
+    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.3, sliding_window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -423,8 +384,8 @@ def test_prefill_chunks_in_tiles_match_torch(
 ) -> None:
     q, kv_cache, meta = mixed_step_case(torch.bfloat16, head_dim, 16, LONG_CHUNKS, num_heads,
                                         num_kv_heads)
-    ours = TorchAttentionBackend(use_cpp_kernels=True).attend(q, kv_cache, meta, 0.125, None)
-    ref = TorchAttentionBackend(use_cpp_kernels=False).attend(q, kv_cache, meta, 0.125, None)
+    ours = CpuAttentionBackend().attend(q, kv_cache, meta, 0.125, None)
+    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.125, None)
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -438,7 +399,7 @@ def test_heads_sharing_a_kv_head_get_the_bits_of_one_head_alone(
     with AVX512-BF16: up to 3 a pass; AVX2: up to 4 in one sweep over the rows,
     more in passes of 4): each head gets the bits it gets when it has a KV head
     of its own (the cache repeated once per head)."""
-    kernel = cpu_kernels.paged_decode_kernel()
+    kernel = kernels.paged_decode_kernel()
     assert kernel is not None
     q, kv_cache, meta = decode_case(dtype, 2 * group, 2, None, head_dim)
     args = (meta.block_tables, meta.decode_seq_lens, 0.125, 0, torch.empty(0, dtype=torch.int64))
@@ -451,7 +412,7 @@ def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None)
     """A query of a prefill chunk gets the same bits whichever queries share its
     tile: here the chunk alone, and the chunk after other requests' queries
     (which moves where its tiles and the threads' shares start)."""
-    kernel = cpu_kernels.paged_decode_kernel()
+    kernel = kernels.paged_decode_kernel()
     assert kernel is not None
     q, kv_cache, meta = mixed_step_case(torch.bfloat16, 64, 16, LONG_CHUNKS, 9, 3)
     assert meta.token_req is not None and meta.token_seq_lens is not None
@@ -475,7 +436,7 @@ def test_kernel_reads_q_in_place_from_wider_rows(kernel_available: None, dtype: 
     wide[:, : heads * head_dim] = q.reshape(tokens, -1)
     view = wide[:, : heads * head_dim].view(tokens, heads, head_dim)
     assert not view.is_contiguous()
-    backend = TorchAttentionBackend(use_cpp_kernels=True)
+    backend = CpuAttentionBackend()
     assert torch.equal(backend.attend(view, kv_cache, meta, 0.3, None), backend.attend(q, kv_cache, meta, 0.3, None))
 
 
@@ -499,15 +460,15 @@ def test_populated_pages_take_no_faults_later(madvise: str, monkeypatch: pytest.
     if not sys.platform.startswith("linux"):
         pytest.skip("page faults counted through Linux's getrusage")
     if madvise == "refused":
-        monkeypatch.setattr(cpu_kernels, "_madvise", lambda addr, length, advice: -1)
-    lazy = cpu_kernels.mapped_zeros((16 << 20,), torch.int16)  # [32 MiB]
+        monkeypatch.setattr(memory, "_madvise", lambda addr, length, advice: -1)
+    lazy = memory.mapped_zeros((16 << 20,), torch.int16)  # [32 MiB]
     assert _faults_writing_every_page(lazy) >= 16  # (16 huge pages, or 8192 small ones)
 
-    t = cpu_kernels.mapped_zeros((16 << 20,), torch.int16)
+    t = memory.mapped_zeros((16 << 20,), torch.int16)
     t[::1000] = 7
-    cpu_kernels.populate_pages(t, num_threads=3)  # (ranges of whole huge pages, the last short)
+    memory.populate_pages(t, num_threads=3)  # (ranges of whole huge pages, the last short)
     assert _faults_writing_every_page(t) <= 2
     assert t[::1000].eq(7).all() and t.ne(0).sum() == t[::1000].numel()
 
-    populated = cpu_kernels.mapped_zeros((5, 1000), torch.float32, populate=True)  # (one short range)
+    populated = memory.mapped_zeros((5, 1000), torch.float32, populate=True)  # (one short range)
     assert _faults_writing_every_page(populated) == 0 and not populated.any()

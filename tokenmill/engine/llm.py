@@ -90,13 +90,13 @@ class LLM:
         """GFLOP/s this machine reaches on the model's projection shapes (qkv, o,
         gate_up, down) at `rows` rows, weights in cache: the faster of torch's
         matmul and tokenmill's kernel. The compute ceiling of `bench roofline`."""
-        from tokenmill.model import cpu_kernels
+        from tokenmill.backends.cpu import kernels
 
         spec = self.engine.spec
         q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         shapes = [(spec.hidden_size, q_out + 2 * kv_out), (q_out, spec.hidden_size),
                   (spec.hidden_size, 2 * spec.intermediate_size), (spec.intermediate_size, spec.hidden_size)]
-        return cpu_kernels.best_matmul_rate(shapes, rows, self.engine.dtype, repeats)
+        return kernels.best_matmul_rate(shapes, rows, self.engine.dtype, repeats)
 
     def generate(
         self,

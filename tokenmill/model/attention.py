@@ -1,4 +1,4 @@
-"""Paged attention, portable torch backend (CPU and CUDA).
+"""Paged attention: the backend interface and its portable torch reference (CPU and CUDA).
 
 The KV cache of one layer is a single tensor
 
@@ -17,17 +17,18 @@ chunks and prefix-cache hits included), so both paths see the same data.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import cpu_kernels
 from tokenmill.model.attention_metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
+    """What LlamaAttention calls: a backend may run anywhere, as long as it
+    reads and writes the cache layout above."""
+
     def forward(
         self,
         q: torch.Tensor,
@@ -37,7 +38,10 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Write this step's k, v [num_tokens, num_kv_heads, head_dim] at their
+        slots, then attend q [num_tokens, num_heads, head_dim] -> the same shape."""
+        ...
 
     def attend(
         self,
@@ -46,7 +50,9 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Attend q to a cache that already holds this step's K/V."""
+        ...
 
 
 def write_kv_cache(
@@ -59,21 +65,10 @@ def write_kv_cache(
     flat_cache[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-_ROW_PER_QUERY = torch.empty(0, dtype=torch.int64)  # the kernel's "query i uses row i"
-
-
 class TorchAttentionBackend:
-    """Decodes in one batched computation; prefills one request at a time with SDPA.
-
-    On the CPU a C++ kernel (model/csrc/paged_decode.cpp) serves the whole step
-    in one call per layer: every token is one query reading K/V in place from
-    the blocks (no gathered copies), a prefill chunk's tokens each seeing the
-    context up to its own position. The torch code below is the fallback (CUDA,
-    no compiler) and the reference the kernel is tested against.
-    """
-
-    def __init__(self, use_cpp_kernels: bool = True) -> None:
-        self.use_cpp_kernels = use_cpp_kernels
+    """Decodes in one batched computation; prefills one request at a time with
+    SDPA. The reference that other backends (backends/cpu/attention.py) are
+    tested against."""
 
     def forward(
         self,
@@ -96,10 +91,6 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        call = self.kernel_call(q, kv_cache, meta)
-        if call is not None:
-            kernel, tables, seq_lens, rows = call
-            return kernel(q, kv_cache, tables, seq_lens, scale, sliding_window or 0, rows)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # decodes only: no copy
@@ -118,27 +109,6 @@ class TorchAttentionBackend:
             )
         return out
 
-    def kernel_call(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The C++ kernel and its arguments for this step (block tables, each
-        query's seq_len, each query's block table row) where one call per layer
-        serves the whole step, else None. The same for every layer of a step."""
-        kernel = self._cpu_kernel(q, kv_cache)
-        if kernel is None:
-            return None
-        if meta.token_req is not None and meta.token_seq_lens is not None:
-            # Every token one query, prefill chunks included.
-            return kernel, meta.block_tables, meta.token_seq_lens, meta.token_req
-        if meta.num_decodes == meta.num_reqs:  # decodes only: query i is request i
-            return kernel, meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY
-        return None
-
-    def _cpu_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        if self.use_cpp_kernels and q.device.type == "cpu" and q.dtype == kv_cache.dtype:
-            return cpu_kernels.paged_decode_kernel()
-        return None
-
     def _decode(
         self,
         q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
@@ -147,10 +117,6 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-        kernel = self._cpu_kernel(q, kv_cache)
-        if kernel is not None:
-            return kernel(q, kv_cache, meta.block_tables[: q.shape[0]], meta.decode_seq_lens,
-                          scale, sliding_window or 0, _ROW_PER_QUERY)
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads

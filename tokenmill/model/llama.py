@@ -8,6 +8,10 @@ except two fused projections, one matmul each instead of three and two:
 
 The loader fills each shard through `MergedLinear.shard_slice`. The numerics
 follow transformers' order of operations, so fp32 results match it closely.
+
+This is the reference forward: plain torch, on any device (CUDA included).
+The CPU fast path (tokenmill/backends/cpu) builds its plan from these modules'
+weights and is tested against this code; nothing here knows about it.
 """
 
 from __future__ import annotations
@@ -18,74 +22,23 @@ from torch import nn
 from torch.profiler import record_function
 
 from tokenmill.config import ModelSpec
-from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.cpu_layers import CpuLayers
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
 class Linear(nn.Linear):
     """nn.Linear without random init: the loader fills every weight, and
-    initialising a large model would take longer than loading it.
-
-    bf16 and float32 on the CPU go through a C++ kernel (csrc/packed_gemm.cpp)
-    on a copy of the weight packed in the order it reads it (a sequential
-    stream per 16 outputs). Against torch's matmul on a Zen 4
-    (scripts/packed_gemm.py): bf16 2.4x at 1 row, 1.4x at 128, 1.06x at 2048;
-    float32 2.6x, 1.4x, 1.13x. Without AVX512-BF16 (Zen 3: AVX2) float32 only
-    (576 x 3072, 2 threads: 1 row 0.51 ms vs torch 0.59, 64 rows 2.99 vs 4.17). The copy is made when the model is loaded
-    (`pack_weights`) or on first use, and again if the weight changes in place
-    (changes through `.data` go unseen: call `pack_weights` after them)."""
-
-    _packed: torch.Tensor | None = None
-    _packed_key: tuple[int, int] = (0, -1)
+    initialising a large model would take longer than loading it."""
 
     def reset_parameters(self) -> None:
         pass
 
-    def packed_weight(self, refresh: bool = False) -> torch.Tensor | None:
-        """The packed copy of the weight, or None where the kernel does not apply."""
-        return self._packed_for(self.weight, refresh)
-
-    def _packed_for(self, weight: torch.Tensor, refresh: bool = False) -> torch.Tensor | None:
-        if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
-            return None
-        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
-            return None
-        key = (weight.data_ptr(), weight._version)
-        if refresh or self._packed is None or self._packed_key != key:
-            self._packed = cpu_kernels.pack_weight(weight.detach())
-            self._packed_key = key
-        return self._packed
-
-    def matmul(self, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
-        """x W^T + b for 2-D x (the model calls this directly, not through
-        nn.Module's __call__: ~200 calls a step); with float32_out, the sums in
-        float32 (not rounded to bf16)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.autograd._profiler_enabled():  # a row of its own in `bench throughput --profile`
             with record_function("tokenmill::linear"):
-                return self._matmul(x, float32_out)
-        return self._matmul(x, float32_out)
-
-    def _matmul(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        # The head (float32_out) stays on the kernel at any size: its sums are never rounded.
-        use_kernel = weight.dtype == x.dtype and (float32_out or x.shape[0] <= cpu_kernels.packed_max_rows())
-        ops = cpu_kernels.packed_gemm_ops(x) if use_kernel else None
-        packed = self._packed_for(weight) if ops is not None else None
-        if ops is None or packed is None:
-            y = F.linear(x, weight, bias)
-            return y.float() if float32_out else y
-        return ops.packed_gemm(x, packed, self.out_features, _NO_BIAS if bias is None else bias, float32_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return self.matmul(x)
+                return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-_NO_BIAS = torch.empty(0)
 
 
 class Embedding(nn.Embedding):
@@ -126,9 +79,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_kernels.fused_ops(x)
-        if ops is not None and self.weight.dtype == x.dtype:
-            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, then scale in the input dtype, exactly as HF.
         input_dtype = x.dtype
         x_fp32 = x.float()
@@ -138,19 +88,15 @@ class RMSNorm(nn.Module):
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual stream's add and the next
-        norm in one pass. Both inputs may be overwritten."""
-        ops = cpu_kernels.fused_ops(x)
-        if ops is not None and residual.is_contiguous() and self.weight.dtype == x.dtype:
-            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
+        """(norm(x + residual), x + residual): the residual stream's add and the
+        next norm as one call, the pair the CPU plan fuses into one kernel."""
         residual = x + residual
         return self.forward(residual), residual
 
 
 class RopeBatch:
     """Each token's position and the rotary tables, shared by all layers of one
-    forward; cos/sin for the torch code are gathered once, on first use."""
+    forward; cos/sin are gathered once, on first use."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rotary = rotary
@@ -205,18 +151,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj.matmul(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        ops = cpu_kernels.fused_ops(qkv)
-        if ops is not None and self.q_norm is None and kv_cache.dtype == qkv.dtype:
-            # RoPE on q and k in place and k, v into the cache: one C++ pass.
-            ops.rope_qkv_cache(
-                qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions,
-                rope.rotary.cos_cache, rope.rotary.sin_cache, kv_cache, meta.slot_mapping,
-            )
-            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            with record_function("tokenmill::attention"):
-                out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
-            return self.o_proj.matmul(out.reshape(num_tokens, self.q_size))
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         cos, sin = rope.cos_sin()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -229,7 +164,7 @@ class LlamaAttention(nn.Module):
         k = apply_rotary_emb(k, cos, sin)
         with record_function("tokenmill::attention"):
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj.matmul(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -254,12 +189,8 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate_up = self.gate_up_proj.matmul(x)
-        ops = cpu_kernels.fused_ops(gate_up)
-        if ops is not None:
-            return self.down_proj.matmul(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj.matmul(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -314,10 +245,6 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device
         )
-        # The layers on the CPU kernels without the modules' per-call checks
-        # (cpu_layers.py): made on first use, None where they do not apply.
-        self._cpu_layers: CpuLayers | None = None
-        self._cpu_layers_key: tuple[torch.dtype, bool] | None = None
 
     def forward(
         self,
@@ -328,29 +255,16 @@ class LlamaModel(nn.Module):
         output_rows: torch.Tensor | None = None,  # see LlamaForCausalLM.forward
     ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden]
         hidden = self.embed_tokens(input_ids)
-        fast = self._cpu_layers_for(hidden.dtype)
-        if fast is not None and fast.applies(hidden, kv_caches):
-            return fast.forward(hidden, positions, kv_caches, meta, output_rows)
         rope = RopeBatch(self.rotary_emb, positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
-        if output_rows is not None:  # (the C++ layers skip the other rows' last layer)
+        if output_rows is not None:  # (the CPU plan skips the other rows' last layer)
             hidden = hidden[output_rows]
             residual = None if residual is None else residual[output_rows]
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)[0]
-
-    def _cpu_layers_for(self, dtype: torch.dtype) -> CpuLayers | None:
-        if self.embed_tokens.weight.device.type != "cpu":
-            return None
-        key = (dtype, cpu_kernels.load() is not None)
-        fast = self._cpu_layers
-        if self._cpu_layers_key != key or (fast is not None and not fast.fresh()):
-            fast = self._cpu_layers = CpuLayers.build(self, dtype) if key[1] else None
-            self._cpu_layers_key = key
-        return fast
 
 
 class LlamaForCausalLM(nn.Module):
@@ -385,13 +299,12 @@ class LlamaForCausalLM(nn.Module):
                 dtype=dtype,
             )
 
-    def pack_weights(self) -> None:
-        """Pack every Linear's weight for the C++ GEMM now (the loader calls
-        this), where the kernel exists; else each packs on first use."""
-        for module in self.modules():
-            if isinstance(module, Linear) and cpu_kernels.packed_gemm_ops(
-                    torch.empty(1, 2, dtype=module.weight.dtype)) is not None:
-                module.packed_weight(refresh=True)
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Every layer's attention through `backend` from now on (the runner
+        picks it for the device at load time)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.backend = backend
 
     def forward(
         self,
@@ -407,11 +320,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32.
-
-        A bf16 model on the CPU gets float32 logits straight from the C++
-        kernel, whatever the number of rows: no rounding of the logits to bf16
-        (whose steps of ~0.1 at this scale make near-ties exact ties) and the
-        same numbers whatever the batch size."""
+        """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32
+        (the sampler's dtype, whatever the model's)."""
         with record_function("tokenmill::head"):
-            return self.lm_head._matmul(hidden, float32_out=True)  # its own row, not "linear"
+            return F.linear(hidden, self.lm_head.weight).float()

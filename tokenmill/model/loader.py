@@ -167,7 +167,6 @@ def _short_list(names: list[str], limit: int = 10) -> str:
 def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
     model.eval()
     model.requires_grad_(False)
-    model.pack_weights()
     return model
 
 

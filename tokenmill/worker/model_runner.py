@@ -9,8 +9,15 @@ prompt_logprobs), and samples.
 
 from __future__ import annotations
 
+import logging
+from typing import Protocol
+
 import torch
 
+from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.attention import CpuAttentionBackend
+from tokenmill.backends.cpu.memory import mapped_zeros
+from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelSpec
 from tokenmill.core.contracts import (
     ModelRunnerOutput,
@@ -18,44 +25,54 @@ from tokenmill.core.contracts import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from tokenmill.model import cpu_kernels
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.step_timer import StepTimer
 
+logger = logging.getLogger("tokenmill")
+
 # Prompt logprobs are computed this many positions at a time ([rows, vocab] floats).
 PROMPT_LOGPROBS_CHUNK = 256
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On the CPU it is an anonymous memory map: fresh pages
-    the OS zero-fills on first touch, so a 4 GiB KV cache costs nothing until
-    used, where torch.zeros would spend seconds writing it. (Zeros matter:
-    masked-out cache slots must hold finite values.)
-
-    The map asks for transparent huge pages (MADV_HUGEPAGE; Linux's default
-    mode gives them only where asked). On 4 KiB pages, touched block by block
-    as prefills write them, the attention kernel read a decode step's K/V at
-    half the speed of the same bytes in a fresh copy (Zen 3, float32, B=128,
-    30 layers: 2.8 vs 5.9 GB/s one thread); decode steps B=128 ~680 -> ~490
-    ms, B=64 ~370 -> ~300 (context 264, bench roofline's set-up).
-
-    Every page is faulted in here, at start (cpu_kernels.populate_pages), as
-    vLLM and llama.cpp fill their caches at start: a page first touched in a
-    step stalled that step. On a 2-core Zen 5 VM a fresh huge page took ~2 ms
-    to fault in (0.35-1.1 GB/s; the host backs a guest's new memory then): a
-    B=64 decode step in which every request opened a new block took 62-72 ms
-    instead of 36 (16 huge pages), and throughput-A bf16 (fresh processes,
-    alternating) went 931 / 960 -> 1068 / 1038 generated tok/s at CAP 128,
-    894 / 959 -> 1048 / 980 at CAP 512, 530 / 485 -> 558 / 553 at CAP 32. The
-    cost moves to start: ~5.7 s for the default 4 GiB there (0.2 s where the
-    memory was just freed by another process), and the cache's memory counts
-    in RSS from the start."""
+    """A zero-filled tensor (masked-out cache slots must hold finite values).
+    On the CPU an anonymous map on huge pages, every page faulted in now: the
+    attention kernel reads the cache in long streams, slower on 4 KiB pages,
+    and a page first touched inside a step stalls that step; vLLM and
+    llama.cpp fill their caches at start too (docs/perf-notes/cpu-backend.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return cpu_kernels.mapped_zeros(shape, dtype, populate=True)
+    return mapped_zeros(shape, dtype, populate=True)
+
+
+class ModelForward(Protocol):
+    """What the runner calls: LlamaForCausalLM (the reference) or a CpuPlan built from it."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype,
+                 device: torch.device) -> tuple[ModelForward, str]:
+    """The CPU plan where it serves `model`, else the reference model (with the
+    C++ paged attention where the kernels exist on the CPU); and a line saying
+    which and why."""
+    if device.type != "cpu":
+        return model, f"reference torch model ({device.type})"
+    name = str(dtype).removeprefix("torch.")
+    reason = unsupported(model, dtype)
+    plan = CpuPlan.build(model, dtype) if reason is None else None
+    if plan is not None:
+        return plan, f"CPU backend (C++ kernels, {name})"
+    if kernels.load() is not None:
+        model.set_attention_backend(CpuAttentionBackend())
+        return model, f"reference torch model with C++ paged attention ({reason})"
+    return model, f"reference torch model ({reason})"
 
 
 class ModelRunner:
@@ -71,6 +88,9 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        # Chosen once: the CPU plan or the reference model, for every step.
+        self.forward, how = pick_forward(model, dtype, device)
+        logger.info("forward: %s", how)
         self.timer = StepTimer()  # the engine times its own parts of a step on it too
         self.spec = spec
         self.num_blocks = num_blocks
@@ -109,7 +129,7 @@ class ModelRunner:
         ]
         all_rows = bool(wants_prompt_logprobs) or len(sample) == input_ids.shape[0]  # (decodes)
         with self.timer.phase("forward"):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta,
+            hidden = self.forward(input_ids, positions, self.kv_caches, meta,
                                 output_rows=None if all_rows else rows)
 
         for j in wants_prompt_logprobs:
@@ -122,7 +142,7 @@ class ModelRunner:
         # (Else with all rows, every request is sampled and has one row: rows is 0..n-1,
         # and the hidden states are already the sampled ones, in order.)
         with self.timer.phase("head", label=False):  # (compute_logits labels itself)
-            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
+            logits = self.forward.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
         with self.timer.phase("sample"):
             out = self.sampler(logits, sample_states, self.eos_token_ids)
@@ -168,7 +188,7 @@ class ModelRunner:
         for lo in range(begin, end, PROMPT_LOGPROBS_CHUNK):
             hi = min(lo + PROMPT_LOGPROBS_CHUNK, end)
             rows = hidden[first_row + lo - start : first_row + hi - start]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)  # [n, vocab]
+            logprobs = torch.log_softmax(self.forward.compute_logits(rows), dim=-1)  # [n, vocab]
             targets = torch.tensor(state.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
             chosen = logprobs.gather(1, targets[:, None])  # [n, 1]
             ranks = (logprobs >= chosen).sum(dim=-1).tolist()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.backends.cpu import kernels
 from tokenmill.worker.request_state import CachedRequestState
 
 NEG_INF = float("-inf")
@@ -339,7 +339,7 @@ class Sampler:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) (first index of the maximum; NaN counts as
     largest); on the CPU a C++ kernel, 7x faster at [128, 49152]."""
-    ops = cpu_kernels.fused_ops(logits)
+    ops = kernels.fused_ops(logits)
     if ops is not None and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

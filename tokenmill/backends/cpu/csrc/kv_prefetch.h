@@ -10,8 +10,7 @@
 // (each thread its own requests through every layer), of the queries its part
 // of the attention kernel takes (query_range) in the layer loop. The rows land
 // in L2 and spill to L3, from where the kernel reads them about twice as fast
-// as from memory (B=64, context 264: the kernel 0.62 ms a layer cold, 0.30 in
-// cache). Only in bf16, where the layer's K/V fits L3 with room to spare and
+// as from memory. Only in bf16, where the layer's K/V fits L3 with room to spare and
 // a thread has at most 48 rows (layer_stack.cpp says what was measured): with
 // 64 rows a thread the projections slowed by as much as the attention gained,
 // and in float32 on a Zen 3 the steps were slower with it. In the layer

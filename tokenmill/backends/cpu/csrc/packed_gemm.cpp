@@ -1,7 +1,7 @@
 // y = x W^T (+ bias) in bfloat16 on weights packed once at load time, for any
 // number of rows of x (decode steps, mixed steps, prefills).
 //
-// Packed layout (cpu_kernels.pack_weight; zero rows pad N to a multiple of 16):
+// Packed layout (memory.pack_weight; zero rows pad N to a multiple of 16):
 //   packed[b][k/2][j][k%2] = W[16 b + j][k]      shape [ceil(N/16), K/2, 16, 2]
 // so one 64-byte vector holds a pair of K for 16 output rows, and block b (16
 // outputs, all of K) is one contiguous stretch read front to back: a single
@@ -12,14 +12,7 @@
 // accumulators) reuse each weight vector 6 times and each x pair 3 times.
 // packed_gemm_silu: the MLP's gate_up projection with silu(gate) * up done on
 // the tile's accumulators (2 (gate, up) pairs a tile: 24 accumulators), so its
-// [M, 2 * inter] output is never written (128 rows, one layer, hot weights:
-// 1344 -> 1200 us; prefill step of 2 x 128 tokens 151.7 -> 146.7 ms, decode
-// step B=128 148.3 -> 144.7, 1 x 128 79.5 -> 78.7; medians, A/B in one process).
-//
-// Measured on a 2-core Zen 4 (scripts/packed_gemm.py: the default model's 30
-// layers of projections, cold weights, 2 threads): 1 row 7.2 ms (torch 17.1),
-// 8 rows 9.5 (20.7), 64 rows 35.9 (52.3), 128 rows 68.1 (93.1), 2048 rows 1118
-// (1184): 30 GB/s of weights at 1 row, ~400 GFLOP/s from 96 rows on.
+// [M, 2 * inter] output is never written.
 //
 //   x [M, K] bf16 contiguous, packed [ceil(N/16), K/2, 16, 2] bf16, n_out = N,
 //   bias [N] bf16 or empty -> y [M, N] bf16, or float32 with float32_out (the
@@ -33,11 +26,7 @@
 // dtypes: bf16 weights (the same packed layout) widened to float32 in the
 // tile, each bf16 product exact, the pair's odd k added first as vdpbf16ps
 // does, so the AVX2 build's bf16 reads half the bytes of float32 at about its
-// FLOP rate (torch's bf16 matmul there, the fallback before: a decode step of
-// the default model at B=64 1047 ms, float32 ~170). Measured on a Zen 3 (the
-// 30 layers of projections, cold, both dtypes alternating in one process,
-// medians, GFLOP/s float32 / bf16): 1 row 9.6 / 17.5, 8 rows 50.6 / 62.9, 32
-// 114.1 / 105.7, 64 123.9 / 109.1, 512 135.3 / 125.4.
+// FLOP rate (torch's own bf16 matmul is far slower there).
 //
 // Every output is its row's sum over k in order, one FMA a k, whatever the
 // number of rows M or the tile a row falls in: a row's result does not depend
@@ -81,10 +70,8 @@ struct GemmArgs {
 // (kv_prefetch.h) fed one row every 16 steps, outside the inner loop (a check
 // inside it cost 12% at 64+ rows). The AVX2 build unrolls the steps by 4: its
 // step is ~25 instructions for 12 FMAs, and the loop's own compare, branch
-// and increments were a sixth of them (Zen 3, 2 threads, paired medians:
-// 2048 x 576 x 960 94 -> 111 GFLOP/s, 8 x 576 x 3072 78 -> 95, together with
-// the row pointers of the AVX2 tile). The AVX-512 build keeps its loop as it
-// was measured (not re-measured: no AVX-512 machine since).
+// and increments were a sixth of them. The AVX-512 build keeps its loop
+// as it was measured (docs/perf-notes/cpu-backend.md).
 #if TOKENMILL_GEMM_BF16
 #define TOKENMILL_K_UNROLL _Pragma("GCC unroll 1")
 #else
@@ -134,8 +121,7 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
 // block apart; SILU: two gate blocks at pp, two up blocks pd bytes after),
 // one line of each every `every` steps while the step is below `stop`, the
 // next step's at the next trigger, fetched into L2 meanwhile (into L1 they
-// would push out the weights in use: measured 9.9 -> 8.5 ms at 1 row, 11.1 ->
-// 8.9 at 8, 41.7 -> 38.8 at 64 over the default model's 30 layers). A step is
+// would push out the weights in use). A step is
 // one 64-byte vector of each block: a pair of K (bf16) or one K (float32).
 // SILU: the blocks are (gate, up) pairs, and the tile writes silu(gate) * up
 // (one block of outputs a pair) instead of the sums: `col` is the first output
@@ -274,17 +260,11 @@ inline __m256 load_bf16(const uint16_t* p) {
 // (exact: two bf16 make a float32 product). The two halves of a step take
 // their weights in turn, so that 12 accumulators, 2 weight vectors and a
 // broadcast fit the 16 registers. (Widening a group's weights once into a
-// float32 scratch for all its tiles instead, when there are two tiles or
-// more: scripts/gemm_ab.py, bf16, team, GFLOP/s: 8 rows 61.2 -> 50.5, 32
-// rows 107.7 -> 102.1, 64 rows 116.9 -> 107.8, 512 rows 122.3 -> 128.3. Not kept.)
-// The steps are written out in full on purpose: the prefetch feed or the FMA
-// rows as shared lambdas moved one accumulator of the bf16 6-row tile onto the
-// stack (objdump: vfmadd213ps from (%rsp) in the K loop). The bf16 SILU tile
-// kept 3 of its 12 there at 6 rows, so it runs at most 5 (max_tile_rows); its
-// silu(gate) * up in a non-inlined helper had left 1 there but made decode
-// steps slower (B=64, step_ab: 215.3 -> 240.7 ms), and the FMA rows as inline
-// asm (no spill; the mask a memory operand) ran slower: gemm_ab at 64 rows
-// 132.3 -> 114.5 GFLOP/s, the SiLU gate_up 121.5 -> 122.0.
+// float32 scratch for all its tiles was slower: docs/perf-notes/cpu-backend.md.)
+// The steps are written out in full on purpose: shared lambdas for the
+// prefetch feed or the FMA rows moved accumulators onto the stack (objdump:
+// vfmadd213ps from (%rsp) in the K loop); the bf16 SILU tile runs at most 5
+// rows (max_tile_rows) for the same reason.
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
 inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
                  WeightStream& pf2) {
@@ -370,10 +350,8 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       }
     } else {
     // Plain stores where the block's 16 outputs are all real: a masked store
-    // (vmaskmovps) is microcoded on AMD's AVX2 cores, and the 12 of a tile cost
-    // 15-20% of the whole GEMM on a Zen 3 (2 threads, 2048 x 576 x 3072: 77
-    // -> 96 GFLOP/s). Written out per case, with no early exit, so that the
-    // accumulators stay in registers through the K loop.
+    // (vmaskmovps) is microcoded on AMD's AVX2 cores. Written out per case, with
+    // no early exit, so that the accumulators stay in registers through the K loop.
     const int64_t n0 = (col + j) * 16, lanes = std::min<int64_t>(16, a.N - n0);
     // (the bias is padded to whole blocks; + 0 leaves the sum as it is)
     const __m256 b0 = a.bias ? _mm256_loadu_ps(a.bias + n0) : _mm256_setzero_ps();
@@ -418,14 +396,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
 // How both builds tile n rows: as few tiles as tiles of `most` rows would
 // take, their sizes as even as can be, the larger ones first (32 rows: 6, 6,
 // 5, 5, 5, 5 rather than 6 x 5 + 2: a small tile reads a weight line from L2
-// for every few FMAs; the 2-row one ran at about a third of the 6-row one's
-// rate). A tile's rows are [start(t), start(t) + size(t)). Measured on a Zen 3
-// (scripts/gemm_ab.py, bf16, SiLU gate_up, 8 rounds, GFLOP/s, 6 x n + tail ->
-// even tiles): 2 threads of 32 rows each 134.1 -> 156.5, of 20 rows 124.4 ->
-// 146.9, of 44 rows 134.9 -> 150.7; float32, 32 rows each 157.4 -> 169.0. The
-// AVX-512 build on a Zen 5 (the same, bf16 SiLU): 2 x 20 rows 565.6 -> 615.4
-// (8 of 8 rounds), 2 x 32 676.7 -> 695.1 (7 of 8), 2 x 44 731.8 vs 726.4, the
-// team at 64 rows 764.0 vs 761.2, at 128 796.4 vs 798.0 (no change).
+// for every few FMAs). A tile's rows are [start(t), start(t) + size(t)).
 struct TilePlan {
   int64_t tiles, rows, larger;  // `larger` tiles of rows + 1, then rows each
   TilePlan(int64_t n, int64_t most)
@@ -439,13 +410,8 @@ struct TilePlan {
 
 // The most rows a tile: 6. AVX-512: 18 accumulators, 24 in the SiLU tile, of
 // 32 registers (objdump: none on the stack in the K loop). AVX2: 6 rows are 12
-// accumulators of 16 registers, but 5 rows in the bf16 SiLU matmul,
-// whose 6-row tile kept accumulators on the stack through its K loop (GCC;
-// objdump: vfmadd213ps from (%rsp), 3 of 12) where the 5-row one keeps its 10
-// in registers: the SiLU gate_up on 2 threads (gemm_ab) of 32 rows each 158.0
-// -> 169.7 GFLOP/s, 64 rows each 139.5 -> 156.5, 256 rows on the team 145.7 ->
-// 174.5; capping the other bf16 matmuls, or the float32 SiLU one, at 5 too
-// changed nothing (32 rows each: 155.5 vs 153.8; 170.0 vs 172.5).
+// accumulators of 16 registers, but 5 rows in the bf16 SiLU matmul, whose
+// 6-row tile kept accumulators on the stack through its K loop (GCC).
 template <bool BF16, bool SILU>
 constexpr int64_t max_tile_rows() { return TOKENMILL_GEMM_BF16 ? 6 : BF16 && SILU ? 5 : 6; }
 
@@ -454,20 +420,14 @@ constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below;
 // Rows [m0, m1) times the NB blocks at w, in tiles as TilePlan lays them out.
 // The next group's weights (pf: a pointer a block, or null) are prefetched meanwhile.
 // The switch over tile sizes is written out in each build on purpose: one
-// shared helper calling a generic lambda per size (std::integral_constant)
-// changed GCC's inlining of the tiles, and the AVX2 bf16 SiLU matmul slowed
-// (Zen 5 running an -march=znver3 build, gemm_ab, GFLOP/s: 2 x 32 rows split
-// 180.0 -> 154.5, 64 rows 195.0 -> 140.4).
+// shared helper calling a generic lambda per size changed GCC's inlining of
+// the tiles and slowed the AVX2 bf16 SiLU matmul (docs/perf-notes/cpu-backend.md).
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
 #if !TOKENMILL_GEMM_BF16
   // AVX2: in address order, one line every `every` steps spread over all the
-  // tiles. Before (as the AVX-512 build once did) each of the first four
-  // tiles took every fourth line of each next block (a strided stream): in
-  // a harness of the model's projections (30 layers, cold weights, each of 2
-  // threads its own rows, paired medians, GFLOP/s) 124 / 113 / 110 / 126 /
-  // 123 / 108 strided against 140 / 130 / 125 / 137 / 140 / 123 in address order.
+  // tiles (faster than a strided stream: docs/perf-notes/cpu-backend.md).
   // The next group's kGroupBlocks * steps lines over this group's tiles * NB * steps.
   // SILU: the next group's gate blocks and its up blocks, two stretches, two
   // streams (s for the tiles' gate blocks, s2 for their up blocks).
@@ -495,27 +455,10 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // are three or more (else all in the first), in the order the tiles will
   // read them: tile t the next group's steps [t * ps, (t + 1) * ps), a line
   // of each of its blocks every `every` steps. A core's prefetches deliver
-  // only so much (~19 GB/s on a Zen 5), so the fewer tiles share them, the
-  // more they hold the tiles up. Before (in turn): each of the first four
-  // tiles every fourth line of each next block, strided (64 rows on a Zen 4:
-  // 36.8 -> 35.3 ms against all in the first tile); then each of the first
-  // four a quarter of the group's stretch in address order (block after
-  // block), over all the tiles from seven on. Zen 5, the same bits,
-  // scripts/gemm_ab.py, bf16, GFLOP/s, rounds B won: strided -> address
-  // order (8 rounds): team 32 rows 671.2 -> 715.2 (8), 64 789.9 -> 807.9 (8),
-  // split 2 x 32 739.0 -> 768.3 (8), 2 x 64 785.3 -> 829.1 (7); float32 team
-  // 32 350.2 -> 374.4 (8); then over all tiles from seven on (16 rounds): team
-  // 64 693.4 -> 725.3 (13), 128 758.8 -> 798.7 (15), split 2 x 64 773.3 ->
-  // 791.8 (14) (split 2 x 32, six tiles: 710.8 vs 697.3, 5 of 16); then
-  // this (12 rounds): team 32 719.3 -> 736.2 (10), 64 739.3 -> 805.4 (11), 128
-  // 850.7 -> 871.5 (9), 512 788.3 vs 765.7 (2) and 920.3 vs 918.0 (5); split 2
-  // x 16 524.7 -> 554.2 (9), 2 x 32 784.7 -> 791.9 (11), 2 x 64 663.2 -> 700.3
-  // (7); SiLU split 2 x 32 590.2 -> 675.2 (9), team 64 / 128 +1-2%; float32
-  // about the same. Decode steps (step_ab, 48 steps a side, both orders, ms):
-  // B=64 38.8 -> 38.5, 39.1 -> 39.0; B=128 78.5 -> 78.1, 73.9 -> 71.7. The
-  // state is one pointer where there was a pointer a block: an address-order
-  // stream kept as the AVX2 build's WeightStream had GCC spill accumulators
-  // (707 -> 258 GFLOP/s).
+  // only so much, so the fewer tiles share them, the more they hold the tiles
+  // up. The state is one pointer (an address-order stream kept as the AVX2
+  // build's WeightStream had GCC spill accumulators). docs/perf-notes/cpu-backend.md has the
+  // variants measured.
   const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
   const int64_t ntiles = plan.tiles;
   const int every = ntiles >= 3 ? static_cast<int>(ntiles) : 1;
@@ -630,9 +573,8 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
 }
 
 // Each group of blocks reads all of its rows of x: past a few hundred rows x
-// no longer stays in cache between groups (8192 x 576 rows times 3072 outputs:
-// 221 GFLOP/s in one pass, 275 in stretches of 512; torch 301, so the model
-// sends more than 4096 rows to torch in that build: packed_gemm_max_rows). f(part, rows).
+// no longer stays in cache between groups, so the rows go in stretches of 512.
+// f(part, rows).
 template <typename F>
 void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::Tensor& y, F f) {
   constexpr int64_t stretch = 512;
@@ -651,10 +593,8 @@ void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::T
 std::vector<std::string> packed_gemm_dtypes() { return {"bfloat16", "float32"}; }
 
 // The most rows worth a call: past 4096 (a step's token budget above the
-// default 2048) torch's bf16 matmul was the faster on a Zen 4 (8192 rows of 576
-// times 3072 outputs: torch 301 GFLOP/s vs 275; as fast or faster up to 2048).
-// The AVX2 build has no limit: on a Zen 3 at 8192 rows torch's bf16 matmul
-// ran 15 GFLOP/s against 115 here, its float32 86 against 102.
+// default 2048) torch's bf16 matmul was the faster on AVX512-BF16; the AVX2
+// build has no limit (torch's bf16 matmul is far slower there).
 int64_t packed_gemm_max_rows() { return TOKENMILL_GEMM_BF16 ? 4096 : std::numeric_limits<int64_t>::max(); }
 
 

@@ -13,8 +13,7 @@
 //   silu_and_mul(gate_up)                  -> silu(gate) * up
 //   argmax_rows(logits)                    -> each row's first index of its largest value
 //                                             (a NaN counts as largest), as torch.argmax;
-//                                             parallel over rows: [128, 49152] float32
-//                                             ~1 ms where torch's took 2.8-5 ms here
+//                                             parallel over rows
 #include <torch/extension.h>
 
 #include "no_gil.h"

@@ -16,10 +16,8 @@
 // In bfloat16 (AVX512-BF16), the queries of a prefill chunk (2 tokens or more
 // of one request at consecutive positions, no sliding window) go in tiles of
 // 16 with the queries in vector lanes (prefill_tile_bf16): K and V read once
-// for the tile and no horizontal sums. Measured (default model, prefill step,
-// attention over 30 layers, scripts/prefill_step.py ... p): 512-token prompt
-// 102 -> 42 ms, 128-token 8.4-10.2 -> 5.8 ms. Threads take ranges of equal
-// work (a query costs its context), not of equal query counts.
+// for the tile and no horizontal sums. Threads take ranges of equal work (a
+// query costs its context), not of equal query counts.
 #include <torch/extension.h>
 
 #include "kv_prefetch.h"
@@ -163,10 +161,8 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
   // One task per request: its K/V (all KV heads) stays in this core's cache
-  // while the KV heads are processed one after another. No software prefetch:
-  // the one this kernel had (each token's K and V rows 16 tokens ahead) was
-  // never in the built code (kv_prefetch.h, prefetch_line: GCC dropped the
-  // lambda it sat in), so every measurement of this kernel is without it.
+  // while the KV heads are processed one after another. No software prefetch
+  // (docs/perf-notes/cpu-backend.md: what was tried).
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -388,9 +384,7 @@ static void prefill_tile_bf16(const at::BFloat16* q_ptr, int64_t q_row, int64_t 
 // times the pair (p_t, p_t+1) of probabilities rounded to bf16 (as the torch
 // code rounds them before its matmul). The scores of up to 3 query heads that
 // share a KV head come from one pass over K (group_scores: each K row loaded
-// once for all of them; the same bits as one head a pass). Measured (A/B in
-// one process, default model's shapes, B=128, context 264, cold caches): one
-// thread 2.56-2.87 -> 2.14-2.54 ms a layer, two threads 1.40-1.62 -> 1.26-1.50.
+// once for all of them; the same bits as one head a pass).
 
 // Scores of GC query heads of one KV head over the context (rows), K read once
 // for all of them: 8 keys at a time, GC x 8 accumulators. s[g * n_pad + t].
@@ -428,14 +422,7 @@ static inline void group_scores(const at::BFloat16* const* rows, int64_t n, int6
 // registers through the loop: with a runtime head count and a break in the
 // head loop (as before), GCC kept them on the stack, a load and a store
 // around every vdpbf16ps (perf annotate: the V pass was 34% of the kernel).
-// Measured on a Zen 5 (the same bits; the kernel alone, one thread, us a
-// query at context 264): K/V in cache (1 layer of 1-4 queries, 200 calls)
-// 7.9-9.2 -> 5.6-6.7; cold (8 layers, B=64) 8.2-8.3 either way, and decode
-// steps B=64 / B=128 the same within noise (step_ab: 41.5 vs 42.3 ms, 86.8 vs
-// 88.0): there the kernel waits on memory. Two threads, blocks scattered:
-// B=128 1.029 -> 0.964 ms a layer, B=64 0.536 -> 0.528. (The rows
-// interleaved by vpunpck[lh]wd instead, the dims put back in order once at
-// the end, the same bits: 5.7 -> 5.5 us hot; not kept for ~4%.)
+// (docs/perf-notes/cpu-backend.md has the measurements.)
 template <int C, int GC, typename Prefetch>
 static inline void head_values(const at::BFloat16* const* rows, int64_t n, int64_t v_off, const uint16_t* p,
                                int64_t n_pad, __m512i ilo, __m512i ihi, at::BFloat16* out, Prefetch& prefetch) {
@@ -528,23 +515,8 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   // Each thread takes a contiguous range of queries, and while it computes one
   // (mostly from its L2 cache after the first pass over K) it prefetches the
   // next query's K/V rows from memory: a row per 8 keys of each score pass and
-  // a row per 4 tokens of each V pass, spread over the whole query. (Before, 3
-  // rows per 8 keys of the score passes only, in bursts. Zen 5, the kernel
-  // alone, 8 layers of cold K/V on huge pages, A/B alternating, medians, ms a
-  // layer, context 264: blocks in order B=64 0.427 -> 0.388, B=128 0.953 ->
-  // 0.832, B=32 0.213 -> 0.188; one thread B=64 0.735 -> 0.578; blocks
-  // scattered B=64 0.589 -> 0.567, B=32 0.439 -> 0.396. A row per 2 tokens of
-  // the V pass, or rows in the V passes only, were slower than both.) Not
-  // better on the Zen 5 (same harness, within +-5%): prefetcht0 / t2 / nta;
-  // the next query's blocks line by line in address order, or twice as fast;
-  // a line in 2 or 4 (the rest left to the hardware: 2x slower); part of the
-  // rows prefetched and the rest read by plain loads before the next query;
-  // the K and V passes in address order (all heads at once, the same bits):
-  // 8% less compute with K/V in cache, the same cold, and without the
-  // prefetches 1.7x slower cold (the hardware's prefetchers do not keep up).
-  // Blocks scattered over the cache cost this kernel ~40% (B=64, 16-token
-  // blocks: 0.41 in order vs 0.58 ms a layer; 64-token blocks 0.51), but
-  // throughput-A CAP 512 ran the same with 16-, 64- and 128-token blocks.
+  // a row per 4 tokens of each V pass, spread over the whole query: the
+  // hardware's prefetchers alone do not keep up (docs/perf-notes/cpu-backend.md).
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -680,8 +652,7 @@ static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
 // ---------------------------------------------------------------------------
 // AVX2 path (e.g. Zen 3), one task per request: scores for 8 tokens at a time,
 // folded into one vector by horizontal adds; exp vectorised; the context's
-// rows read in address order (rows_avx2). Default model, float32, B=64 at
-// context 272, 30 layers, 2 threads: 150 ms in the plain loops above.
+// rows read in address order (rows_avx2).
 #include <immintrin.h>
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -812,32 +783,9 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // head's accumulators (acc, in L1). The same operations per head, in the same
 // order, as heads_avx2: the same bits.
 //
-// The order of the reads was what cost (Zen 3, float32, default model, 64
-// queries x 268 tokens over 30 layer caches on huge pages, paired rounds,
-// GB/s of K/V read, one thread / two): heads_avx2's passes, each over one KV
-// head's third of every K row or a sixth of every V row, 4.2-5.1 / 8.5-9.1;
-// this, 6.3-7.2 / 10.6-11.8. A loop of 3 FMAs a load over the same rows
-// streams 8.4-9.6 GB/s in address order and 5.7-6.3 in those passes. Decode
-// steps B=64, context 264, alternating processes: 307/290 -> 243/254 ms.
-// Not better, all against heads_avx2: software prefetch in any form (every
-// K/V row ahead, each pass's own lines 4-128 tokens ahead, T0/T1/T2/NTA:
-// equal or slower in decode steps; the one heads_avx2 was written with was
-// never built: kv_prefetch.h, prefetch_line), blocks of 8 tokens with the KV
-// heads in turn inside each (3.8-4.1 one thread: strided again inside the
-// block), copying a request's rows into one buffer first (3.7-4.6).
-// Measured in bf16 on a Zen 3, 2026-12-02, and not kept: the V pass spends
-// most of the kernel's time storing accumulators (72 a token; ~210 cycles a
-// token and layer with the rows hot in L2). V in groups of 8 tokens, each
-// accumulator loaded and stored once a group (the probabilities as broadcast
-// vectors in L1), keeps the bits and gives ~167 cycles hot, but read cold it
-// was slower (8 layers, B=64, 2 threads: 0.81 -> 1.13 ms a layer; strided
-// again inside the group), with the next group's V rows prefetched (T0) 0.80
-// -> 0.87, one thread 0.88 -> 0.82, and decode steps B=64 the same (134.8 vs
-// 134.5 ms). The next query's K/V rows prefetched (T1) during this one's
-// scores (queries in query_range's contiguous ranges): 0.76 -> 0.90. Two
-// queries at once, their score blocks and V rows alternating (two streams in
-// flight, the same bits): one thread, 32 queries 0.93 vs 0.95, 33 queries 0.83
-// vs 0.91; two threads, 64 queries 1.12 vs 1.21 (a slower hour).
+// Address order is what pays: each row read front to back streams about
+// twice as fast as per-head passes over parts of it (docs/perf-notes/cpu-backend.md: the
+// measurements, and what was tried and not kept).
 template <typename scalar_t, int C, int G>
 static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
                       const float* qs, float* s, float* acc, float* buf, float* inv) {

@@ -1,41 +1,31 @@
-// The decoder layers in one call from Python, two ways. layer_loop: cpu_layers.py's
+// The decoder layers in one call from Python, two ways. layer_loop: plan.py's
 // layer loop itself, every kernel on the whole OpenMP team (any step; no Python
-// between the ~270 kernel calls: decode B=4 11.54 -> 11.15 ms, B=16 19.30 ->
-// 18.61, 128-token prefill 77.4 -> 76.1; medians, A/B in one process).
-// layer_stack: the decoder layers with the step's rows split between the threads: each
-// thread takes its own rows (whole requests) through every layer alone, on the
-// same kernels as cpu_layers.py runs, single-threaded (an OpenMP region nested
-// in this one gets one thread). What it saves: the fork and barrier of each of
-// the ~270 OpenMP regions of a step (9 a layer), the threads' uneven shares of
-// each small op, and the Python between the ops. Measured (decode steps of the
-// default model, bf16, context 264, A/B alternating in one process, medians):
-// B=32 43.0 -> 41.7 ms, B=48 59.3 -> 54.6, B=128 146.7 -> 138.7; B=64 from
-// -8% to +1% between runs (the machine's speed moves 10-25% from run to run).
-// Not a win below ~16 rows a thread in bf16, ~32 in float32: each thread then
-// reads all the weights for itself (bf16 B=16 25.3 -> 27.7 ms; float32 on a
-// Zen 3 B=48 189 -> 218 ms: cpu_layers.SPLIT_ROWS_PER_WEIGHT_BYTE).
-// cpu_layers.split_bounds sends only decode-only steps here: a prefill may
+// between the ~270 kernel calls). layer_stack: the decoder layers with the
+// step's rows split between the threads: each thread takes its own rows (whole
+// requests) through every layer alone, on the same kernels, single-threaded (an
+// OpenMP region nested in this one gets one thread). What it saves: the fork
+// and barrier of each of the ~270 OpenMP regions of a step (9 a layer), the
+// threads' uneven shares of each small op, and the Python between the ops. Not
+// a win below ~16 rows a thread in bf16, ~32 in float32: each thread then reads
+// all the weights for itself (plan.SPLIT_ROWS_PER_WEIGHT_BYTE).
+// plan.split_bounds sends only decode-only steps here: a prefill may
 // read K/V that another request writes in the same step (a prefix-cache hit),
 // which needs every thread's writes of a layer before any thread's attention,
 // as the layer loop has them.
 //
 // Two threads do not overlap attention (memory) with projections (compute) by
 // themselves: the attention kernel is bound by each core's own misses in
-// flight (~10 GB/s a core, measured), not by the memory bus, so it gains
-// nothing from the other core being busy elsewhere. Instead each thread's
-// projections ask for the next layer's K/V of its queries (kv_prefetch.h),
-// where a layer's K/V fits the L3 and a thread has at most 48 rows: decode
-// steps at context 264 B=32 ~-10%, B=64 ~-6% (see layer_stack below).
+// flight, not by the memory bus. Instead each thread's projections ask for
+// the next layer's K/V of its queries (kv_prefetch.h), where a layer's K/V
+// fits the L3 and a thread has at most 48 rows.
 //
 // Every row's result is the same bits as through the layer loop: each kernel
 // computes a row (a query, a token) the same way whatever rows are around it
 // (tests/test_model_numerics.py: test_split_layer_stack_gives_the_same_bits).
 //
-//   hidden      [n, hidden] the embeddings (changed in place, as cpu_layers.py does)
-//   weights     per layer: norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, down
-//               (packed weights; a bias may be empty)
-//   ints        per layer: qkv_n, o_n, gate_up_n, down_n, sliding_window (0: none)
-//   scales      per layer: the attention scale
+//   model       the weights and shape, by name (layer_stack.h)
+//   hidden      [n, hidden] the embeddings (changed in place, as plan.py does)
+//   kv_caches   one per layer; slot_mapping: each row's cache slot
 //   tables, seq_lens, query_req: paged_decode's arguments for all n queries
 //   bounds      [0, r1, ..., n]: thread t takes rows [bounds[t], bounds[t+1]),
 //               each a run of whole requests
@@ -43,6 +33,7 @@
 #include <torch/extension.h>
 
 #include "kv_prefetch.h"
+#include "layer_stack.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -70,17 +61,13 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tenso
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 
 namespace {
-constexpr size_t kWeights = 8, kInts = 5;
 constexpr int64_t kPrefetchMaxRows = 48;  // a thread's rows, past which the K/V prefetch did not pay
 // Below this many rows the projections are bound by reading the weights, and
-// the prefetch competes with them (layer loop, decode B=4: 10.6-11.2 -> 11.2-13.0 ms).
+// the prefetch competes with them.
 constexpr int64_t kTeamPrefetchMinRows = 8;
 
 // Whether x's dtype runs on the AVX512-BF16 kernels, where the K/V prefetch
-// was measured to pay (on a Zen 4). The AVX2 build's bf16 runs float32 math on
-// the Zen 3's memory system, where the prefetch cost in float32 (below) and in
-// bf16 too (split decode steps, step_ab, medians of 12: B=64 130.5 -> 136.6
-// ms, B=32 71.9 -> 75.8; its matmul runs near the cores' FMA peak there).
+// was measured to pay; the AVX2 build's bf16 (float32 math) was slower with it.
 bool avx512_bf16(const at::Tensor& x) {
 #if defined(__AVX512BF16__)
   return x.scalar_type() == at::kBFloat16;
@@ -93,19 +80,9 @@ bool avx512_bf16(const at::Tensor& x) {
 // Whether this CPU is one where the projections' K/V prefetch was measured to
 // pay: AMD's family 25, of which the Zen 4 has AVX512-BF16 (which the prefetch
 // needs too: avx512_bf16; the Zen 3 is family 25 without it). On a Zen 5
-// (family 26) it cost instead: there a core does about twice a Zen 4's bf16
-// FLOPs and the attention kernel reads K/V at ~25-30 GB/s a core alone
-// (paged_decode.cpp's own prefetch), so the projections of a few dozen rows
-// are bound by reading their weights and the extra K/V traffic slows them.
-// Decode steps with and without it alternating (scripts/step_ab.py, context
-// 264, bf16, medians, ms, a noisy hour): B=8 19.2 vs 16.4 without, B=16 20.3
-// vs 16.5 and 20.4 vs 16.4 (both orders), B=32 33.8 vs 31.3, B=64 67.7 vs
-// 62.2, B=96 115.3 vs 82.2. Tried again there (step_ab B=64, ms, without vs
-// with): prefetcht2 37.2 vs 38.0, one row every 32 / 64 GEMM steps instead of
-// 16: 37.1 vs 40.9, 37.0 vs 38.5; in the layer loop (rows on the team) at B=64
-// 37.0 vs 42.1, B=32 20.7 vs 22.1. A core's software prefetches there deliver
-// ~19 GB/s (the tiles' own weight prefetches included), so these compete with
-// the weights. Other CPUs (not measured) go without.
+// (family 26) it cost instead: the projections of a few dozen rows are bound
+// by reading their weights there, and the extra K/V traffic slows them. Other
+// CPUs (not measured) go without (docs/perf-notes/cpu-backend.md).
 bool kv_prefetch_pays() {
   static const bool pays = [] {
 #if defined(__x86_64__) || defined(__i386__)
@@ -143,24 +120,11 @@ int64_t l3_bytes() {
   return bytes;
 }
 
-// What every call shares: the flat weights and the model's shape.
-struct Stack {
-  const std::vector<at::Tensor>& weights;
-  const std::vector<int64_t>& ints;
-  const std::vector<double>& scales;
-  const std::vector<at::Tensor>& kv_caches;
-  const at::Tensor& final_norm;
-  double eps;
-  int64_t num_heads, num_kv_heads, head_dim;
-  const at::Tensor &cos, &sin;
-};
-
-void check_stack(const Stack& s, const at::Tensor& hidden, const at::Tensor& positions,
-                 const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& query_req) {
-  const size_t layers = s.kv_caches.size();
-  TORCH_CHECK(layers > 0 && s.weights.size() == kWeights * layers && s.ints.size() == kInts * layers &&
-                  s.scales.size() == layers,
-              "layer_stack: 8 weights, 5 ints and a scale per layer");
+void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
+                 const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                 const at::Tensor& query_req) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layers > 0 && s.layers.size() == layers, "layer_stack: a KV cache per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "layer_stack: hidden [n, hidden] contiguous");
   const int64_t n = hidden.size(0);
   TORCH_CHECK(positions.numel() == n && slot_mapping.numel() == n && seq_lens.numel() == n,
@@ -170,13 +134,13 @@ void check_stack(const Stack& s, const at::Tensor& hidden, const at::Tensor& pos
 
 // Whether a layer's K/V for these queries (the largest layer's: windows may
 // differ) fits 3/4 of L3, where the prefetch of kv_prefetch.h pays.
-bool kv_fits_l3(const std::vector<at::Tensor>& kv_caches, const std::vector<int64_t>& ints,
+bool kv_fits_l3(const std::vector<at::Tensor>& kv_caches, const std::vector<LayerWeights>& layers,
                 const at::Tensor& seq_lens) {
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* l = lens.data_ptr<int64_t>();
   int64_t kv_bytes = 0;
   for (size_t i = 0; i < kv_caches.size(); ++i) {
-    const int64_t window = ints[kInts * i + 4];
+    const int64_t window = layers[i].sliding_window;
     int64_t rows = 0;
     for (int64_t j = 0; j < lens.numel(); ++j) rows += window > 0 ? std::min(l[j], window) : l[j];
     kv_bytes = std::max(kv_bytes, 2 * rows * kv_caches[i].stride(2) * kv_caches[i].element_size());
@@ -207,7 +171,7 @@ KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::T
 // Rows h (changed in place) through every layer and the final norm, each
 // kernel with the OpenMP team it gets; `req` empty: query i reads table row i.
 // With `out_rows`, the last layer runs on past its K/V write for those rows
-// only (the result has one row each), as cpu_layers.py does. With a
+// only (the result has one row each), as plan.py does. With a
 // prefetch mode, the projections after each layer's attention ask for the
 // next layer's K/V rows of these queries (kv_prefetch.h): kOwn, all of them
 // (this thread runs every kernel alone, in layer_stack); kTeam, each thread of
@@ -230,10 +194,10 @@ struct TeamStreams {
   TeamStreams& operator=(const TeamStreams&) = delete;
 };
 
-at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const at::Tensor& slots,
+at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h, const at::Tensor& pos, const at::Tensor& slots,
                       at::Tensor lens, at::Tensor req, const at::Tensor& tab, const at::Tensor* out_rows,
                       Prefetch prefetch = Prefetch::kNone) {
-  const size_t layers = s.kv_caches.size();
+  const size_t layers = kv_caches.size();
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
   at::Tensor residual = h;
@@ -246,17 +210,16 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
     pf_req = req.numel() ? req.to(at::kLong).contiguous() : req;
   }
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = &s.weights[kWeights * i];
-    const int64_t* k = &s.ints[kInts * i];
+    const LayerWeights& w = s.layers[i];
     at::Tensor x;
     if (i == 0) {
-      x = rms_norm(h, w[0], s.eps);
+      x = rms_norm(h, w.norm1, s.eps);
     } else {
-      fused_add_rms_norm(h, residual, w[0], s.eps);
+      fused_add_rms_norm(h, residual, w.norm1, s.eps);
       x = h;
     }
-    at::Tensor qkv = packed_gemm(x, w[1], k[0], w[2], false);
-    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, s.kv_caches[i], slots);
+    at::Tensor qkv = packed_gemm(x, w.qkv, w.qkv_n, w.qkv_bias, false);
+    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
       q = q.index_select(0, *out_rows);
@@ -265,11 +228,11 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
       req = req.numel() ? req.index_select(0, *out_rows) : *out_rows;
       m = out_rows->numel();
     }
-    at::Tensor out = paged_decode(q, s.kv_caches[i], tab, lens, s.scales[i], k[4], req);
+    at::Tensor out = paged_decode(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, req);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvPrefetch next_kv;
-    if (pf) next_kv = kv_stream(s.kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.ints[kInts * (i + 1) + 4]);
+    if (pf) next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.layers[i + 1].sliding_window);
     if (pf && team) {  // each thread the queries its part of the kernel takes
       const int64_t nth = static_cast<int64_t>(team->streams.size());
       for (int64_t t = 0; t < nth; ++t) {
@@ -278,13 +241,13 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
       }
     }
     KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr);
-    h = packed_gemm(out.view({m, q_size}), w[3], k[1], w[4], false);
-    fused_add_rms_norm(h, residual, w[5], s.eps);
+    h = packed_gemm(out.view({m, q_size}), w.o, w.o_n, w.o_bias, false);
+    fused_add_rms_norm(h, residual, w.norm2, s.eps);
     // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
-    const bool fused_silu = k[2] % 32 == 0;
-    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w[6], k[2] / 2)
-                                      : silu_and_mul(packed_gemm(h, w[6], k[2], at::Tensor(), false));
-    h = packed_gemm(act, w[7], k[3], at::Tensor(), false);
+    const bool fused_silu = w.gate_up_n % 32 == 0;
+    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w.gate_up, w.gate_up_n / 2)
+                                      : silu_and_mul(packed_gemm(h, w.gate_up, w.gate_up_n, at::Tensor(), false));
+    h = packed_gemm(act, w.down, w.down_n, at::Tensor(), false);
     if (team)
       for (KvPrefetch& p : team->streams) p.q = p.q_end;  // idle through the next layer's qkv and attention
   }
@@ -294,44 +257,37 @@ at::Tensor run_layers(const Stack& s, at::Tensor h, const at::Tensor& pos, const
 
 }  // namespace
 
-// The layer loop of cpu_layers.py in one call (no Python between the ~270
-// kernel calls of a step: ~1 ms a step), every kernel on the whole OpenMP
+// The layer loop of plan.py in one call (no Python between the ~270
+// kernel calls of a step), every kernel on the whole OpenMP
 // team, in the same order: the same bits. For any step: every row's K/V of a
 // layer is written before any row of it attends, as a prefill that hits the
 // prefix cache on a block written in the same step needs. output_rows: the
 // rows to return (all of them when all_rows).
-at::Tensor layer_loop(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> weights,
-                      std::vector<int64_t> ints, std::vector<double> scales,
-                      std::vector<at::Tensor> kv_caches, at::Tensor final_norm, double eps,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
-                      at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables, at::Tensor seq_lens,
-                      at::Tensor query_req, at::Tensor output_rows, bool all_rows) {
+at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
+                      std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
+                      at::Tensor seq_lens, at::Tensor query_req, at::Tensor output_rows, bool all_rows) {
   NoGil no_gil;
-  const Stack s{weights, ints, scales, kv_caches, final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
-  check_stack(s, hidden, positions, slot_mapping, seq_lens, query_req);
+  const ModelWeights& s = model;
+  const int64_t head_dim = s.head_dim;
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req);
   if (!all_rows) output_rows = output_rows.to(at::kLong).contiguous();
   // The K/V prefetch (kv_prefetch.h) as in layer_stack's split steps, each
   // thread for the queries its part of the bf16 attention kernel takes: for
   // decode-only steps (no two queries of one request) of 8 to kPrefetchMaxRows
   // rows. (Not with dynamic teams: a team smaller than the one whose pointers
-  // were set could leave a thread's pointer behind.) Measured against the code
-  // before (decode steps, context 264, medians of 12, alternating processes, 3
-  // rounds, ms): B=8 15.0-15.2 -> 13.8-14.8, B=12 17.3-17.7 -> 16.3-17.2, B=16
-  // 20.7-22.4 -> 18.4-19.5, B=24 28.2-30.6 -> 26.0-26.6; B=4 (off) the same.
-  // Tried in float32 on a Zen 3 (the AVX2 attention kernel taking query_range's
-  // ranges), where it cost (alternating in one process, medians of 12, ms):
-  // B=16 88.1 -> 105.5, B=32 146.1 -> 190.6, B=48 194.8 -> 235.9.
+  // were set could leave a thread's pointer behind.) Not in float32 on AVX2,
+  // where it cost (docs/perf-notes/cpu-backend.md).
   const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
   bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on() &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
-                  kv_fits_l3(kv_caches, ints, seq_lens);
+                  kv_fits_l3(kv_caches, s.layers, seq_lens);
   if (prefetch && query_req.numel()) {
     const at::Tensor r = query_req.to(at::kLong).contiguous();
     const int64_t* q = r.data_ptr<int64_t>();
     for (int64_t i = 1; i < r.numel() && prefetch; ++i) prefetch = q[i] != q[i - 1];
   }
-  return run_layers(s, hidden, positions, slot_mapping, seq_lens, query_req, tables,
+  return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req, tables,
                     all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone);
 }
 
@@ -359,17 +315,14 @@ at::Tensor kv_prefetch_rows(at::Tensor kv_cache, at::Tensor tables, at::Tensor s
   return at::tensor(slots, at::kLong);
 }
 
-at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> weights,
-                       std::vector<int64_t> ints, std::vector<double> scales,
-                       std::vector<at::Tensor> kv_caches, at::Tensor final_norm, double eps,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
-                       at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables, at::Tensor seq_lens,
-                       at::Tensor query_req, std::vector<int64_t> bounds) {
+at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
+                       std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
+                       at::Tensor seq_lens, at::Tensor query_req, std::vector<int64_t> bounds) {
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
   NoGil no_gil;
-  const Stack s{weights, ints, scales, kv_caches, final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
-  check_stack(s, hidden, positions, slot_mapping, seq_lens, query_req);
+  const ModelWeights& s = model;
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req);
   const int64_t n = hidden.size(0);
   TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == n &&
                   std::is_sorted(bounds.begin(), bounds.end()),
@@ -377,21 +330,9 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
   const bool per_query_row = query_req.numel() == 0;  // query i reads block table row i
   // The next layer's K/V asked for during each layer's projections
   // (kv_prefetch.h) where a layer's K/V (all threads') fits 3/4 of L3 and a
-  // thread has at most kPrefetchMaxRows rows. Measured (decode steps against
-  // the code before, medians of 12, alternating processes, 3 rounds): context
-  // 264: B=32 38.8-39.6 -> 34.6-36.0 ms, B=64 71.8-73.6 -> 67.9-68.9, B=96
-  // 102.5-105.6 -> 97.6-107.9; context 400: B=32 42.6-44.1 -> 40.6-40.8.
-  // At 64 rows a thread it did not pay, even with the K/V well inside L3
-  // (B=128, context 160, 15.7 MB: the attention 24.0 -> 23.6 ms a thread, its
-  // projections 60.0 -> 64.6). All of that in bf16 (on a Zen 4). In float32
-  // on a Zen 3 it cost instead (there the AVX2 matmul runs at about half its
-  // in-cache speed on weights from L3 and memory, and the prefetches compete
-  // with it), so float32 goes without (decode steps
-  // with and without alternating in one process, medians of 12, ms: B=64
-  // context 160 268.5 / 278.6 with vs 252.0 / 254.9 without, context 100 221.5
-  // vs 201.8; B=96 context 160 330.1 vs 328.6). On a Zen 5 it cost too
-  // (kv_prefetch_pays), so only a Zen 4 has it.
-  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, ints, seq_lens);
+  // thread has at most kPrefetchMaxRows rows, in bf16 on CPUs where it pays
+  // (kv_prefetch_pays; float32 goes without: docs/perf-notes/cpu-backend.md).
+  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, s.layers, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);
@@ -409,7 +350,7 @@ at::Tensor layer_stack(at::Tensor hidden, at::Tensor positions, std::vector<at::
       if (m > 0) {
         const at::Tensor req = per_query_row ? query_req : query_req.narrow(0, r0, m);
         const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
-        result.narrow(0, r0, m).copy_(run_layers(s, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
+        result.narrow(0, r0, m).copy_(run_layers(s, kv_caches, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
                                                  slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
                                                  req, tab, nullptr,
                                                  prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn

@@ -1,0 +1,84 @@
+"""Paged attention on the C++ kernel (csrc/paged_decode.cpp): one call per
+layer serves a whole step, every token one query reading K/V in place from its
+blocks (no gathered copies), a prefill chunk's tokens each seeing the context
+up to its own position. Where the kernel does not apply (another device or
+dtype, per-request metadata with prefills), the torch reference serves."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tokenmill.backends.cpu import kernels
+from tokenmill.model.attention import TorchAttentionBackend
+from tokenmill.model.attention_metadata import AttentionMetadata
+
+_ROW_PER_QUERY = torch.empty(0, dtype=torch.int64)  # the kernel's "query i uses row i"
+
+
+class KernelCall(NamedTuple):
+    """paged_decode's per-step arguments: the same for every layer of a step."""
+
+    tables: torch.Tensor  # block tables [num_reqs, max_num_blocks]
+    seq_lens: torch.Tensor  # each query's seq_len (it sits at seq_len - 1)
+    query_req: torch.Tensor  # each query's block table row; empty: query i reads row i
+
+    def rows(self, output_rows: torch.Tensor) -> KernelCall:
+        """The same call for the queries in `output_rows` only."""
+        rows = self.query_req[output_rows] if self.query_req.numel() else output_rows
+        return KernelCall(self.tables, self.seq_lens[output_rows], rows)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """An AttentionBackend (model/attention.py) with the C++ kernel; the CPU plan
+    also asks it for `kernel_call` once a step and calls `run` per layer."""
+
+    def kernel_call(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> KernelCall | None:
+        """The kernel's arguments for this step where one call per layer serves
+        the whole step, else None (the torch code serves)."""
+        if q.device.type != "cpu" or q.dtype != kv_cache.dtype or kernels.load() is None:
+            return None
+        if meta.token_req is not None and meta.token_seq_lens is not None:
+            # Every token one query, prefill chunks included.
+            return KernelCall(meta.block_tables, meta.token_seq_lens, meta.token_req)
+        if meta.num_decodes == meta.num_reqs:  # decodes only: query i is request i
+            return KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
+        return None
+
+    @staticmethod
+    def run(call: KernelCall, q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+        """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel."""
+        ops = kernels.load()
+        assert ops is not None, "kernel_call gave a call: the kernels are loaded"
+        return ops.paged_decode(q, kv_cache, call.tables, call.seq_lens, scale, sliding_window or 0,
+                                call.query_req)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # this step's K/V already written
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        call = self.kernel_call(q, kv_cache, meta)
+        if call is not None:
+            return self.run(call, q, kv_cache, scale, sliding_window)
+        return super().attend(q, kv_cache, meta, scale, sliding_window)
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        # The decodes of a mixed step with per-request metadata: the kernel, the prefills torch's.
+        if q.device.type == "cpu" and q.dtype == kv_cache.dtype and kernels.load() is not None:
+            call = KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
+            return self.run(call, q, kv_cache, scale, sliding_window)
+        return super()._decode(q, kv_cache, meta, scale, sliding_window)

@@ -1,0 +1,76 @@
+// The Python module: every function under its name, with named arguments, and
+// the weight structs of layer_stack.h as classes with named fields (kernels.py
+// CpuOps types them for Python). Compiled after the other sources, in one unit.
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include "layer_stack.h"
+
+namespace py = pybind11;
+
+#define TOKENMILL_DEF(name, ...) m.def(#name, torch::wrap_pybind_function(name), __VA_ARGS__)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init([](at::Tensor norm1, at::Tensor qkv, at::Tensor qkv_bias, at::Tensor o, at::Tensor o_bias,
+                       at::Tensor norm2, at::Tensor gate_up, at::Tensor down, int64_t qkv_n, int64_t o_n,
+                       int64_t gate_up_n, int64_t down_n, int64_t sliding_window, double scale) {
+             return LayerWeights{norm1, qkv,   qkv_bias,  o,      o_bias,         norm2, gate_up,
+                                 down,  qkv_n, o_n,       gate_up_n, down_n, sliding_window, scale};
+           }),
+           py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"),
+           py::arg("norm2"), py::arg("gate_up"), py::arg("down"), py::arg("qkv_n"), py::arg("o_n"),
+           py::arg("gate_up_n"), py::arg("down_n"), py::arg("sliding_window"), py::arg("scale"))
+      .def_readonly("norm1", &LayerWeights::norm1)
+      .def_readonly("qkv", &LayerWeights::qkv)
+      .def_readonly("qkv_bias", &LayerWeights::qkv_bias)
+      .def_readonly("o", &LayerWeights::o)
+      .def_readonly("o_bias", &LayerWeights::o_bias)
+      .def_readonly("norm2", &LayerWeights::norm2)
+      .def_readonly("gate_up", &LayerWeights::gate_up)
+      .def_readonly("down", &LayerWeights::down)
+      .def_readonly("qkv_n", &LayerWeights::qkv_n)
+      .def_readonly("o_n", &LayerWeights::o_n)
+      .def_readonly("gate_up_n", &LayerWeights::gate_up_n)
+      .def_readonly("down_n", &LayerWeights::down_n)
+      .def_readonly("sliding_window", &LayerWeights::sliding_window)
+      .def_readonly("scale", &LayerWeights::scale);
+  py::class_<ModelWeights>(m, "ModelWeights")
+      .def(py::init([](std::vector<LayerWeights> layers, at::Tensor final_norm, double eps, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin) {
+             return ModelWeights{std::move(layers), final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
+           }),
+           py::kw_only(), py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"))
+      .def_readonly("layers", &ModelWeights::layers)
+      .def_readonly("final_norm", &ModelWeights::final_norm)
+      .def_readonly("eps", &ModelWeights::eps)
+      .def_readonly("num_heads", &ModelWeights::num_heads)
+      .def_readonly("num_kv_heads", &ModelWeights::num_kv_heads)
+      .def_readonly("head_dim", &ModelWeights::head_dim);
+
+  TOKENMILL_DEF(paged_decode, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+                py::arg("scale"), py::arg("sliding_window"), py::arg("query_req"));
+  TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
+                py::arg("head_dim"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
+                py::arg("slot_mapping"));
+  TOKENMILL_DEF(silu_and_mul, py::arg("gate_up"));
+  TOKENMILL_DEF(argmax_rows, py::arg("logits"));
+  TOKENMILL_DEF(packed_gemm, py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias"),
+                py::arg("float32_out"));
+  TOKENMILL_DEF(packed_gemm_silu, py::arg("x"), py::arg("packed"), py::arg("inter"));
+  m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
+  m.def("packed_gemm_max_rows", torch::wrap_pybind_function(packed_gemm_max_rows));
+  TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
+                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
+                py::arg("output_rows"), py::arg("all_rows"));
+  TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
+                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
+                py::arg("bounds"));
+  TOKENMILL_DEF(kv_prefetch_rows, py::arg("kv_cache"), py::arg("tables"), py::arg("seq_lens"),
+                py::arg("query_req"), py::arg("window"));
+  TOKENMILL_DEF(kv_prefetch_mode, py::arg("mode"));
+}

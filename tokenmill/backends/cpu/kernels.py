@@ -1,0 +1,260 @@
+"""The C++ CPU kernels (csrc/): built once per machine with torch's
+cpp_extension (g++ and ninja), loaded, and typed (`CpuOps`).
+
+`make setup` builds them ahead of time; otherwise the first use builds them
+(about a minute) into torch's extension cache. Set TOKENMILL_NO_CPP_KERNELS=1
+(before the process starts) to run the reference torch model only.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, cast
+
+import torch
+
+from tokenmill.backends.cpu.memory import pack_weight
+
+logger = logging.getLogger("tokenmill")
+
+_CSRC = Path(__file__).parent / "csrc"
+# One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
+_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp",
+                                      "layer_stack.cpp", "bindings.cpp")]
+_HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h")]
+# No fused multiply-adds where the source does not ask for them: float32
+# results then round as torch's separate ops do. -fno-trapping-math (values
+# unchanged: no reassociation, no contraction) lets GCC vectorise loops with a
+# select in them on AVX2, where it keeps them scalar otherwise.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+
+
+class CppLayerWeights(Protocol):
+    """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h)."""
+
+    norm1: torch.Tensor
+    qkv: torch.Tensor  # packed (memory.pack_weight), as o, gate_up and down
+    qkv_bias: torch.Tensor  # empty: none, as o_bias
+    o: torch.Tensor
+    o_bias: torch.Tensor
+    norm2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_n: int  # output features, as o_n, gate_up_n and down_n
+    o_n: int
+    gate_up_n: int
+    down_n: int
+    sliding_window: int  # 0: none
+    scale: float
+
+
+class CppModelWeights(Protocol):
+    """The decoder stack's weights and shape (csrc/layer_stack.h), built once per plan."""
+
+    layers: list[CppLayerWeights]
+    final_norm: torch.Tensor
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class CpuOps(Protocol):
+    """The compiled module's functions (csrc/*.cpp says what each computes).
+    Tensors are CPU, float32 or bfloat16 unless named otherwise."""
+
+    def paged_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int,
+                     query_req: torch.Tensor) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> None: ...
+
+    def rope_qkv_cache(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                       positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor,
+                    float32_out: bool) -> torch.Tensor: ...
+
+    def packed_gemm_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor: ...
+
+    def packed_gemm_dtypes(self) -> list[str]: ...
+
+    def packed_gemm_max_rows(self) -> int: ...
+
+    def LayerWeights(self, *, norm1: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor,
+                     o: torch.Tensor, o_bias: torch.Tensor, norm2: torch.Tensor,
+                     gate_up: torch.Tensor, down: torch.Tensor, qkv_n: int, o_n: int,
+                     gate_up_n: int, down_n: int, sliding_window: int,
+                     scale: float) -> CppLayerWeights: ...
+
+    def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
+                     num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> CppModelWeights: ...
+
+    def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
+                   all_rows: bool) -> torch.Tensor: ...
+
+    def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_req: torch.Tensor,
+                    bounds: list[int]) -> torch.Tensor: ...
+
+    def kv_prefetch_rows(self, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                         query_req: torch.Tensor, window: int) -> torch.Tensor: ...
+
+    def kv_prefetch_mode(self, mode: int) -> int: ...
+
+
+_lock = threading.Lock()
+_module: CpuOps | None = None
+_failed: str | None = None
+
+_enabled = True  # tests switch the kernels off to run the reference model
+# Read once: load() runs at every forward of the plan.
+_env_disabled = os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
+
+
+def set_enabled(enabled: bool) -> None:
+    """Whether load() hands out the kernels (a runner built while off picks the reference model)."""
+    global _enabled
+    _enabled = enabled
+
+
+def disabled_reason() -> str | None:
+    """Why load() gives None, or None where it gives the module."""
+    if _env_disabled:
+        return "TOKENMILL_NO_CPP_KERNELS is set"
+    if not _enabled:
+        return "the C++ kernels are switched off"
+    if load() is None:
+        return f"the C++ kernels could not be built ({(_failed or '')[:200]})"
+    return None
+
+
+def load() -> CpuOps | None:
+    """The compiled module, or None where it is switched off or cannot be
+    built (the reason is logged once)."""
+    global _module, _failed
+    if not _enabled or _env_disabled:
+        return None
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                _module = _build()
+            except Exception as e:  # no compiler, no ninja, ...: the reference model serves
+                _failed = f"{type(e).__name__}: {e}"
+                logger.warning("C++ CPU kernels unavailable, using torch code: %s", _failed[:300])
+    return _module
+
+
+def _build() -> CpuOps:
+    from torch.utils.cpp_extension import load_inline
+
+    # torch finds ninja on PATH; the `ninja` wheel puts it next to this Python.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    sources = [path.read_text() for path in _SOURCES]
+    # The name carries a hash of the sources and flags, so an edit rebuilds them.
+    headers = [path.read_text() for path in _HEADERS]
+    digest = hashlib.sha256("\n".join(sources + headers + _CFLAGS).encode()).hexdigest()[:12]
+    module = load_inline(
+        name=f"tokenmill_cpu_kernels_{digest}",
+        cpp_sources=sources,
+        extra_cflags=_CFLAGS,
+        extra_include_paths=[str(_CSRC)],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+    return cast("CpuOps", module)
+
+
+def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    module = load()
+    return None if module is None else module.paged_decode
+
+
+def fused_ops(x: torch.Tensor) -> CpuOps | None:
+    """The module when its fused ops (csrc/fused_ops.cpp) apply to `x` (a
+    contiguous float32 or bfloat16 CPU tensor), else None: the caller runs torch code."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not x.is_contiguous():
+        return None
+    return load()
+
+
+def packed_gemm_ops(x: torch.Tensor) -> CpuOps | None:
+    """The module with packed_gemm when it applies to x (a 2-D CPU tensor,
+    where the build has AVX2 and FMA or AVX512-BF16: float32, or bf16 with an
+    even number of columns), else None."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        return None
+    if not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0)):
+        return None
+    module = load()
+    if module is None:
+        return None
+    global _packed_dtypes
+    if _packed_dtypes is None:
+        _packed_dtypes = frozenset(module.packed_gemm_dtypes())
+    return module if str(x.dtype).removeprefix("torch.") in _packed_dtypes else None
+
+
+_packed_dtypes: frozenset[str] | None = None
+
+
+def packed_max_rows() -> int:
+    """The most rows worth a packed_gemm call (past them torch's matmul is the
+    faster; csrc/packed_gemm.cpp packed_gemm_max_rows), 0 without the kernels."""
+    module = load()
+    return 0 if module is None else int(module.packed_gemm_max_rows())
+
+
+def best_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 10) -> float:
+    """GFLOP/s of x [rows, K] @ W^T over `shapes` ((K, N) pairs), weights hot: per
+    shape the fastest of `repeats` calls by torch's matmul or packed_gemm,
+    whichever is faster (a machine's compute ceiling, as `bench roofline` uses it)."""
+
+    def fastest(f: Callable[[], object]) -> float:
+        f()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    total_flop = total_s = 0.0
+    with torch.inference_mode():
+        for k, n in shapes:
+            x = torch.randn(rows, k, dtype=dtype)
+            w = torch.randn(n, k, dtype=dtype)
+            best = fastest(functools.partial(torch.nn.functional.linear, x, w))
+            ops = packed_gemm_ops(x)
+            if ops is not None:
+                kernel = functools.partial(ops.packed_gemm, x, pack_weight(w), n, torch.empty(0), False)
+                best = min(best, fastest(kernel))
+            total_s += best
+            total_flop += 2.0 * rows * k * n
+    return total_flop / total_s / 1e9

@@ -1,0 +1,362 @@
+"""The CPU plan: a loaded model's forward and logits on the C++ kernels, with
+every per-call check done once, when the runner builds it.
+
+It serves the plain Llama layer (no q/k norm) in bf16 or float32 on the CPU
+and runs the reference model's operations in its order on fused kernels
+(tests/test_model_numerics.py compares the two on the same inputs). Three ways
+through the layers, the same bits each (every kernel computes a row alone):
+
+- layer_stack (csrc/layer_stack.cpp): the whole stack in one C++ call, each
+  thread taking its own requests through every layer, for decode-only steps
+  that divide well between threads (split_bounds);
+- layer_loop: the loop below in one C++ call, every kernel on the whole
+  OpenMP team (no Python between the ~270 kernel calls of a step);
+- the loop below in Python: under the profiler (a row per op in
+  `bench throughput --profile`), where the attention kernel cannot serve the
+  step in one call, and for more rows than packed_gemm is worth (torch's
+  matmul then, as the reference does).
+
+The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu),
+and with `output_rows` (the rows the runner samples) the last layer runs past
+its K/V write for those rows only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import record_function
+
+from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.attention import CpuAttentionBackend, KernelCall
+from tokenmill.backends.cpu.kernels import CpuOps
+from tokenmill.backends.cpu.memory import pack_weight
+from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+
+_NO_BIAS = torch.empty(0)
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+class _Proj(NamedTuple):
+    """A projection: its packed weight for packed_gemm, and the original for torch's matmul."""
+
+    packed: torch.Tensor
+    n: int  # output features
+    bias: torch.Tensor  # empty: none
+    weight: torch.Tensor
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.bias.numel() else None)
+
+
+class _Layer(NamedTuple):
+    norm1: torch.Tensor
+    qkv: _Proj
+    o: _Proj
+    norm2: torch.Tensor
+    gate_up: _Proj
+    down: _Proj
+    scale: float
+    sliding_window: int | None
+
+
+def _proj(lin: Linear) -> _Proj:
+    weight = lin.weight.detach()
+    bias = _NO_BIAS if lin.bias is None else lin.bias.detach()
+    return _Proj(pack_weight(weight), lin.out_features, bias, weight)
+
+
+def unsupported(model: LlamaForCausalLM, dtype: torch.dtype) -> str | None:
+    """Why the plan cannot serve `model` in `dtype`, or None where it can."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{str(dtype).removeprefix('torch.')} (the C++ kernels run bfloat16 and float32)"
+    probe = torch.empty(1, 2, dtype=dtype)
+    reason = kernels.disabled_reason()
+    if reason is not None:
+        return reason
+    if kernels.fused_ops(probe) is None or kernels.packed_gemm_ops(probe) is None:
+        return f"this build of the C++ kernels has no {str(dtype).removeprefix('torch.')} GEMM"
+    if any(p.device.type != "cpu" or p.dtype != dtype for p in model.parameters()):
+        return "the weights are not all on the CPU in that dtype"
+    for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        if layer.self_attn.q_norm is not None:
+            return "q/k norms (the plan runs the plain Llama layer)"
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            if dtype == torch.bfloat16 and lin.in_features % 2:
+                return "a projection with an odd number of inputs (packed bf16 takes pairs)"
+    if dtype == torch.bfloat16 and model.lm_head.in_features % 2:
+        return "a head with an odd number of inputs (packed bf16 takes pairs)"
+    return None
+
+
+class CpuPlan:
+    """Serves `forward` and `compute_logits` of the model it was built from
+    (LlamaForCausalLM's signatures), on the C++ kernels."""
+
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, ops: CpuOps) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.ops = ops
+        self.attention = CpuAttentionBackend()
+        spec = model.spec
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.eps = float(spec.rms_norm_eps)
+        self.rotary = model.model.rotary_emb
+        self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
+        self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        self.layers: list[_Layer] = []
+        self._pack()
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype) -> CpuPlan | None:
+        """The plan for `model` in `dtype`, or None where `unsupported` says why not."""
+        ops = kernels.load()
+        if ops is None or unsupported(model, dtype) is not None:
+            return None
+        return cls(model, dtype, ops)
+
+    def _pack(self) -> None:
+        """Read (and pack) every weight the plan uses; `sources` remembers each
+        parameter and its version, for fresh()."""
+        self.sources = []
+        self.layers = []
+        model = self.model.model
+        for layer in model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight.detach(), _proj(a.qkv_proj), _proj(a.o_proj),
+                layer.post_attention_layernorm.weight.detach(), _proj(mlp.gate_up_proj),
+                _proj(mlp.down_proj), float(a.scale), a.sliding_window,
+            ))
+            for module in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj,
+                           layer.input_layernorm, layer.post_attention_layernorm):
+                self._watch(module)
+        for other in (model.embed_tokens, model.norm, self.model.lm_head):
+            self._watch(other)
+        self.final_norm = model.norm.weight.detach()
+        self.head = _proj(self.model.lm_head)
+        # The same for csrc/layer_stack.cpp, by name (csrc/layer_stack.h).
+        self.weights = self.ops.ModelWeights(
+            layers=[self.ops.LayerWeights(
+                norm1=lay.norm1, qkv=lay.qkv.packed, qkv_bias=lay.qkv.bias, o=lay.o.packed,
+                o_bias=lay.o.bias, norm2=lay.norm2, gate_up=lay.gate_up.packed,
+                down=lay.down.packed, qkv_n=lay.qkv.n, o_n=lay.o.n, gate_up_n=lay.gate_up.n,
+                down_n=lay.down.n, sliding_window=lay.sliding_window or 0, scale=lay.scale,
+            ) for lay in self.layers],
+            final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            cos=self.rotary.cos_cache, sin=self.rotary.sin_cache,
+        )
+        # A query row through a layer's projections (2 FLOPs a parameter at ~200
+        # GFLOP/s a thread) against attention reading one context token's K and
+        # V (at ~10 GB/s a thread): what split_bounds weighs a row against its context.
+        self.row_cost = 0.0
+        if self.layers:
+            first = self.layers[0]
+            params = sum(p.packed.numel() for p in (first.qkv, first.o, first.gate_up, first.down))
+            kv_bytes = 2 * self.num_kv_heads * self.head_dim * first.qkv.packed.element_size()
+            self.row_cost = params / (10.0 * kv_bytes)
+
+    def _watch(self, module: torch.nn.Module) -> None:
+        for name, param in module._parameters.items():
+            if param is not None:
+                self.sources.append((module._parameters, name, param, param._version))
+
+    def fresh(self) -> bool:
+        """No parameter replaced or changed in place since the weights were
+        packed (the packed copies would be stale; changes through `.data` go unseen)."""
+        return all(params[name] is w and w._version == v for params, name, w, v in self.sources)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden] after the final norm
+        """LlamaForCausalLM.forward: with `output_rows`, the last layer writes
+        every token's K/V but takes only those rows on through attention,
+        o_proj and the MLP. Each row's numbers are the same bits either way."""
+        if not self.fresh():
+            self._pack()
+        hidden = self.model.model.embed_tokens(input_ids)
+        n = hidden.shape[0]
+        if output_rows is None and n <= self.max_rows:  # (all rows where it samples all: decodes)
+            split = self._split_call(hidden, positions, kv_caches, meta)
+            if split is not None:
+                return split
+        profiling = torch.autograd._profiler_enabled()
+        if not profiling and n <= self.max_rows:
+            looped = self._loop_call(hidden, positions, kv_caches, meta, output_rows)
+            if looped is not None:
+                return looped
+        return self._python_loop(hidden, positions, kv_caches, meta, output_rows, profiling)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab] from
+        packed_gemm's float32 sums at any number of rows: never rounded to bf16
+        (whose steps make near-ties exact ties) and the same whatever the batch."""
+        with record_function("tokenmill::head"):
+            if kernels.packed_gemm_ops(hidden) is None or hidden.dtype != self.dtype:
+                return self.head.linear(hidden).float()
+            return self.ops.packed_gemm(hidden, self.head.packed, self.head.n, _NO_BIAS, True)
+
+    def _kernel_call(self, q: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata) -> KernelCall | None:
+        return self.attention.kernel_call(q, kv_caches[0], meta) if self.layers else None
+
+    def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+        """The whole stack in one C++ call with the rows split between threads
+        (csrc/layer_stack.cpp), where the step divides well; else None."""
+        if torch.autograd._profiler_enabled():
+            return None  # (under the profiler: the per-op rows of `bench --profile`)
+        min_rows = SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize
+        bounds = split_bounds(meta, threads(), self.row_cost, min_rows)
+        # One attention kernel call must serve every layer of the step.
+        call = None if bounds is None else self._kernel_call(hidden, kv_caches, meta)
+        if bounds is None or call is None:
+            return None
+        return self.ops.layer_stack(
+            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+            query_req=call.query_req, bounds=bounds)
+
+    def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                   meta: AttentionMetadata, output_rows: torch.Tensor | None,
+                   ) -> torch.Tensor | None:
+        """The layer loop in one C++ call (csrc/layer_stack.cpp layer_loop), where
+        one attention kernel call serves every layer of the step; else None."""
+        call = self._kernel_call(hidden, kv_caches, meta)  # (checks device and dtype only)
+        if call is None:
+            return None
+        return self.ops.layer_loop(
+            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+            query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
+            all_rows=output_rows is None)
+
+    def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata, output_rows: torch.Tensor | None,
+                     profiling: bool) -> torch.Tensor:
+        ops = self.ops
+        n = hidden.shape[0]
+        packed = n <= self.max_rows
+
+        def linear_row(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            if not profiling:
+                return f
+
+            def labelled(*args: Any) -> torch.Tensor:  # the reference's rows in `bench --profile`
+                with record_function("tokenmill::linear"):
+                    return f(*args)
+            return labelled
+
+        def matmul(x: torch.Tensor, p: _Proj) -> torch.Tensor:
+            return ops.packed_gemm(x, p.packed, p.n, p.bias, False) if packed else p.linear(x)
+
+        def mlp_act(x: torch.Tensor, p: _Proj) -> torch.Tensor:
+            # gate/up on whole blocks of 16 outputs: silu(gate) * up from the GEMM's
+            # tiles (the same bits), as layer_stack.cpp decides it.
+            if packed and p.n % 32 == 0:
+                return ops.packed_gemm_silu(x, p.packed, p.n // 2)
+            return ops.silu_and_mul(matmul(x, p))
+
+        gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
+        cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
+        eps = self.eps
+        residual = hidden
+        call = None  # the attention kernel's arguments: the same for every layer of a step
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # HF's h = h + attn(norm(h)); h = h + mlp(norm(h)); each residual add
+            # done with the norm after it, in place, as the reference does.
+            if i == 0:
+                x = ops.rms_norm(hidden, layer.norm1, eps)
+            else:
+                ops.fused_add_rms_norm(hidden, residual, layer.norm1, eps)
+                x = hidden
+            qkv = gemm(x, layer.qkv)
+            ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
+                               kv_cache, meta.slot_mapping)
+            q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+            if i == 0:
+                call = self.attention.kernel_call(q, kv_cache, meta)
+            if i == last and output_rows is not None and call is not None:
+                # Every K/V is written: the rest of the layer for the rows out only.
+                call = call.rows(output_rows)
+                q, residual, n = q[output_rows], residual[output_rows], output_rows.numel()
+                output_rows = None  # done
+            with record_function("tokenmill::attention") if profiling else nullcontext():
+                if call is not None:
+                    out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window)
+                else:
+                    out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
+            hidden = gemm(out.reshape(n, self.q_size), layer.o)
+            ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
+            hidden = gemm(gemm_act(hidden, layer.gate_up), layer.down)
+        if output_rows is not None:  # (no attention kernel call: the torch attention ran)
+            hidden, residual = hidden[output_rows], residual[output_rows]
+        if not self.layers:
+            return ops.rms_norm(hidden, self.final_norm, eps)
+        ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
+        return hidden
+
+
+def threads() -> int:
+    """The threads a forward may use (tests set more than a machine has)."""
+    return torch.get_num_threads()
+
+
+# Split the rows between threads only from this many rows a thread for each
+# byte of a weight (16 rows in bf16, 32 in float32): a split thread reads all
+# of the weights for itself, which pays only once each weight serves enough
+# rows (docs/perf-notes/cpu-backend.md).
+SPLIT_ROWS_PER_WEIGHT_BYTE = 8
+SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
+
+
+def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float,
+                 min_rows: float) -> list[int] | None:
+    """Row bounds [0, ..., num_tokens] giving each of `threads` threads whole
+    requests of about equal cost (a query row costs `row_cost`, each context
+    token it attends to 1), or None where the step does not divide well (fewer
+    than `min_rows` rows a thread, one request outweighs the rest) or has
+    prefills.
+
+    Decodes only: a prefill may read K/V that another request writes in the
+    same step (a prefix-cache hit on a block registered when allocated, as
+    kv_cache_manager does), which the layer loop orders (every row's K/V of a
+    layer is written before any row attends) and separate threads would not.
+    A decode reads only blocks computed in earlier steps, and its own new slot."""
+    if (threads < 2 or meta.num_tokens < min_rows * threads
+            or meta.num_decodes != meta.num_reqs):
+        return None
+    costs = [row_cost + seq_len for seq_len in meta.seq_lens]  # one query row each (decodes)
+    total = float(sum(costs))
+    bounds, shares, acc, last = [0], [], 0.0, 0.0
+    for r, c in enumerate(costs):
+        if len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads:
+            bounds.append(r)  # decodes only: request r is row r
+            shares.append(acc - last)
+            last = acc
+        acc += c
+    bounds.append(len(costs))
+    shares.append(acc - last)
+    if len(bounds) != threads + 1 or max(shares) > SPLIT_MAX_SHARE * total:
+        return None
+    return bounds
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor:
+    return _NO_BIAS if bias is None else bias
