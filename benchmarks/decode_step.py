@@ -20,7 +20,7 @@ def main() -> None:
     llm = LLM(None, dtype="bfloat16", max_num_seqs=256, skip_tokenizer_init=True,
               block_size=int(os.environ.get("BS", "16")))
     runner = llm.engine.runner
-    model = runner.model
+    model = runner.forward  # the forward the runner chose (the CPU plan here)
     bs = runner.block_size
     nb = -(-ctx // bs)
     assert batch * nb <= runner.num_blocks, (batch * nb, runner.num_blocks)

@@ -18,7 +18,7 @@ import sys
 import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.backends.cpu import kernels, plan
+from tokenmill.backends.cpu import plan
 
 from ab_modules import load_module
 
@@ -35,6 +35,8 @@ def main() -> None:
     llm = LLM(dtype=os.environ.get("DTYPE", "float32"), max_num_seqs=batch,
               max_num_batched_tokens=batch * ctx + 64, enable_prefix_caching=False)
     engine = llm.engine
+    if mods and not isinstance(engine.runner.forward, plan.CpuPlan):
+        sys.exit("MODS needs the CPU plan (the C++ kernels built, a plain Llama model)")
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         prompt = [100 + (i * 7 + j) % 40000 for j in range(ctx)]
@@ -46,7 +48,7 @@ def main() -> None:
         side = step % 2
         if mods:
             module = mods[side]
-            kernels.load = lambda module=module: module  # what the plan calls each step
+            engine.runner.forward.ops = module  # the plan calls its own ops
         if attr:
             setattr(plan, attr[0], int(attr[1 + side]))
         t = time.perf_counter()
