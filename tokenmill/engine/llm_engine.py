@@ -115,6 +115,7 @@ class LLMEngine:
         self.max_model_len = self.scheduler.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._scheduled_step: ScheduledStep | None = None  # scheduled, not executed yet
 
     # ---- requests ---------------------------------------------------------------
 
@@ -254,6 +255,7 @@ class LLMEngine:
     # schedule() must be followed by exactly one execute() of what it returned.
 
     def schedule(self) -> ScheduledStep:
+        assert self._scheduled_step is None, "execute() the last schedule() first"
         # Each part's wall time goes to StepStats.phase_s, and its label to torch.profiler
         # (`tokenmill bench throughput --profile` reports both).
         with self.runner.timer.phase(StepPhase.SCHEDULE):
@@ -265,9 +267,12 @@ class LLMEngine:
                     request_id = self.output_processor.mark_scheduled(scheduled.request_id, now)
                     if request_id is not None:
                         first_scheduled.append(request_id)
-        return ScheduledStep(scheduler_output, tuple(first_scheduled))
+        self._scheduled_step = ScheduledStep(scheduler_output, tuple(first_scheduled))
+        return self._scheduled_step
 
     def execute(self, step: ScheduledStep) -> StepResult:
+        assert step is self._scheduled_step, "execute() runs what the last schedule() returned"
+        self._scheduled_step = None
         timer = self.runner.timer
         scheduler_output = step.scheduler_output
         runner_output = self.runner.execute(scheduler_output)
