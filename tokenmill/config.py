@@ -16,12 +16,11 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
-# Tokens per step: the offline default (LLM, `tokenmill generate`) and the one
-# `tokenmill serve` uses on the CPU (engine/arg_utils.py), as vLLM keeps one
-# default for its LLM class and another for its server. On the CPU a step costs
-# about the same per token from ~128 tokens up, while every prompt in a step
-# waits for all the others: a small budget buys time to first token for ~2-4%
-# of offline throughput (docs/perf-notes/contracts.md). A GPU keeps 2048.
+# Tokens per step: one default offline (LLM, `tokenmill generate`) and a smaller
+# one for `tokenmill serve` on the CPU (engine/arg_utils.py), as vLLM has one for
+# its LLM class and one for its server. A CPU step costs about the same per token
+# from ~128 tokens up while every prompt in it waits for all the others, so a
+# small budget gets first tokens out sooner (docs/perf-notes/contracts.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
 
@@ -104,7 +103,9 @@ class CacheConfig:
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
             )
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
-            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+            raise ValueError(
+                f"num_kv_blocks (num_blocks_override) must be >= 1, got {self.num_blocks_override}"
+            )
 
 
 @dataclass(frozen=True)
