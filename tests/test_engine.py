@@ -3,6 +3,7 @@ free their blocks, and the default model answers a real question."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def run_to_end(llm: LLM) -> dict[str, list[int]]:
     for _ in range(1000):
         if not llm.engine.has_unfinished_requests():
             break
-        for out in llm.engine.step():
+        for out in llm.engine.step().outputs:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return done
@@ -172,7 +173,9 @@ def test_the_startup_heap_is_frozen_and_engines_still_free(tiny_llm: LLM) -> Non
 
 def test_generate_stats_time_each_part_of_the_steps(tiny_llm: LLM) -> None:
     from tokenmill.bench.throughput import STEP_PHASES
+    from tokenmill.worker.step_timer import StepPhase
 
+    assert tuple(p.value for p in StepPhase) == STEP_PHASES  # the same names, in order
     llm = tiny_llm
     llm.generate([{"prompt_token_ids": list(range(1, 30))}, {"prompt_token_ids": [5, 6, 7]}],
                  greedy(6), use_tqdm=False)
@@ -180,11 +183,17 @@ def test_generate_stats_time_each_part_of_the_steps(tiny_llm: LLM) -> None:
     assert set(stats.phase_s) == set(STEP_PHASES)
     assert all(s > 0 for s in stats.phase_s.values()), stats.phase_s
     assert sum(stats.phase_s.values()) <= stats.wall_time_s
-    # Per step, too, and a step's parts are its own (the timer starts again each step).
+    # Per step, too: step() returns its outputs with its stats, whose parts are its
+    # own (the timer starts again each step).
     llm.engine.add_request("solo", {"prompt_token_ids": [1, 2]}, greedy(1))
-    llm.engine.step()
-    phases = llm.engine.last_step.phase_s
-    assert set(phases) == set(STEP_PHASES) and sum(phases.values()) < stats.wall_time_s
+    start = time.perf_counter()
+    result = llm.engine.step()
+    step_s = time.perf_counter() - start
+    assert [o.request_id for o in result.outputs if o.finished] == ["solo"]
+    phases = result.stats.phase_s
+    assert set(phases) == set(StepPhase) and sum(phases.values()) <= step_s
+    assert (result.stats.num_scheduled_tokens, result.stats.num_scheduled_reqs) == (2, 1)
+    assert result.stats.first_scheduled_req_ids == ("solo",)
     run_to_end(llm)
 
 

@@ -125,9 +125,12 @@ def test_bad_words_match_transformers() -> None:
     logits = random_logits(len(outputs))
     states = []
     for out in outputs:
-        params = SamplingParams(bad_words=["unused"])
-        params.bad_words_token_ids = bad
-        states.append(make_state(params, [3, 4], out))
+        # The engine tokenizes bad_words and hands the ids to the runner with the request.
+        state = CachedRequestState.create("r", [3, 4], SamplingParams(bad_words=["unused"]), VOCAB,
+                                          CPU, bad_words_token_ids=bad)
+        for t in out:
+            state.append_output(t)
+        states.append(state)
     ours = Sampler(CPU).apply_logits_processors(logits.clone(), states, EOS)
     hf = NoBadWordsLogitsProcessor(bad, eos_token_id=EOS[0])
     for i, out in enumerate(outputs):

@@ -169,7 +169,7 @@ def test_n_samples_stream_as_deltas_and_abort_together(
     streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
     finals: list[RequestOutput] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             assert out.request_id == "p"
             for c in out.outputs:
                 streamed[c.index].extend(c.token_ids)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 
 def test_defaults_are_vllms() -> None:
@@ -69,8 +69,10 @@ def test_defaults_are_vllms() -> None:
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ParamError, match=field) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field  # a field of the error: the server reads it from there
+    assert isinstance(info.value, ValueError)
 
 
 def test_one_bad_word_or_stop_string_may_come_as_a_string() -> None:

@@ -97,18 +97,20 @@ def test_serve_refuses_bad_options_before_loading_the_model(args: list[str], mes
 
 
 def test_serve_takes_the_cpu_serving_budget_unless_given_one() -> None:
-    from tokenmill.cli import build_parser, engine_kwargs, serve_engine_kwargs
+    from tokenmill.cli import build_parser, serve_engine_args
     from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from tokenmill.engine.arg_utils import EngineArgs
 
-    def serve(*argv: str) -> dict[str, object]:
-        return serve_engine_kwargs(build_parser().parse_args(["serve", *argv]))
+    def serve(*argv: str) -> int:
+        engine_args = serve_engine_args(build_parser().parse_args(["serve", *argv]))
+        return engine_args.create_engine_configs()[2].max_num_batched_tokens
 
-    assert serve()["max_num_batched_tokens"] == CPU_SERVE_MAX_NUM_BATCHED_TOKENS == 160
-    assert serve("--device", "cuda")["max_num_batched_tokens"] == DEFAULT_MAX_NUM_BATCHED_TOKENS
-    assert serve("--max-num-batched-tokens", "4096")["max_num_batched_tokens"] == 4096
+    assert serve() == CPU_SERVE_MAX_NUM_BATCHED_TOKENS == 160
+    assert serve("--device", "cuda") == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert serve("--max-num-batched-tokens", "4096") == 4096
     # Never below max_num_seqs: every running request can decode in every step.
-    assert serve("--max-num-seqs", "256")["max_num_batched_tokens"] == 256
-    assert serve("some-model")["model"] == "some-model"
+    assert serve("--max-num-seqs", "256") == 256
+    assert serve_engine_args(build_parser().parse_args(["serve", "some-model"])).model == "some-model"
     # Offline (`tokenmill generate`, LLM) keeps the throughput default.
-    generate = build_parser().parse_args(["generate", "hello"])
-    assert engine_kwargs(generate)["max_num_batched_tokens"] == DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
+    generate = EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hello"]))
+    assert generate.create_engine_configs()[2].max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048

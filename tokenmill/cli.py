@@ -3,64 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step (default: 2048; `serve` on the CPU: 160 or "
-                             "max_num_seqs if larger, for time to first token; see "
-                             "tokenmill/config.py)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    from tokenmill.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-
-    budget = args.max_num_batched_tokens
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "device": args.device,
-        "seed": args.seed,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget,
-        "block_size": args.block_size,
-        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "scheduling_policy": args.scheduling_policy,
-    }
-
-
-def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The engine `tokenmill serve` builds: the model given as MODEL or --model,
-    and the server's token budget for the device unless one is given."""
-    from tokenmill.config import serve_max_num_batched_tokens
-
-    if args.model_tag is not None:
-        args.model = args.model_tag
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = serve_max_num_batched_tokens(args.device, args.max_num_seqs)
-    return engine_kwargs(args)
+from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.sampling_seed,
@@ -74,12 +27,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine `tokenmill serve` builds: the model given as MODEL or --model,
+    and the server's defaults where no option was given."""
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.model_tag is not None:
+        engine_args = dataclasses.replace(engine_args, model=args.model_tag)
+    return engine_args.with_serve_defaults()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from tokenmill import LLM
     from tokenmill.config import ServerConfig
     from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.run import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -88,9 +50,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
         trust_request_chat_template=args.trust_request_chat_template,
     )
-    kwargs = serve_engine_kwargs(args)
+    engine_args = serve_engine_args(args)
+    engine_args.create_engine_configs()  # bad options fail here, before the model loads
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
-    engine = AsyncEngine(lambda: LLM(**kwargs).engine)  # type: ignore[arg-type]
+    engine = AsyncEngine(lambda: LLMEngine.from_engine_args(engine_args))
     return run_server(engine, config, args.graceful_shutdown_timeout)
 
 
@@ -110,7 +73,7 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="run a chat_template sent in a request (off: such requests get 400)")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -126,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the model's chat template")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)

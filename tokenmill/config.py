@@ -16,39 +16,21 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
-# Tokens per step: the offline default (LLM, `tokenmill generate`) and the one
-# `tokenmill serve` uses on the CPU, as vLLM keeps one default for its LLM class
-# and another for its server. A CPU step costs about the same per token from
-# ~128 tokens up (its GEMMs are at the matmul ceiling there; measured on the
-# default model: 0.60 ms a token at 128 and 192 tokens, 0.64-0.67 at 256-512,
-# 0.69 at 64), so a larger step buys no throughput, while every prompt in a
-# step waits for all the others: two prompts that arrive together in a 2048
-# budget both get their first token after both prefills. A budget of one
-# 128-token GEMM tile plus room for 32 decodes lets the first prompt finish a
-# step earlier. Measured (scripts/serve_replay.py, serve-B at 2 req/s, three
-# interleaved rounds): TTFT p99 194/201/214 ms -> 188/191/196, max 222/228/242
-# -> 193/200/196; throughput-A CAP 128 offline 481 -> 460-471 gen tok/s (-2-4%).
-# Against the server (`tokenmill bench serve --rates 2`) the difference is of
-# the size of the machine's noise: p99 at 2048 188-233 ms over 4 runs, at 160
-# 188-241 over 12 (<= 200 in 5), and 270 once in a slow minute. On a GPU a
-# step's cost grows little with its tokens, so the server keeps 2048 there.
+# Tokens per step: one default offline (LLM, `tokenmill generate`) and a smaller
+# one for `tokenmill serve` on the CPU (engine/arg_utils.py), as vLLM has one for
+# its LLM class and one for its server. A CPU step costs about the same per token
+# from ~128 tokens up while every prompt in it waits for all the others, so a
+# small budget gets first tokens out sooner (docs/perf-notes/contracts.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
-
-
-def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
-    """`tokenmill serve`'s token budget when none is given, for this device: never
-    below max_num_seqs, so every running request can decode in every step (as
-    vLLM requires of any budget)."""
-    if device != "cpu":
-        return DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return max(CPU_SERVE_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how. `model` is a Hugging Face directory, a .gguf file,
-    a hub id, or None for the default model (SmolLM2-135M-Instruct, GGUF)."""
+    a hub id, or None for the default model (SmolLM2-135M-Instruct, GGUF).
+    With `skip_tokenizer_init` no tokenizer is loaded: prompts and outputs are
+    token ids only (vLLM's option)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -56,6 +38,7 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -120,7 +103,9 @@ class CacheConfig:
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
             )
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
-            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+            raise ValueError(
+                f"num_kv_blocks (num_blocks_override) must be >= 1, got {self.num_blocks_override}"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """User-facing request options, named and shaped as vLLM's SamplingParams.
 
 Every field keeps vLLM's name, default and meaning; a bad value raises
-ValueError naming the field and its allowed range. Checks that need the
-model (token ids inside the vocabulary, bad words as token ids) are done by
-the engine when the request is added.
+ParamError (a ValueError) naming the field and its allowed range, so the
+server can answer 400 with that field. Checks that need the model (token ids
+inside the vocabulary) are done by the engine when the request is added.
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ MAX_LOGIT_BIAS = 100.0
 # A seed is a signed 64-bit integer, as in vLLM (torch's generators take it; the
 # extra samples of n > 1 use seed + index, which still fits their unsigned range).
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+
+
+class ParamError(ValueError):
+    """A request option is wrong; `param` names it (as OpenAI's error body does),
+    so nobody has to parse the message for it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def is_integer(value: object) -> bool:
@@ -61,10 +70,6 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words (token sequences) that are never completed
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # `bad_words` as token id sequences; filled in by the engine from its tokenizer.
-    bad_words_token_ids: list[list[int]] = field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -81,8 +86,9 @@ class SamplingParams:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (AttributeError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"logit_bias must map token ids (int) to floats, got {self.logit_bias!r}"
+                raise ParamError(
+                    f"logit_bias must map token ids (int) to floats, got {self.logit_bias!r}",
+                    "logit_bias",
                 ) from e
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
@@ -103,19 +109,19 @@ class SamplingParams:
             if value is None and name not in ("n", "top_k", "min_tokens"):
                 continue
             if not is_integer(value):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+                raise ParamError(f"{name} must be an integer, got {value!r}", name)
             setattr(self, name, int(value))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                      "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise ParamError(f"{name} must be a number, got {value!r}", name)
             setattr(self, name, float(value))
 
     def _verify(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise ParamError(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
 
         check(self.n >= 1, "n", ">= 1")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
@@ -133,48 +139,54 @@ class SamplingParams:
         check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed",
               f"None or an integer in [{MIN_SEED}, {MAX_SEED}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            raise ParamError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                "min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or 0 <= value <= MAX_LOGPROBS, name, f"None or in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise ParamError(f"stop must be a list of non-empty strings, got {self.stop!r}", "stop")
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings need detokenize=True; use stop_token_ids instead")
+            raise ParamError("stop strings need detokenize=True; use stop_token_ids instead", "stop")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+            raise ParamError(
+                f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}", "stop_token_ids"
+            )
         if self.logit_bias is not None:
             bad = {k: v for k, v in self.logit_bias.items()
                    if k < 0 or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
             if bad:
-                raise ValueError(
+                raise ParamError(
                     f"logit_bias must map token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, "
-                    f"{MAX_LOGIT_BIAS:g}], got {bad!r}"
+                    f"{MAX_LOGIT_BIAS:g}], got {bad!r}",
+                    "logit_bias",
                 )
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
         ):
-            raise ValueError(
+            raise ParamError(
                 f"allowed_token_ids must be None or a non-empty list of token ids >= 0, "
-                f"got {self.allowed_token_ids!r}"
+                f"got {self.allowed_token_ids!r}",
+                "allowed_token_ids",
             )
         if self.bad_words is not None and any(
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
-            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            raise ParamError(f"bad_words must be non-empty strings, got {self.bad_words!r}", "bad_words")
         for name in ("stop", "bad_words"):
             for text in getattr(self, name) or []:
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError as e:  # a lone surrogate, as JSON's "\ud800"
-                    raise ValueError(
-                        f"{name} must be valid Unicode text, got {text!r} ({e.reason})"
+                    raise ParamError(
+                        f"{name} must be valid Unicode text, got {text!r} ({e.reason})", name
                     ) from e
         if self.n > 1 and self.greedy:
-            raise ValueError(
-                f"n must be 1 when temperature is 0 (greedy samples are identical), got {self.n}"
+            raise ParamError(
+                f"n must be 1 when temperature is 0 (greedy samples are identical), got {self.n}",
+                "n",
             )
 
     @property

@@ -36,6 +36,7 @@ class ScheduledRequest:
     # can build its per-request state (penalties see the whole prompt, prefix
     # hits included); None on later steps.
     prompt_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words
 
     @property
     def num_tokens(self) -> int:

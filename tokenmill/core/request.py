@@ -41,6 +41,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # the engine tokenizes them
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention)

@@ -152,6 +152,7 @@ class Scheduler:
                     num_computed_tokens=start,
                     block_ids=self.kv.block_ids(request.request_id),
                     sampling_params=request.sampling_params,
+                    bad_words_token_ids=request.bad_words_token_ids,
                     do_sample=start + num_new == request.num_tokens,
                     prompt_token_ids=(
                         request.prompt_token_ids if request.request_id in admitted else None

@@ -5,7 +5,9 @@
     add_request() --- _Add ----> inbox ----> drain at a step boundary:
       awaits acceptance <-- ACCEPTED/error --   engine.add_request()
     abort()  ------- _Abort ---> inbox ----> engine.abort_request()
-                                              engine.step()
+                                              engine.schedule()
+    stats() <------------------------------- scheduler state published
+                                              engine.execute()
     async for out in stream <-- deltas ------ call_soon_threadsafe(queue.put)
 
 The event loop never waits on the engine: commands go through a thread-safe
@@ -109,11 +111,9 @@ class _Loop:
 class AsyncEngine:
     """`engine` is an LLMEngine, or a function that builds one: then it is built
     on the engine thread itself (as `tokenmill serve` does), so that thread is
-    the only one that ever runs OpenMP parallel regions. GNU OpenMP keeps a
-    pool of worker threads per thread that starts regions; with two pools (the
-    loader's and the loop's) on a machine with few cores it stops spinning
-    between regions, and each of the ~300 regions of a step waits for a worker
-    to wake: a decode step at batch 8 took 28 ms instead of 20."""
+    the only one that ever runs OpenMP parallel regions: GNU OpenMP keeps a
+    worker pool per thread that starts regions, and two pools on few cores
+    make every region wait for a worker to wake (docs/perf-notes/contracts.md)."""
 
     def __init__(
         self, engine: LLMEngine | Callable[[], LLMEngine], idle_poll_s: float = 0.5
@@ -132,7 +132,6 @@ class AsyncEngine:
             try:
                 self.engine = engine if isinstance(engine, LLMEngine) else engine()
                 self._stats: SchedulerStats = self.engine.stats()
-                self.engine.on_scheduled = self._publish_stats
             except BaseException as e:  # raised again by the constructor
                 failure.append(e)
                 return
@@ -272,15 +271,6 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self._loop()
-        finally:
-            # The one reference cycle (engine -> on_scheduled -> self): both were
-            # alive when the engine froze the heap (process_settings.freeze_gc_heap), so
-            # the collector would never free them.
-            self.engine.on_scheduled = None
-
-    def _loop(self) -> None:
-        try:
             while True:
                 if not self._iteration():
                     break
@@ -369,7 +359,10 @@ class AsyncEngine:
         state = self._state
         start = time.monotonic()
         try:
-            outputs = self.engine.step()
+            scheduled = self.engine.schedule()
+            # Published before the model runs: a long step shows its requests as running.
+            self._stats = self.engine.stats()
+            result = self.engine.execute(scheduled)
         except Exception:
             logger.exception(
                 "an engine step failed; failing the %d requests in flight", len(state.streams)
@@ -377,13 +370,12 @@ class AsyncEngine:
             self._fail_all(EngineError("internal error in the engine; the request was aborted"))
             return
         now = time.monotonic()
-        for core_id in self.engine.last_step.scheduled_req_ids:
-            # The samples of an n > 1 request run as "{index}_{request_id}".
-            tracker = state.trackers.get(core_id) or state.trackers.get(core_id.partition("_")[2])
+        for request_id in result.stats.first_scheduled_req_ids:
+            tracker = state.trackers.get(request_id)
             if tracker is not None and tracker.first_scheduled_time is None:
                 tracker.first_scheduled_time = start
                 stats.queue_times_s.append(start - tracker.arrival_time)
-        for out in outputs:
+        for out in result.outputs:
             stream = state.streams.get(out.request_id)
             tracker = state.trackers.get(out.request_id)
             if stream is None or tracker is None:
@@ -431,9 +423,6 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add):
                 command.stream.put(EngineDeadError("the engine is shutting down"))
-        self._stats = self.engine.stats()
-
-    def _publish_stats(self) -> None:
         self._stats = self.engine.stats()
 
     def _log(self, stats: IterationStats) -> None:

@@ -9,58 +9,44 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from tokenmill.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.process_settings import apply_process_settings as apply_settings
 from tokenmill.outputs import GenerateStats, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import ChatMessage, Tokenizer
 
 
 class LLM:
+    """`LLM(model, **engine_args)`: the keyword arguments are EngineArgs' fields
+    (engine/arg_utils.py), e.g. dtype, max_num_seqs, kv_cache_memory_bytes.
+
+    `apply_process_settings` (default True) freezes the garbage collector's heap
+    and keeps freed memory in glibc's malloc once the model is loaded
+    (engine/process_settings.py): right for a process that exists to run this
+    LLM; pass False when the LLM is a guest in a larger program, since both
+    change the whole process. `check_integrity` checks the KV cache's
+    bookkeeping after every step (for tests)."""
+
     def __init__(
         self,
         model: str | None = None,
         *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "cpu",
-        seed: int = 0,
-        block_size: int = 16,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
+        apply_process_settings: bool = True,
         check_integrity: bool = False,
-        skip_tokenizer_init: bool = False,
+        **engine_args: Any,
     ) -> None:
-        self.engine = LLMEngine(
-            ModelConfig(
-                model=model, tokenizer=tokenizer, dtype=dtype, device=device,
-                max_model_len=max_model_len, seed=seed,
-            ),
-            CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_blocks_override=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                policy=scheduling_policy,
-            ),
-            check_integrity=check_integrity,
-            skip_tokenizer_init=skip_tokenizer_init,
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(model=model, **engine_args), check_integrity=check_integrity
         )
+        if apply_process_settings:
+            apply_settings()
         self.last_generate_stats = GenerateStats()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLM:
+        """`kwargs`: apply_process_settings, check_integrity."""
+        return cls(**dataclasses.asdict(engine_args), **kwargs)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
@@ -186,15 +172,15 @@ class LLM:
         stats = self.last_generate_stats = GenerateStats()
         try:
             while pending:
-                step_outputs = engine.step()
-                step = engine.last_step
+                result = engine.step()
+                step = result.stats
                 stats.num_steps += 1
                 stats.num_computed_tokens += step.num_scheduled_tokens
                 stats.num_scheduled_reqs += step.num_scheduled_reqs
                 stats.num_preemptions += step.num_preempted
-                for name, seconds in step.phase_s.items():
-                    stats.phase_s[name] = stats.phase_s.get(name, 0.0) + seconds
-                for out in step_outputs:
+                for phase, seconds in step.phase_s.items():
+                    stats.phase_s[phase.value] = stats.phase_s.get(phase.value, 0.0) + seconds
+                for out in result.outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         final[out.request_id] = out

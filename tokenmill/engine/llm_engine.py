@@ -1,6 +1,7 @@
 """LLMEngine: the only place where the scheduler, the model runner and the
 tokenizer meet. One call to `step()` is one iteration of continuous batching:
-schedule, run the model, update requests, detokenize, hand out outputs."""
+schedule, run the model, update requests, detokenize; it returns the outputs
+and what the step did together (StepResult)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,28 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig
+from tokenmill.core.contracts import SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
+from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.parallel_sampling import ParentRequest, child_params, child_request_id
-from tokenmill.engine.process_settings import freeze_gc_heap, keep_freed_memory
+from tokenmill.engine.parallel_sampling import fan_out
 from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
-from tokenmill.outputs import RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams, is_integer
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import ParamError, SamplingParams, is_integer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.step_timer import StepPhase
 
 logger = logging.getLogger("tokenmill")
 
@@ -37,23 +40,43 @@ PromptType: TypeAlias = str | dict[str, Any]
 
 @dataclass
 class StepStats:
+    """What one step did."""
+
     num_scheduled_tokens: int
     num_scheduled_reqs: int
     num_preempted: int
-    scheduled_req_ids: tuple[str, ...] = ()  # for queue-time metrics (AsyncEngine)
-    # Seconds in each part of the step: schedule, prepare_inputs, forward, head,
-    # sample, update, detokenize (worker/step_timer.py).
-    phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Callers' request ids (a parent's for n > 1) scheduled for the first time in
+    # this step, for queue-time metrics.
+    first_scheduled_req_ids: tuple[str, ...] = ()
+    # Seconds in each part of the step (worker/step_timer.py).
+    phase_s: dict[StepPhase, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]
+    stats: StepStats
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """What `schedule()` chose, for `execute()` to run."""
+
+    scheduler_output: SchedulerOutput
+    first_scheduled_req_ids: tuple[str, ...]
 
 
 class LLMEngine:
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, check_integrity: bool = False) -> LLMEngine:
+        return cls(*engine_args.create_engine_configs(), check_integrity=check_integrity)
+
     def __init__(
         self,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         check_integrity: bool = False,
-        skip_tokenizer_init: bool = False,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -71,7 +94,7 @@ class LLMEngine:
         # Without a tokenizer (vLLM's skip_tokenizer_init) prompts must be token ids
         # and outputs carry token ids only.
         self.tokenizer: Tokenizer | None = None
-        if not skip_tokenizer_init:
+        if not model_config.skip_tokenizer_init:
             self.tokenizer = Tokenizer.load(model_config.tokenizer or self.source.path)
         eos = set(spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -93,12 +116,7 @@ class LLMEngine:
         self.max_model_len = self.scheduler.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.last_step = StepStats(0, 0, 0)
-        # Called inside step() right after scheduling (AsyncEngine publishes its stats
-        # there, so a long step shows its requests as running, not waiting).
-        self.on_scheduled: Callable[[], None] | None = None
-        keep_freed_memory()
-        freeze_gc_heap()
+        self._scheduled_step: ScheduledStep | None = None  # scheduled, not executed yet
 
     # ---- requests ---------------------------------------------------------------
 
@@ -117,19 +135,23 @@ class LLMEngine:
             except TypeError:  # not iterable
                 ok = False
             if not ok:
-                raise ValueError(f"prompt_token_ids must be a list of integers, got {raw!r:.80}")
+                raise ParamError(
+                    f"prompt_token_ids must be a list of integers, got {raw!r:.80}", "prompt"
+                )
             ids = [int(t) for t in raw]
             bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
             if bad:
-                raise ValueError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})"
+                raise ParamError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})",
+                    "prompt",
                 )
             return prompt.get("prompt"), ids
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return self.tokenize_prompt(prompt["prompt"])
-        raise ValueError(
+        raise ParamError(
             "a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'); "
-            f"got {type(prompt).__name__}"
+            f"got {type(prompt).__name__}",
+            "prompt",
         )
 
     def new_request_id(self) -> str:
@@ -146,15 +168,16 @@ class LLMEngine:
         """Queue a request; raises ValueError (with what to do) if it can never run.
         With params.n > 1 it runs as n child requests (see parallel_sampling.py)."""
         if not is_integer(priority):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ParamError(f"priority must be an integer, got {priority!r}", "priority")
         priority = int(priority)
         if priority != 0 and self.scheduler.config.policy != "priority":
-            raise ValueError(
+            raise ParamError(
                 f"priority {priority} needs scheduling_policy='priority' (this engine's is "
-                f"{self.scheduler.config.policy!r}); start the engine with it, or leave priority at 0"
+                f"{self.scheduler.config.policy!r}); start the engine with it, or leave priority at 0",
+                "priority",
             )
         text, prompt_ids = self.tokenize_prompt(prompt)
-        params = self.resolve_params(params)
+        params, bad_words_token_ids = self.resolve_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
         def request(core_id: str, core_params: SamplingParams) -> Request:
@@ -162,6 +185,7 @@ class LLMEngine:
                 request_id=core_id,
                 prompt_token_ids=prompt_ids,
                 sampling_params=core_params,
+                bad_words_token_ids=bad_words_token_ids,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 priority=priority,
@@ -171,42 +195,39 @@ class LLMEngine:
             self.scheduler.add_request(request(request_id, params))
             self.output_processor.add_request(request_id, text, prompt_ids, params, arrival)
             return
-        if request_id in self.output_processor.parents:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        children = [(child_request_id(request_id, i), child_params(params, i))
-                    for i in range(params.n)]
-        parent = ParentRequest(
-            request_id, text, prompt_ids, params, RequestMetrics(arrival_time=arrival),
-            [child_id for child_id, _ in children],
-        )
-        for i, (child_id, p) in enumerate(children):
+        children = fan_out(request_id, params)
+        for child_id, child_params in children:
             # The children share one prompt: if the first is admitted, all are.
-            self.scheduler.add_request(request(child_id, p))
-            self.output_processor.add_request(
-                child_id, text, prompt_ids, p, arrival, parent=parent, index=i
-            )
-        self.output_processor.add_parent(parent)
+            self.scheduler.add_request(request(child_id, child_params))
+        self.output_processor.add_parent_request(
+            request_id, text, prompt_ids, params, arrival, children
+        )
 
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+    def resolve_params(self, params: SamplingParams) -> tuple[SamplingParams, list[list[int]]]:
         """Our own copy of the request's options, checked against the model's
-        vocabulary and tokenizer (ValueError naming the field otherwise)."""
+        vocabulary and tokenizer (ParamError naming the field otherwise), and its
+        bad words as token id sequences (what the sampler bans)."""
         params = dataclasses.replace(params)
         vocab = self.spec.vocab_size
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             ids = list(getattr(params, name) or [])
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise ValueError(
-                    f"{name} holds token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+                raise ParamError(
+                    f"{name} holds token ids {bad[:5]} outside the vocabulary [0, {vocab})", name
                 )
         if (params.stop or params.bad_words) and self.tokenizer is None:
-            raise ValueError(
+            raise ParamError(
                 "stop strings and bad_words need a tokenizer (this engine has "
-                "skip_tokenizer_init); use stop_token_ids / logit_bias instead"
+                "skip_tokenizer_init); use stop_token_ids / logit_bias instead",
+                "stop" if params.stop else "bad_words",
             )
+        bad_words_token_ids: list[list[int]] = []
         if params.bad_words and self.tokenizer is not None:
-            params.bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
-        return params
+            bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
+        return params, bad_words_token_ids
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort requests (between steps); their blocks are freed at once."""
@@ -227,35 +248,51 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        # Each part's wall time goes to last_step.phase_s, and its label to torch.profiler
+    def step(self) -> StepResult:
+        return self.execute(self.schedule())
+
+    # step() in two halves, so that AsyncEngine can publish the scheduler's state
+    # between them (a long step then shows its requests as running). Every
+    # schedule() must be followed by exactly one execute() of what it returned.
+
+    def schedule(self) -> ScheduledStep:
+        assert self._scheduled_step is None, "execute() the last schedule() first"
+        # Each part's wall time goes to StepStats.phase_s, and its label to torch.profiler
         # (`tokenmill bench throughput --profile` reports both).
-        timer = self.runner.timer
-        with timer.phase("schedule"):
+        with self.runner.timer.phase(StepPhase.SCHEDULE):
             scheduler_output = self.scheduler.schedule()
             now = time.monotonic()
+            first_scheduled = []
             for scheduled in scheduler_output.scheduled:
                 if scheduled.prompt_token_ids is not None:  # admitted in this step
-                    self.output_processor.mark_scheduled(scheduled.request_id, now)
-        if self.on_scheduled is not None:
-            self.on_scheduled()
+                    request_id = self.output_processor.mark_scheduled(scheduled.request_id, now)
+                    if request_id is not None:
+                        first_scheduled.append(request_id)
+        self._scheduled_step = ScheduledStep(scheduler_output, tuple(first_scheduled))
+        return self._scheduled_step
+
+    def execute(self, step: ScheduledStep) -> StepResult:
+        assert step is self._scheduled_step, "execute() runs what the last schedule() returned"
+        self._scheduled_step = None
+        timer = self.runner.timer
+        scheduler_output = step.scheduler_output
         runner_output = self.runner.execute(scheduler_output)
-        with timer.phase("update"):
+        with timer.phase(StepPhase.UPDATE):
             core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        with timer.phase("detokenize"):
+        with timer.phase(StepPhase.DETOKENIZE):
             outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.last_step = StepStats(
+        stats = StepStats(
             num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
             num_scheduled_reqs=len(scheduler_output.scheduled),
             num_preempted=len(scheduler_output.preempted_req_ids),
-            scheduled_req_ids=tuple(r.request_id for r in scheduler_output.scheduled),
+            first_scheduled_req_ids=step.first_scheduled_req_ids,
             phase_s=timer.take(),
         )
         if self.check_integrity:
             self.scheduler.check_integrity()
-        return outputs
+        return StepResult(outputs, stats)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -13,7 +13,9 @@ A request stopped by EOS or a stop token id does not show that token's text,
 unless include_stop_str_in_output.
 
 Requests with n > 1 arrive here as n children (see parallel_sampling.py) and
-leave as one RequestOutput per step under the parent's id.
+leave as one RequestOutput per step under the parent's id. This class keeps the
+map between a parent and its children: everyone else asks it
+(`core_request_ids`, `mark_scheduled`) rather than parsing the children's ids.
 """
 
 from __future__ import annotations
@@ -107,17 +109,44 @@ class OutputProcessor:
             index=index,
         )
 
-    def add_parent(self, parent: ParentRequest) -> None:
-        self.parents[parent.request_id] = parent
+    def add_parent_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        children: list[tuple[str, SamplingParams]],
+    ) -> None:
+        """A request with n > 1, run as `children` (their ids and options)."""
+        parent = ParentRequest(
+            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time=arrival_time),
+            [child_id for child_id, _ in children],
+        )
+        for index, (child_id, child_params) in enumerate(children):
+            self.add_request(child_id, prompt, prompt_token_ids, child_params, arrival_time,
+                             parent=parent, index=index)
+        self.parents[request_id] = parent
 
-    def mark_scheduled(self, request_id: str, now: float) -> None:
-        """The request (a child: and its parent) ran for the first time at `now`."""
-        state = self.states.get(request_id)
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.parents
+
+    def mark_scheduled(self, core_request_id: str, now: float) -> str | None:
+        """The request (a child: and its parent) ran at `now`. Returns the caller's id
+        when this is its first time (for queue-time metrics), else None."""
+        state = self.states.get(core_request_id)
         if state is None:
-            return
-        for metrics in (state.metrics, state.parent.metrics if state.parent else None):
-            if metrics is not None and metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            return None
+        first = state.metrics.first_scheduled_time is None
+        if first:
+            state.metrics.first_scheduled_time = now
+        parent = state.parent
+        if parent is None:
+            return state.request_id if first else None
+        if parent.metrics.first_scheduled_time is None:
+            parent.metrics.first_scheduled_time = now
+            return parent.request_id
+        return None
 
     def core_request_ids(self, request_id: str) -> list[str]:
         """The scheduler's ids for a request: its children's for n > 1."""

@@ -1,7 +1,8 @@
 """`n > 1` by fan-out, as vLLM v1 does it.
 
 A request with n samples becomes n child requests with the same prompt,
-ids "{index}_{request_id}". Children admitted together share the prompt's
+ids "{index}_{request_id}" (only made here, never parsed: the output
+processor keeps the map from child to parent). Children admitted together share the prompt's
 full KV blocks through the prefix cache (a block is registered when it is
 allocated, so the second child already hits the first one's blocks), and each
 continues on its own blocks. Their outputs are folded back here into one
@@ -34,14 +35,17 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = params.seed
     if seed is not None:
         seed = (seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
-    child = dataclasses.replace(
+    return dataclasses.replace(
         params,
         n=1,
         seed=seed,
         prompt_logprobs=params.prompt_logprobs if index == 0 else None,
     )
-    child.bad_words_token_ids = params.bad_words_token_ids
-    return child
+
+
+def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The (id, options) of each of a request's n samples."""
+    return [(child_request_id(request_id, i), child_params(params, i)) for i in range(params.n)]
 
 
 @dataclass

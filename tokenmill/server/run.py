@@ -4,7 +4,6 @@ them), stop the engine loop, return 0."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 from types import FrameType
@@ -13,6 +12,7 @@ import uvicorn
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.process_settings import apply_process_settings
 from tokenmill.server.app import build_app
 
 logger = logging.getLogger("tokenmill")
@@ -22,12 +22,9 @@ def run_server(
     engine: AsyncEngine, config: ServerConfig, graceful_shutdown_timeout_s: float = 30.0
 ) -> int:
     app = build_app(engine, config)
-    # What is built by now (model, tokenizer, app) lives as long as the server:
-    # frozen, a full collection no longer walks it. With the default model loaded
-    # that is ~346k objects and 175 ms a full collection (every request in flight
-    # would wait that long) -> ~0 ms. vLLM freezes its heap after start-up too.
-    gc.collect()
-    gc.freeze()
+    # The server is the whole process: its long-lived heap (model, tokenizer, app)
+    # is frozen and freed memory kept (engine/process_settings.py says why).
+    apply_process_settings()
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info",
         timeout_graceful_shutdown=int(graceful_shutdown_timeout_s),

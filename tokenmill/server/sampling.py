@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import SamplingFields
 
@@ -74,6 +74,4 @@ def build_sampling_params(
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        message = str(e)
-        first_word = message.split(" ", 1)[0]
-        raise APIError(400, message, param=first_word if first_word in PARAM_FIELDS else None) from e
+        raise APIError(400, str(e), param=e.param if isinstance(e, ParamError) else None) from e

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
 
 T = TypeVar("T")
@@ -125,11 +125,9 @@ class Serving:
             # has not started): abort the queued requests by id.
             for i in range(len(streams)):
                 self.engine.abort(f"{request_id}-{i}")
-            if isinstance(e, ValueError):  # the engine's messages start with the field
-                first_word = str(e).split(" ", 1)[0]
-                raise APIError(400, str(e), param=first_word if first_word in (
-                    "prompt", "priority", "stop_token_ids", "allowed_token_ids", "logit_bias")
-                    else None) from e
+            if isinstance(e, ValueError):
+                param = e.param if isinstance(e, ParamError) else None
+                raise APIError(400, str(e), param=param) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
             if isinstance(e, EngineError):

@@ -29,7 +29,7 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
-from tokenmill.worker.step_timer import StepTimer
+from tokenmill.worker.step_timer import StepPhase, StepTimer
 
 logger = logging.getLogger("tokenmill")
 
@@ -116,7 +116,7 @@ class ModelRunner:
         # Decodes first: the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1)
         states = [self._state(r) for r in reqs]
-        with self.timer.phase("prepare_inputs"):
+        with self.timer.phase(StepPhase.PREPARE_INPUTS):
             input_ids, positions, meta = self._prepare_inputs(reqs)
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
         rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], dtype=torch.int64,
@@ -128,7 +128,7 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
         ]
         all_rows = bool(wants_prompt_logprobs) or len(sample) == input_ids.shape[0]  # (decodes)
-        with self.timer.phase("forward"):
+        with self.timer.phase(StepPhase.FORWARD):
             hidden = self.forward(input_ids, positions, self.kv_caches, meta,
                                 output_rows=None if all_rows else rows)
 
@@ -141,10 +141,10 @@ class ModelRunner:
             hidden = hidden[rows]
         # (Else with all rows, every request is sampled and has one row: rows is 0..n-1,
         # and the hidden states are already the sampled ones, in order.)
-        with self.timer.phase("head", label=False):  # (compute_logits labels itself)
+        with self.timer.phase(StepPhase.HEAD, label=False):  # (compute_logits labels itself)
             logits = self.forward.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
-        with self.timer.phase("sample"):
+        with self.timer.phase(StepPhase.SAMPLE):
             out = self.sampler(logits, sample_states, self.eos_token_ids)
         prompt_logprobs: list[list[TokenLogprobs] | None] = []
         for state, token_id in zip(sample_states, out.token_ids, strict=True):
@@ -169,7 +169,7 @@ class ModelRunner:
             assert r.prompt_token_ids is not None, f"{r.request_id}: first scheduled without prompt"
             state = CachedRequestState.create(
                 r.request_id, r.prompt_token_ids, r.sampling_params, self.spec.vocab_size,
-                self.device,
+                self.device, r.bad_words_token_ids,
             )
             self.requests[r.request_id] = state
         return state

@@ -27,6 +27,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests only
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     # Penalties only (kept sparse: a request sees far fewer tokens than the vocab):
     # the distinct tokens of prompt + output, and how often each was sampled.
@@ -46,12 +47,13 @@ class CachedRequestState:
         params: SamplingParams,
         vocab_size: int,
         device: torch.device,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> CachedRequestState:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
-        state = cls(request_id, list(prompt_token_ids), params, generator)
+        state = cls(request_id, list(prompt_token_ids), params, generator, bad_words_token_ids or [])
         if params.has_penalties:
             state._seen = {t for t in prompt_token_ids if t < vocab_size}
             state.seen_token_ids = sorted(state._seen)

@@ -146,7 +146,7 @@ def banned_tokens(
     for i, state in enumerate(states):
         params = state.params
         output = state.output_token_ids
-        for word in params.bad_words_token_ids:
+        for word in state.bad_words_token_ids:
             prefix = word[:-1]
             if not prefix or output[len(output) - len(prefix) :] == prefix:
                 rows.append(i)

@@ -1,0 +1,113 @@
+"""EngineArgs: the engine's options in one place, named as vLLM's.
+
+`LLM`, `tokenmill generate` and `tokenmill serve` all build their configs
+through it, so an option has one name, one default and one check everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from tokenmill.config import (
+    CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    SCHEDULING_POLICIES,
+    SUPPORTED_DTYPES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory, .gguf file or hub id; None: the default model
+    tokenizer: str | None = None  # default: the model's own
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 128
+    # None: the entry point's default (offline: DEFAULT_MAX_NUM_BATCHED_TOKENS;
+    # the server: see with_serve_defaults).
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    skip_tokenizer_init: bool = False
+
+    def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
+        budget = self.max_num_batched_tokens
+        return (
+            ModelConfig(
+                model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                device=self.device, max_model_len=self.max_model_len, seed=self.seed,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+            ),
+            CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_blocks_override=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget,
+                policy=self.scheduling_policy,
+            ),
+        )
+
+    def with_serve_defaults(self) -> EngineArgs:
+        """These options with the server's defaults where none was given: on the CPU
+        a smaller token budget, for time to first token (config.py says why)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return dataclasses.replace(
+            self, max_num_batched_tokens=serve_max_num_batched_tokens(self.device, self.max_num_seqs)
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """The options as flags: `--max-num-seqs` for max_num_seqs, and so on."""
+        parser.add_argument("--model", default=None,
+                            help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--tokenizer", default=None, help="default: the model's own")
+        parser.add_argument("--dtype", default="auto", choices=SUPPORTED_DTYPES)
+        parser.add_argument("--device", default="cpu", help="cpu or cuda")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--max-num-seqs", type=int, default=128)
+        parser.add_argument(
+            "--max-num-batched-tokens", type=int, default=None,
+            help=f"tokens per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}; `serve` on the CPU: "
+                 f"{CPU_SERVE_MAX_NUM_BATCHED_TOKENS} or max_num_seqs if larger, for time to "
+                 "first token)")
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        parser.add_argument("--num-kv-blocks", type=int, default=None,
+                            help="KV cache blocks (default: sized from --kv-cache-memory-bytes)")
+        parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                            action="store_false")
+        parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+        parser.add_argument("--skip-tokenizer-init", action="store_true",
+                            help="no tokenizer: prompts and outputs are token ids")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options parsed by a parser that add_cli_args filled."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
+    """The server's token budget when none is given, for this device: never below
+    max_num_seqs, so every running request can decode in every step (as vLLM
+    requires of any budget)."""
+    if device != "cpu":
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(CPU_SERVE_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
