@@ -171,9 +171,8 @@ def plain_chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
 def _backend_decode(hf: Any) -> Any:
     """The Rust tokenizer's own decode where transformers' decode is exactly it
     (a fast tokenizer with the stock _decode and no clean-up of spaces), else
-    None. It skips transformers' Python layers: Tokenizer.decode 3.4 -> 2.3 us
-    a call with the default model (the Rust call alone 1.3), and the detokenizer calls it twice per token of every
-    running request each step (0.6 ms of a B=64 decode step on a Zen 5)."""
+    None. It skips transformers' Python layers, about a third of a call: the
+    detokenizer calls it twice per token of every running request each step."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
@@ -239,9 +238,9 @@ def _gguf_tokenizer(path: str) -> Any:
     """transformers' tokenizer for a GGUF file. For a llama-architecture file
     (all tokenmill serves from GGUF) it is built the way AutoTokenizer builds
     it, minus AutoTokenizer's first step: to pick the tokenizer class that step
-    reads the file's whole metadata through the gguf package's reader (3.5 s of
-    AutoTokenizer's 3.9 s for the default model on the Zen 5 of BENCHMARKS.md,
-    against 0.3 s without it), and for model type "llama" the class it picks is
+    reads the file's whole metadata through the gguf package's reader (most of
+    AutoTokenizer's time: docs/perf-notes.md, start-up), and for model type
+    "llama" the class it picks is
     TokenizersBackend. Other architectures, folders with a tokenizer_config.json
     of their own (which can name another class), and transformers versions
     without the fast metadata reader still go through AutoTokenizer."""

@@ -20,14 +20,12 @@ The no-overlap bound is the limit of a step that runs its two phases one
 after the other, each at its own ceiling: the projections (max(weight bytes /
 bandwidth, their FLOPs / matmul rate)) and then attention (max(K/V bytes /
 bandwidth, its FLOPs / matmul rate)). A step under it must overlap attention's
-reads with the projections' arithmetic; tokenmill's CPU step does not (two
-cores, no SMT, and prefetching the next layer's K/V during the projections
-measured slower on a Zen 3: see csrc/layer_stack.cpp), so on such a machine
-this bound, not the roofline, is what the step can approach. (The
-machine's speed moves from minute to minute on a shared VM: read bandwidth
-sampled here ranged 18-34 GB/s over half a minute, so the ceilings and the
-steps are measured back to back, each ceiling before and after a batch's
-steps, the higher kept.)
+reads with the projections' arithmetic; tokenmill's CPU step does not (on two
+cores without SMT, prefetching the next layer's K/V during the projections
+made steps slower: docs/perf-notes.md), so there this bound, not the roofline,
+is what the step can approach. A shared VM's speed moves from minute to
+minute, so the ceilings and the steps are measured back to back, each ceiling
+before and after a batch's steps, the higher kept.
 """
 
 from __future__ import annotations
@@ -144,9 +142,7 @@ def main_roofline(args: argparse.Namespace) -> int:
         decode_step_s(2)  # warm-up
         step_seconds[batch] = min(decode_step_s(args.steps) for _ in range(2))
         # Measured again after the steps, the better kept: a ceiling is the best
-        # the machine shows, and a slow spell while measuring only lowers it (one
-        # on a Zen 3 gave 86 GFLOP/s at batch 128 where 144 is usual, and a step
-        # "under" the bound).
+        # the machine shows, and a slow spell while measuring only lowers it.
         rate = rates[batch] = max(rate, llm.matmul_rate(batch))
         bandwidth = max(bandwidth, measure_read_bandwidth())
         print(f"batch {batch}: matmul {rate:.0f} GFLOP/s", file=sys.stderr)

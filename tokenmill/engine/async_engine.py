@@ -53,7 +53,7 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (shut down, or broken beyond recovery)."""
 
 
-_ACCEPTED = object()  # first item on a stream once engine.add_request() succeeded
+_ACCEPTED = object()  # first item on a stream once engine.add_request() accepted the request
 _Item = object  # a RequestOutput, an exception to raise, or _ACCEPTED
 
 

@@ -1,9 +1,8 @@
 """A GGUF file's metadata and tensors (llama.cpp's format, versions 2 and 3).
 
 The gguf package's GGUFReader keeps a numpy view for every part of every
-value, which for a vocabulary's strings is slow: 2.6-2.9 s for SmolLM2's 49152
-tokens and 48900 merges on the Zen 5 of BENCHMARKS.md, against 0.09 s for
-this reader, which decodes each value once into plain Python. Tensors are
+value, which for a vocabulary's strings takes seconds; this reader decodes
+each value once into plain Python (docs/perf-notes.md, start-up). Tensors are
 views of the memory-mapped file in the layout GGUFReader gives them (dims
 reversed to row-major; quantized types as uint8 rows of blocks), so that
 `gguf.quants.dequantize` takes them as they are.

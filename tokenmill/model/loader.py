@@ -79,8 +79,8 @@ def resolve_dtype(
     float16 kernels are slow and overflow-prone); float32 if the config is silent.
     On a CPU without bf16 arithmetic (no AVX512-BF16 or AMX: e.g. AMD Zen 3, or
     any AVX2-only x86), "auto" gives float32 instead of bfloat16: there every bf16
-    matmul is converted in software (torch, 2 Zen 3 cores: 15 GFLOP/s in bf16
-    against ~60-90 in float32). `cpu_bf16`: whether it has them (None: ask torch)."""
+    matmul is converted in software, several times slower than float32
+    (docs/perf-notes.md). `cpu_bf16`: whether it has them (None: ask torch)."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if source.kind == "gguf" or hf_config_dtype in ("float16", "bfloat16"):
@@ -306,8 +306,8 @@ def _longer_rows(data: np.ndarray, group_bytes: int = 1 << 22) -> np.ndarray:
     """Quantized rows regrouped k at a time into longer ones (up to ~group_bytes
     for the 16 rows gguf.quants dequantizes a call). Its calls on rows of a few
     hundred values are mostly overhead; the blocks are independent and stored
-    in order, so longer rows give the same values in the same order: the
-    default model's tensors 0.51 -> 0.22-0.27 s on the Zen 5 of BENCHMARKS.md."""
+    in order, so longer rows give the same values in the same order, about
+    twice as fast for the default model (docs/perf-notes.md, start-up)."""
     if data.dtype != np.uint8 or data.ndim == 0:
         return data  # float types are views, not blocks
     rows = data.reshape(-1, data.shape[-1])
