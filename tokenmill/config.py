@@ -20,7 +20,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # one for `tokenmill serve` on the CPU (engine/arg_utils.py), as vLLM has one for
 # its LLM class and one for its server. A CPU step costs about the same per token
 # from ~128 tokens up while every prompt in it waits for all the others, so a
-# small budget gets first tokens out sooner (docs/perf-notes/contracts.md).
+# small budget gets first tokens out sooner (docs/perf-notes.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
 

@@ -113,7 +113,7 @@ class AsyncEngine:
     on the engine thread itself (as `tokenmill serve` does), so that thread is
     the only one that ever runs OpenMP parallel regions: GNU OpenMP keeps a
     worker pool per thread that starts regions, and two pools on few cores
-    make every region wait for a worker to wake (docs/perf-notes/contracts.md)."""
+    make every region wait for a worker to wake (docs/perf-notes.md)."""
 
     def __init__(
         self, engine: LLMEngine | Callable[[], LLMEngine], idle_poll_s: float = 0.5

@@ -1,7 +1,7 @@
 """Process-wide settings for a long-lived engine, applied by the entry points
 that want them (`LLM` unless told not to, the server), never by building an
 engine: they change the whole process, the caller's objects included.
-Measurements: docs/perf-notes/contracts.md."""
+Measurements: docs/perf-notes.md."""
 
 from __future__ import annotations
 

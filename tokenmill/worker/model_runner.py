@@ -42,7 +42,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     On the CPU an anonymous map on huge pages, every page faulted in now: the
     attention kernel reads the cache in long streams, slower on 4 KiB pages,
     and a page first touched inside a step stalls that step; vLLM and
-    llama.cpp fill their caches at start too (docs/perf-notes/cpu-backend.md)."""
+    llama.cpp fill their caches at start too (docs/perf-notes.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return mapped_zeros(shape, dtype, populate=True)

@@ -17,7 +17,7 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = Fa
     """A zero-filled CPU tensor on an anonymous memory map that asks for
     transparent huge pages (MADV_HUGEPAGE; Linux's default THP mode gives them
     only where asked): streams over 4 KiB pages read markedly slower
-    (docs/perf-notes/cpu-backend.md). The OS zero-fills pages on first touch,
+    (docs/perf-notes.md). The OS zero-fills pages on first touch,
     so an unused part costs no memory, unless `populate` faults them all in
     now (populate_pages)."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

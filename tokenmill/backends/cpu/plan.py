@@ -321,7 +321,7 @@ def threads() -> int:
 # Split the rows between threads only from this many rows a thread for each
 # byte of a weight (16 rows in bf16, 32 in float32): a split thread reads all
 # of the weights for itself, which pays only once each weight serves enough
-# rows (docs/perf-notes/cpu-backend.md).
+# rows (docs/perf-notes.md).
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 

@@ -82,7 +82,7 @@ bool avx512_bf16(const at::Tensor& x) {
 // needs too: avx512_bf16; the Zen 3 is family 25 without it). On a Zen 5
 // (family 26) it cost instead: the projections of a few dozen rows are bound
 // by reading their weights there, and the extra K/V traffic slows them. Other
-// CPUs (not measured) go without (docs/perf-notes/cpu-backend.md).
+// CPUs (not measured) go without (docs/perf-notes.md).
 bool kv_prefetch_pays() {
   static const bool pays = [] {
 #if defined(__x86_64__) || defined(__i386__)
@@ -276,7 +276,7 @@ at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor p
   // decode-only steps (no two queries of one request) of 8 to kPrefetchMaxRows
   // rows. (Not with dynamic teams: a team smaller than the one whose pointers
   // were set could leave a thread's pointer behind.) Not in float32 on AVX2,
-  // where it cost (docs/perf-notes/cpu-backend.md).
+  // where it cost (docs/perf-notes.md).
   const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
   bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on() &&
@@ -331,7 +331,7 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
   // The next layer's K/V asked for during each layer's projections
   // (kv_prefetch.h) where a layer's K/V (all threads') fits 3/4 of L3 and a
   // thread has at most kPrefetchMaxRows rows, in bf16 on CPUs where it pays
-  // (kv_prefetch_pays; float32 goes without: docs/perf-notes/cpu-backend.md).
+  // (kv_prefetch_pays; float32 goes without: docs/perf-notes.md).
   const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, s.layers, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);

@@ -71,7 +71,7 @@ struct GemmArgs {
 // inside it cost 12% at 64+ rows). The AVX2 build unrolls the steps by 4: its
 // step is ~25 instructions for 12 FMAs, and the loop's own compare, branch
 // and increments were a sixth of them. The AVX-512 build keeps its loop
-// as it was measured (docs/perf-notes/cpu-backend.md).
+// as it was measured (docs/perf-notes.md).
 #if TOKENMILL_GEMM_BF16
 #define TOKENMILL_K_UNROLL _Pragma("GCC unroll 1")
 #else
@@ -260,7 +260,7 @@ inline __m256 load_bf16(const uint16_t* p) {
 // (exact: two bf16 make a float32 product). The two halves of a step take
 // their weights in turn, so that 12 accumulators, 2 weight vectors and a
 // broadcast fit the 16 registers. (Widening a group's weights once into a
-// float32 scratch for all its tiles was slower: docs/perf-notes/cpu-backend.md.)
+// float32 scratch for all its tiles was slower: docs/perf-notes.md.)
 // The steps are written out in full on purpose: shared lambdas for the
 // prefetch feed or the FMA rows moved accumulators onto the stack (objdump:
 // vfmadd213ps from (%rsp) in the K loop); the bf16 SILU tile runs at most 5
@@ -421,13 +421,13 @@ constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below;
 // The next group's weights (pf: a pointer a block, or null) are prefetched meanwhile.
 // The switch over tile sizes is written out in each build on purpose: one
 // shared helper calling a generic lambda per size changed GCC's inlining of
-// the tiles and slowed the AVX2 bf16 SiLU matmul (docs/perf-notes/cpu-backend.md).
+// the tiles and slowed the AVX2 bf16 SiLU matmul (docs/perf-notes.md).
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
 void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
   constexpr int MT = 6;
 #if !TOKENMILL_GEMM_BF16
   // AVX2: in address order, one line every `every` steps spread over all the
-  // tiles (faster than a strided stream: docs/perf-notes/cpu-backend.md).
+  // tiles (faster than a strided stream: docs/perf-notes.md).
   // The next group's kGroupBlocks * steps lines over this group's tiles * NB * steps.
   // SILU: the next group's gate blocks and its up blocks, two stretches, two
   // streams (s for the tiles' gate blocks, s2 for their up blocks).
@@ -457,7 +457,7 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   // of each of its blocks every `every` steps. A core's prefetches deliver
   // only so much, so the fewer tiles share them, the more they hold the tiles
   // up. The state is one pointer (an address-order stream kept as the AVX2
-  // build's WeightStream had GCC spill accumulators). docs/perf-notes/cpu-backend.md has the
+  // build's WeightStream had GCC spill accumulators). docs/perf-notes.md has the
   // variants measured.
   const TilePlan plan(m1 - m0, max_tile_rows<BF16, SILU>());
   const int64_t ntiles = plan.tiles;

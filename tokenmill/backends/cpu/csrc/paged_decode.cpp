@@ -162,7 +162,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
 
   // One task per request: its K/V (all KV heads) stays in this core's cache
   // while the KV heads are processed one after another. No software prefetch
-  // (docs/perf-notes/cpu-backend.md: what was tried).
+  // (docs/perf-notes.md: what was tried).
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -422,7 +422,7 @@ static inline void group_scores(const at::BFloat16* const* rows, int64_t n, int6
 // registers through the loop: with a runtime head count and a break in the
 // head loop (as before), GCC kept them on the stack, a load and a store
 // around every vdpbf16ps (perf annotate: the V pass was 34% of the kernel).
-// (docs/perf-notes/cpu-backend.md has the measurements.)
+// (docs/perf-notes.md has the measurements.)
 template <int C, int GC, typename Prefetch>
 static inline void head_values(const at::BFloat16* const* rows, int64_t n, int64_t v_off, const uint16_t* p,
                                int64_t n_pad, __m512i ilo, __m512i ihi, at::BFloat16* out, Prefetch& prefetch) {
@@ -516,7 +516,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   // (mostly from its L2 cache after the first pass over K) it prefetches the
   // next query's K/V rows from memory: a row per 8 keys of each score pass and
   // a row per 4 tokens of each V pass, spread over the whole query: the
-  // hardware's prefetchers alone do not keep up (docs/perf-notes/cpu-backend.md).
+  // hardware's prefetchers alone do not keep up (docs/perf-notes.md).
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -784,7 +784,7 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // order, as heads_avx2: the same bits.
 //
 // Address order is what pays: each row read front to back streams about
-// twice as fast as per-head passes over parts of it (docs/perf-notes/cpu-backend.md: the
+// twice as fast as per-head passes over parts of it (docs/perf-notes.md: the
 // measurements, and what was tried and not kept).
 template <typename scalar_t, int C, int G>
 static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
