@@ -6,6 +6,7 @@ metadata (transformers converts it), so a GGUF file is self-contained.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,7 +42,12 @@ class Tokenizer:
 
         if path.endswith(".gguf"):
             return cls(_gguf_tokenizer(path))
-        return cls(AutoTokenizer.from_pretrained(path))
+        try:
+            return cls(AutoTokenizer.from_pretrained(path))
+        except Exception as e:
+            if os.path.isdir(path):  # (not a hub id) say which file is wrong
+                _check_tokenizer_files(path, e)
+            raise
 
     @property
     def has_chat_template(self) -> bool:
@@ -234,6 +240,36 @@ class IncrementalDetokenizer:
         return ""
 
 
+# Files a Hugging Face tokenizer is built from: tokenizer.json (fast), or the
+# slow tokenizers' vocabularies.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+               "vocab.json", "added_tokens.json")
+
+
+def _check_tokenizer_files(directory: str, error: Exception) -> None:
+    """After transformers failed to load the tokenizer in `directory`: a
+    ValueError naming the missing or corrupt file, when that is the cause."""
+    if not any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{directory} has no tokenizer.json (nor {', '.join(_TOKENIZER_FILES[1:])}); a "
+            "Hugging Face model directory needs its tokenizer.json, or pass --tokenizer"
+        ) from error
+    for name in _JSON_FILES:
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} is not valid JSON ({e}); the file is corrupt") from error
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{file} must hold a JSON object, got a {type(data).__name__}"
+            ) from error
+
+
 def _gguf_tokenizer(path: str) -> Any:
     """transformers' tokenizer for a GGUF file. For a llama-architecture file
     (all tokenmill serves from GGUF) it is built the way AutoTokenizer builds
@@ -255,8 +291,26 @@ def _gguf_tokenizer(path: str) -> Any:
         pass
     else:
         metadata, _ = read_gguf_metadata(path)  # (arrays as counts: 0.02 s)
+        _check_gguf_token_ids(path, metadata)
         if metadata.get("general.architecture") == "llama" and not os.path.exists(
             os.path.join(directory, "tokenizer_config.json")
         ):
             builder = TokenizersBackend
     return builder.from_pretrained(directory, gguf_file=filename)
+
+
+def _check_gguf_token_ids(path: str, metadata: Mapping[str, Any]) -> None:
+    """Special token ids (bos, eos, ...) inside the vocabulary, so that a corrupt
+    id is a ValueError naming its key rather than an IndexError in transformers."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_size = tokens if isinstance(tokens, int) else len(tokens) if isinstance(tokens, list) else None
+    if vocab_size is None:
+        return
+    for key, value in metadata.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size
+        ):
+            raise ValueError(
+                f"{path}: {key}={value!r} is invalid; it must be a token id (an integer in "
+                f"[0, {vocab_size}), the vocabulary's size)"
+            )

@@ -13,11 +13,19 @@ each tensor entry is a name, a dim count u32, dims u64 each, a type u32 and an
 offset u64 into the data section, which starts at the next multiple of
 `general.alignment` (default 32) after the entries. A string is a u64 length
 and UTF-8 bytes; an array is an element type u32, a count u64 and elements.
+
+The tensor table is checked as llama.cpp checks it: each tensor's offset is
+the end of the one before, rounded up to the alignment, and its byte size is
+what its type and shape make; the last ends within the file, and the file
+ends within one alignment of it. A changed type, shape or offset breaks this
+tiling, so it is an error naming the tensor rather than weights read from the
+wrong bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import struct
 from typing import Any
@@ -36,6 +44,7 @@ _NUMPY_OF: dict[int, str] = {
     6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 # Tensor types stored as plain numpy items (the others are blocks of bytes).
 _PLAIN_TYPES: dict[GGMLQuantizationType, type] = {
@@ -92,9 +101,33 @@ class GGUFFile:
             raise
         except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
             raise GGUFFormatError(f"{path} is truncated or corrupt ({e})") from e
-        alignment = int(self.fields.get("general.alignment", 32))
+        alignment = self.fields.get("general.alignment", 32)
+        if (isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1
+                or alignment & (alignment - 1)):
+            raise GGUFFormatError(
+                f"{path}: general.alignment={alignment!r} is invalid; it must be a power of two "
+                "(usually 32)"
+            )
         start = -(-self._pos // alignment) * alignment
-        self.tensors: list[GGUFTensor] = [self._tensor(start, *info) for info in infos]
+        self.tensors: list[GGUFTensor] = []
+        expected = 0  # where the next tensor must start, from the data section's start
+        previous = ""  # the tensor before, for messages
+        names: set[str] = set()
+        for name, shape, raw_type, offset in infos:
+            if name in names:
+                raise GGUFFormatError(f"{path}: tensor {name} appears twice in the tensor table")
+            names.add(name)
+            tensor, nbytes = self._tensor(start, name, shape, raw_type, offset, expected, previous)
+            self.tensors.append(tensor)
+            expected = -(-(offset + nbytes) // alignment) * alignment
+            previous = (f"tensor {name} ({tensor.tensor_type.name}, shape {list(shape)}: "
+                        f"{nbytes} bytes)")
+        trailing = len(self._buf) - (start + expected)
+        if self.tensors and trailing >= alignment:  # more bytes than one padding
+            raise GGUFFormatError(
+                f"{path}: {trailing} bytes follow the last tensor's padding; the tensors do not "
+                f"fill the data section (is {previous} of the wrong type or shape?)"
+            )
 
     def _read(self, fmt: str, size: int) -> Any:
         value = struct.unpack_from(fmt, self._mv, self._pos)[0]
@@ -133,23 +166,46 @@ class GGUFFile:
         return name, shape, self._read("<I", 4), self._read("<Q", 8)
 
     def _tensor(self, start: int, name: str, shape: tuple[int, ...], raw_type: int,
-                offset: int) -> GGUFTensor:
+                offset: int, expected: int, previous: str) -> tuple[GGUFTensor, int]:
+        """The tensor and its size in bytes, after checking its type, shape and offset."""
         try:
             qtype = GGMLQuantizationType(raw_type)
         except ValueError:
-            raise GGUFFormatError(f"{self.path}: tensor {name} has unknown type {raw_type}") from None
+            raise GGUFFormatError(
+                f"{self.path}: tensor {name} has unknown type {raw_type}"
+            ) from None
+        if not 1 <= len(shape) <= _MAX_DIMS or any(d < 1 for d in shape):
+            raise GGUFFormatError(
+                f"{self.path}: tensor {name} has shape {list(shape)}; a shape is 1 to "
+                f"{_MAX_DIMS} dimensions of at least 1"
+            )
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if shape[0] % block_size:
+            raise GGUFFormatError(
+                f"{self.path}: tensor {name} has type {qtype.name}, whose blocks hold "
+                f"{block_size} values, but rows of {shape[0]} values (shape {list(shape)})"
+            )
+        count = math.prod(shape)  # Python ints: absurd dims cannot overflow
+        nbytes = count // block_size * type_size
+        if offset != expected:
+            where = (f"the end of {previous}, rounded up to general.alignment" if previous
+                     else "the data section's start")
+            raise GGUFFormatError(
+                f"{self.path}: tensor {name} has offset {offset}; it must be {expected}, "
+                f"{where}: a tensor's type, shape or offset in the tensor table is wrong"
+            )
+        begin = start + offset
+        if begin + nbytes > len(self._buf):
+            raise GGUFFormatError(
+                f"{self.path}: tensor {name} ({qtype.name}, shape {list(shape)}: {nbytes} bytes "
+                f"at offset {offset}) runs past the end of the file"
+            )
         rows = tuple(reversed(shape))  # row-major, as numpy and torch order them
-        count = int(np.prod(shape, dtype=np.int64))
         dtype: np.dtype[Any]
         if qtype in _PLAIN_TYPES:
             dtype = np.dtype(_PLAIN_TYPES[qtype])
         else:
             dtype = np.dtype(np.uint8)
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-            count = count // block_size * type_size
             rows = quant_shape_to_byte_shape(rows, qtype)
-        begin = start + offset
-        if begin + count * dtype.itemsize > len(self._buf):
-            raise GGUFFormatError(f"{self.path}: tensor {name} runs past the end of the file")
-        data = np.frombuffer(self._mv, dtype, count, begin).reshape(rows)
-        return GGUFTensor(name, shape, qtype, data)
+        data = np.frombuffer(self._mv, dtype, nbytes // dtype.itemsize, begin).reshape(rows)
+        return GGUFTensor(name, shape, qtype, data), nbytes

@@ -174,13 +174,16 @@ def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCausalLM, ModelSpec]:
-    cfg = _read_json(os.path.join(source.path, "config.json"))
-    spec = spec_from_hf_config(cfg)
+    config_path = os.path.join(source.path, "config.json")
+    cfg = _read_json(config_path)
+    spec = spec_from_hf_config(cfg, config_path)
     generation_path = os.path.join(source.path, "generation_config.json")
     if os.path.isfile(generation_path):
         eos = _read_json(generation_path).get("eos_token_id")
         if eos is not None:  # generation_config.json's EOS ids take precedence
-            spec = dataclasses.replace(spec, eos_token_ids=eos_token_ids(eos))
+            spec = dataclasses.replace(
+                spec, eos_token_ids=eos_token_ids(eos, spec.vocab_size, generation_path)
+            )
     dtype = resolve_dtype(
         model_config.dtype, source, cfg.get("dtype") or cfg.get("torch_dtype"), model_config.device
     )
@@ -226,8 +229,14 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data: dict[str, Any] = json.load(f)
+    """A JSON object from `path`; a ValueError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the file is corrupt") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(data).__name__}")
     return data
 
 
@@ -252,6 +261,7 @@ def _load_gguf(
         device=model_config.device,
         dtype=dtype,
     )
+    _check_gguf_tensors(reader, model, spec)
     tensors: dict[str, TensorThunk] = {}
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
@@ -262,6 +272,43 @@ def _load_gguf(
     # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
     load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight")
     return _finish(model), spec
+
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec) -> None:
+    """Each tensor's shape is what the metadata makes it, and norms are floats
+    (llama.cpp never quantizes them), checked before any tensor is read so that
+    a corrupt table names the tensor and the metadata rather than failing in a
+    reshape."""
+    params = dict(model.named_parameters())
+    targets = checkpoint_targets(model)
+    for tensor in reader.tensors:
+        target = targets.get(gguf_to_hf_name(tensor.name))
+        if target is None:
+            continue  # unexpected names are reported by load_weights
+        param_name, shard = target
+        shape: tuple[int, ...] = tuple(params[param_name].shape)
+        if shard is not None:
+            module = model.get_submodule(param_name.rpartition(".")[0])
+            assert isinstance(module, MergedLinear), param_name
+            shape = tuple(params[param_name][module.shard_slice(shard)].shape)
+        actual = tuple(int(d) for d in reversed(tensor.shape))
+        if actual != shape:
+            raise WeightLoadError(
+                f"{reader.path}: tensor {tensor.name} has shape {list(actual)}, but the metadata "
+                f"makes it {list(shape)} (llama.embedding_length={spec.hidden_size}, "
+                f"llama.attention.head_count={spec.num_heads}, "
+                f"llama.attention.head_count_kv={spec.num_kv_heads}, head size {spec.head_dim}, "
+                f"llama.feed_forward_length={spec.intermediate_size}, "
+                f"{spec.vocab_size} tokens)"
+            )
+        if "norm" in tensor.name and tensor.tensor_type.name not in _FLOAT_TYPES:
+            raise WeightLoadError(
+                f"{reader.path}: tensor {tensor.name} has type {tensor.tensor_type.name}; a norm "
+                f"weight must be one of {', '.join(_FLOAT_TYPES)}"
+            )
 
 
 def gguf_to_hf_name(name: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,13 +28,20 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 }
 
 
-def spec_from_hf_config(cfg: Mapping[str, Any]) -> ModelSpec:
-    """A ModelSpec from a parsed config.json. generation_config.json's EOS ids,
-    which take precedence, are applied by the loader."""
+def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> ModelSpec:
+    """A ModelSpec from a parsed config.json (read from `path`, named in errors).
+    generation_config.json's EOS ids, which take precedence, are applied by the
+    loader. A value out of its range is a ValueError naming the file and field:
+    a corrupt config must not load as a model that generates garbage."""
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(cfg).__name__}")
     architecture = _hf_architecture(cfg)
-    num_heads = _require(cfg, "num_attention_heads")
-    hidden_size = _require(cfg, "hidden_size")
-    max_position_embeddings = _require(cfg, "max_position_embeddings")
+    num_heads = _positive_int(_require(cfg, "num_attention_heads", path), "num_attention_heads", path)
+    hidden_size = _positive_int(_require(cfg, "hidden_size", path), "hidden_size", path)
+    max_position_embeddings = _positive_int(
+        _require(cfg, "max_position_embeddings", path), "max_position_embeddings", path
+    )
+    vocab_size = _positive_int(_require(cfg, "vocab_size", path), "vocab_size", path)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is")
     if cfg.get("mlp_bias", False):
@@ -45,42 +53,107 @@ def spec_from_hf_config(cfg: Mapping[str, Any]) -> ModelSpec:
         attention_bias = False
     else:
         attention_bias = bool(cfg.get("attention_bias", False))
-    eos = cfg.get("eos_token_id")
+    bos = cfg.get("bos_token_id")
+    head_dim = _head_dim(cfg.get("head_dim"), hidden_size, num_heads, "head_dim", "hidden_size",
+                         "num_attention_heads", path)
+    num_kv_heads = _kv_heads(cfg.get("num_key_value_heads"), num_heads, "num_key_value_heads",
+                             "num_attention_heads", path)
     return ModelSpec(
         architecture=architecture,
-        vocab_size=_require(cfg, "vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=_require(cfg, "intermediate_size"),
-        num_layers=_require(cfg, "num_hidden_layers"),
+        intermediate_size=_positive_int(
+            _require(cfg, "intermediate_size", path), "intermediate_size", path
+        ),
+        num_layers=_positive_int(_require(cfg, "num_hidden_layers", path), "num_hidden_layers", path),
         num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or hidden_size // num_heads,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", path),
+        rope_theta=_positive_float(rope_theta, "rope_theta", path),
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         qk_norm=architecture == "Qwen3ForCausalLM",
-        sliding_window=_hf_sliding_window(cfg, architecture),
+        sliding_window=_hf_sliding_window(cfg, architecture, path),
         rope_scaling=rope_scaling,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_token_ids(eos),
+        bos_token_id=None if bos is None else _token_id(bos, vocab_size, "bos_token_id", path),
+        eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), vocab_size, path),
     )
 
 
-def eos_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    """config.json / generation_config.json `eos_token_id` (int, list or null) as a tuple."""
+def eos_token_ids(
+    value: Any, vocab_size: int | None = None, path: str = "config.json"
+) -> tuple[int, ...]:
+    """config.json / generation_config.json `eos_token_id` (int, list or null) as a
+    tuple; each must be a token id (below `vocab_size` when given)."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    return tuple(_token_id(v, vocab_size, "eos_token_id", path) for v in values)
 
 
-def _require(cfg: Mapping[str, Any], key: str) -> Any:
+def _require(cfg: Mapping[str, Any], key: str, path: str = "config.json") -> Any:
     if cfg.get(key) is None:
-        raise ValueError(f"config.json has no {key!r}; is this a complete model config?")
+        raise ValueError(f"{path} has no {key!r}; is this a complete model config?")
     return cfg[key]
+
+
+def _positive_int(value: Any, field: str, path: str) -> int:
+    """`value` as an int >= 1, else a ValueError naming the file and field."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{path}: {field}={value!r} is invalid; it must be an integer >= 1")
+    return int(value)
+
+
+def _positive_float(value: Any, field: str, path: str) -> float:
+    """`value` as a finite float > 0, else a ValueError naming the file and field."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float | np.number)
+    if not ok or not math.isfinite(float(value)) or float(value) <= 0:
+        raise ValueError(f"{path}: {field}={value!r} is invalid; it must be a finite number > 0")
+    return float(value)
+
+
+def _token_id(value: Any, vocab_size: int | None, field: str, path: str) -> int:
+    """A special token id: an int in [0, vocab_size)."""
+    if (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0
+            or (vocab_size is not None and value >= vocab_size)):
+        limit = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise ValueError(
+            f"{path}: {field}={value!r} is invalid; it must be a token id (an integer {limit}, "
+            "the vocabulary's size)"
+        )
+    return int(value)
+
+
+def _kv_heads(value: Any, num_heads: int, field: str, heads_field: str, path: str) -> int:
+    """The KV head count (absent: one per query head); it must divide the head count."""
+    if value is None:
+        return num_heads
+    kv_heads = _positive_int(value, field, path)
+    if num_heads % kv_heads:
+        raise ValueError(
+            f"{path}: {field}={kv_heads} is invalid; it must divide {heads_field}={num_heads}"
+        )
+    return kv_heads
+
+
+def _head_dim(value: Any, hidden_size: int, num_heads: int, field: str, hidden_field: str,
+              heads_field: str, path: str) -> int:
+    """The per-head size: given, or hidden size / head count (which must divide);
+    even either way, since RoPE rotates pairs."""
+    if value is not None:
+        head_dim = _positive_int(value, field, path)
+    elif hidden_size % num_heads:
+        raise ValueError(
+            f"{path}: {hidden_field}={hidden_size} is not divisible by {heads_field}={num_heads}; "
+            f"the head size must be a whole number (or give {field})"
+        )
+    else:
+        head_dim = hidden_size // num_heads
+    if head_dim % 2:
+        raise ValueError(f"{path}: the head size ({field}) {head_dim} must be even for RoPE")
+    return head_dim
 
 
 def _hf_architecture(cfg: Mapping[str, Any]) -> str:
@@ -102,11 +175,11 @@ def _hf_architecture(cfg: Mapping[str, Any]) -> str:
 
 def _hf_rope(
     cfg: Mapping[str, Any], max_position_embeddings: int
-) -> tuple[float, dict[str, Any] | None]:
+) -> tuple[Any, dict[str, Any] | None]:
     # transformers 5 writes `rope_parameters` (rope_theta inside); older configs
     # write `rope_theta` plus an optional `rope_scaling` (with "type" or "rope_type").
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError("per-layer rope parameters are not supported")
@@ -124,10 +197,10 @@ def _hf_rope(
     return rope_theta, {"rope_type": rope_type, **params}
 
 
-def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str) -> int | None:
+def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str, path: str) -> int | None:
     if architecture == "MistralForCausalLM":
         window = cfg.get("sliding_window")
-        return int(window) if window is not None else None
+        return _positive_int(window, "sliding_window", path) if window is not None else None
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
             return None
@@ -140,7 +213,7 @@ def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str) -> int | None:
         if all(t == "full_attention" for t in layer_types):
             return None
         if all(t == "sliding_attention" for t in layer_types):
-            return int(cfg["sliding_window"])
+            return _positive_int(cfg["sliding_window"], "sliding_window", path)
         raise ValueError(
             "a sliding window on only some layers (max_window_layers / layer_types) is not "
             "supported; use a config with use_sliding_window=false"
@@ -152,8 +225,10 @@ def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str) -> int | None:
 
 
 def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
-    """A ModelSpec from a GGUF file's metadata (Llama architecture only)."""
+    """A ModelSpec from a GGUF file's metadata (Llama architecture only). A value
+    out of its range is a ValueError naming the file and the key."""
     fields = reader.fields
+    path = reader.path
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ValueError(
@@ -164,15 +239,21 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
     def require(key: str) -> Any:
         value = fields.get(f"llama.{key}")
         if value is None:
-            raise ValueError(f"GGUF file has no 'llama.{key}' metadata")
+            raise ValueError(f"{path}: GGUF file has no 'llama.{key}' metadata")
         return value
 
-    hidden_size = int(require("embedding_length"))
-    num_heads = int(require("attention.head_count"))
-    num_kv_heads = int(fields.get("llama.attention.head_count_kv") or num_heads)
-    head_dim = int(fields.get("llama.attention.key_length") or hidden_size // num_heads)
+    def positive_int(key: str) -> int:
+        return _positive_int(require(key), f"llama.{key}", path)
+
+    hidden_size = positive_int("embedding_length")
+    num_heads = positive_int("attention.head_count")
+    head_dim = _head_dim(fields.get("llama.attention.key_length"), hidden_size, num_heads,
+                         "llama.attention.key_length", "llama.embedding_length",
+                         "llama.attention.head_count", path)
+    num_kv_heads = _kv_heads(fields.get("llama.attention.head_count_kv"), num_heads,
+                             "llama.attention.head_count_kv", "llama.attention.head_count", path)
     rope_dim = fields.get("llama.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and rope_dim != head_dim:
         raise ValueError(
             f"partial rotary embeddings (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
             "are not supported"
@@ -180,6 +261,13 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError("GGUF file has no tokenizer.ggml.tokens; it cannot be used alone")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens must be a non-empty list of strings")
+    vocab_size = len(tokens)
+    # Every special token id (bos, eos, eot, unknown, padding, ...) must be a token.
+    for key, value in fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            _token_id(value, vocab_size, key, path)
     tensor_names = {t.name for t in reader.tensors}
     eos_ids: list[int] = []
     # llama.cpp stops generation at any of these (its "end of generation" set).
@@ -188,18 +276,21 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     bos = fields.get("tokenizer.ggml.bos_token_id")
+    rope_theta = fields.get("llama.rope.freq_base")
     return ModelSpec(
         architecture="LlamaForCausalLM",
-        vocab_size=len(tokens),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=int(require("feed_forward_length")),
-        num_layers=int(require("block_count")),
+        intermediate_size=positive_int("feed_forward_length"),
+        num_layers=positive_int("block_count"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(require("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(fields.get("llama.rope.freq_base") or 10000.0),
-        max_position_embeddings=int(require("context_length")),
+        rms_norm_eps=_positive_float(require("attention.layer_norm_rms_epsilon"),
+                                     "llama.attention.layer_norm_rms_epsilon", path),
+        rope_theta=10000.0 if rope_theta is None else _positive_float(
+            rope_theta, "llama.rope.freq_base", path),
+        max_position_embeddings=positive_int("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_gguf_rope_scaling(reader),
         bos_token_id=None if bos is None else int(bos),
@@ -212,7 +303,13 @@ def _gguf_rope_scaling(reader: GGUFFile) -> dict[str, Any] | None:
     # Llama 3.x GGUFs carry their rope scaling as per-frequency divisors.
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
+            if tensor.data.dtype != np.float32:
+                raise ValueError(f"{reader.path}: tensor rope_freqs.weight has type "
+                                 f"{tensor.tensor_type.name}; it must be F32")
             factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+            if not (np.isfinite(factors).all() and (factors > 0).all()):
+                raise ValueError(f"{reader.path}: tensor rope_freqs.weight holds values that are "
+                                 "not finite numbers > 0")
             return {"rope_type": "freq_factors", "freq_factors": tuple(float(f) for f in factors)}
     rope_type = fields.get("llama.rope.scaling.type")
     if rope_type in (None, "none"):
@@ -221,5 +318,6 @@ def _gguf_rope_scaling(reader: GGUFFile) -> dict[str, Any] | None:
         factor = fields.get("llama.rope.scaling.factor")
         if factor is None:
             raise ValueError("GGUF file has linear rope scaling but no 'llama.rope.scaling.factor'")
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear",
+                "factor": _positive_float(factor, "llama.rope.scaling.factor", reader.path)}
     raise ValueError(f"GGUF rope scaling type {rope_type!r} is not supported")
