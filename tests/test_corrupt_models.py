@@ -347,6 +347,11 @@ def test_hf_tokenizer_missing_or_corrupt(tmp_path: Path) -> None:
     path = _hf_tokenizer_dir(tmp_path)
     assert Tokenizer.load(str(path)).encode("hello") == Tokenizer.load(
         resolve_model_source(None).path).encode("hello")
+    good_config = (path / "tokenizer_config.json").read_text()
+    (path / "tokenizer_config.json").write_text("[" + good_config)
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json is not valid JSON"):
+        Tokenizer.load(str(path))
+    (path / "tokenizer_config.json").write_text(good_config)
     good = (path / "tokenizer.json").read_text()
     (path / "tokenizer.json").write_text(good[: len(good) // 2])
     with pytest.raises(ValueError, match=r"tokenizer\.json is not valid JSON"):
