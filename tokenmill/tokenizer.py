@@ -134,6 +134,11 @@ class Tokenizer:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
         return str(text)
 
+    def chat_template_variables(self) -> dict[str, Any]:
+        """What a chat template sees besides the messages: the special tokens
+        (bos_token, eos_token, ...), as the tokenizer's own rendering passes them."""
+        return dict(getattr(self.hf, "special_tokens_map", {}) or {})
+
     def encode_chat(
         self,
         messages: list[ChatMessage],
