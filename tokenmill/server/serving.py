@@ -21,7 +21,6 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
 from tokenmill.server.templates import TemplateRenderer
-from tokenmill.tokenizer import ChatMessage, plain_chat_messages
 
 T = TypeVar("T")
 
@@ -110,7 +109,7 @@ class Serving:
             raise APIError(400, str(e), param=param) from e
 
     async def render_request_chat_template(
-        self, template: str, messages: list[ChatMessage], add_generation_prompt: bool
+        self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool
     ) -> str:
         """A chat template from a request, rendered under limits in the template
         worker (templates.py) and waited for on a worker thread."""
@@ -118,9 +117,9 @@ class Serving:
         tokenizer = self.engine.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this engine runs without a tokenizer; send token ids")
+        plain, variables = tokenizer.chat_template_inputs(messages)
         return await asyncio.to_thread(
-            self.template_renderer.render, template, plain_chat_messages(messages),
-            add_generation_prompt, tokenizer.chat_template_variables(),
+            self.template_renderer.render, template, plain, add_generation_prompt, variables
         )
 
     def token_text(self, token_id: int) -> str:
@@ -177,14 +176,12 @@ class Serving:
         """`outputs`, until end_requests(): then it is closed (which aborts its
         requests) and ServerShuttingDown is raised."""
         waiter = asyncio.ensure_future(self._shutting_down.wait())
+        item: asyncio.Future[T] | None = None
         try:
             while True:
                 item = asyncio.ensure_future(anext(outputs))
                 await asyncio.wait({item, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if not item.done():
-                    item.cancel()
-                    with contextlib.suppress(BaseException):
-                        await item
                     raise ServerShuttingDown(
                         "the server is shutting down; its grace period for running requests "
                         "ran out, so this one was stopped; retry on another server or later"
@@ -196,6 +193,12 @@ class Serving:
                 yield value
         finally:
             waiter.cancel()
+            # (Also when the consumer is cancelled, e.g. on disconnect: the pending
+            # step must stop before `outputs` can be closed.)
+            if item is not None and not item.done():
+                item.cancel()
+                with contextlib.suppress(BaseException):
+                    await item
             await outputs.aclose()
 
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 DEFAULT_TIME_LIMIT_S = 5.0
-DEFAULT_MEMORY_LIMIT_BYTES = 256 << 20  # address space the worker may add for one render
+DEFAULT_MEMORY_LIMIT_BYTES = 192 << 20  # address space the worker may add for one render
 DEFAULT_MAX_OUTPUT_CHARS = 4 << 20
 WORKER_START_TIMEOUT_S = 120.0  # (a cold start imports transformers on a busy machine)
 
