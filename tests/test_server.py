@@ -111,6 +111,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["type"]
     assert "Traceback" not in response.text
+    if status == 503:  # (a full queue, a dead engine: the client may come back)
+        assert response.headers.get("retry-after", "").isdigit(), response.headers
     if param is not None:
         assert error["param"] == param, error
     return dict(error)

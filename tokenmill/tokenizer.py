@@ -140,6 +140,15 @@ class Tokenizer:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
         return str(text)
 
+    def chat_template_inputs(
+        self, messages: list[ChatMessage]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """What a chat template rendered elsewhere (the server's template worker)
+        sees: the messages as apply_chat_template passes them, and the special
+        tokens (bos_token, eos_token, ...) as the tokenizer's own rendering does."""
+        variables = dict(getattr(self.hf, "special_tokens_map", {}) or {})
+        return plain_chat_messages(messages), variables
+
     def encode_chat(
         self,
         messages: list[ChatMessage],

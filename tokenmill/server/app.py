@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import secrets
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.chat import chat_prompt, create_chat_completion
 from tokenmill.server.completions import create_completion
-from tokenmill.server.errors import APIError, describe_validation_error, install_error_handlers
+from tokenmill.server.errors import (
+    APIError,
+    describe_validation_error,
+    error_json,
+    install_error_handlers,
+)
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -26,10 +33,32 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving import Serving
 
 
+class APIKeyCheck:
+    """401 for a /v1 request without the key, before its body is read or
+    validated (as vLLM: a caller without the key learns nothing about the API)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                response = error_json(
+                    401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app serving `engine`. The engine is the caller's to
     start and shut down; several apps may share one (each has its own metrics
-    registry)."""
+    registry). `app.state.serving.close()` stops the app's template worker."""
     model_name = server_config.served_model_name or engine.model_name
     serving = Serving(engine, server_config, model_name)
     metrics = ServerMetrics(engine, model_name)
@@ -37,19 +66,10 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
+    if server_config.api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=server_config.api_key)
 
-    async def check_api_key(request: Request) -> None:
-        key = server_config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(
-                401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
@@ -66,7 +86,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")

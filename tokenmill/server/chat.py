@@ -3,6 +3,7 @@ choice set, streamed as chat.completion.chunk objects."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from tokenmill.server.serving import (
     sse_error,
     unless_disconnected,
 )
+from tokenmill.server.templates import ChatTemplateLimitError
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -59,9 +61,16 @@ async def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Promp
         )
     messages = plain_messages(request.messages)
     try:
-        text = serving.engine.apply_chat_template(
-            messages, request.add_generation_prompt, request.chat_template
-        )
+        if request.chat_template is None:  # the model's own: trusted with the model
+            text = await asyncio.to_thread(
+                serving.engine.apply_chat_template, messages, request.add_generation_prompt
+            )
+        else:  # under limits, in the template worker
+            text = await serving.render_request_chat_template(
+                request.chat_template, messages, request.add_generation_prompt
+            )
+    except ChatTemplateLimitError as e:
+        raise APIError(400, str(e), param="chat_template") from e
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
     except Exception as e:  # a template that fails on these messages (jinja errors)
@@ -107,7 +116,7 @@ async def create_chat_completion(
     params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens, "messages"), top_k)
     request_id = random_id("chatcmpl")
     streams = await serving.start(request_id, [prompt], [params], request.priority)
-    outputs = merge(streams)
+    outputs = serving.until_shutdown(merge(streams))
     if request.stream:
         body = _stream(serving, request, request_id, outputs, top_k)
         return StreamingResponse(body, media_type="text/event-stream")

@@ -1,8 +1,8 @@
 """Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
 
 400 for what the caller can fix, 401 for a bad key, 404 for an unknown route,
-503 when the queue is full, 500 only for real internal faults (logged here,
-never with a traceback in the body)."""
+503 when the queue is full or the server is going away (with Retry-After), 500
+only for real internal faults (logged here, never with a traceback in the body)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
     500: "internal_server_error",
 }
+
+RETRY_AFTER_S = 1  # a 503's Retry-After: a full queue moves in about a second
 
 INTERNAL_ERROR_MESSAGE = "internal server error; the request was aborted (see the server log)"
 
@@ -60,7 +62,8 @@ def error_json(
     status_code: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     body = error_body(status_code, message, param, code)
-    return JSONResponse(body.model_dump(), status_code=status_code)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status_code == 503 else None
+    return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
 
 
 def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:

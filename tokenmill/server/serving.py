@@ -1,6 +1,7 @@
 """What both generation endpoints share: admission (model name, queue limit,
-context length), running requests on the AsyncEngine, SSE framing, and
-aborting on client disconnect."""
+context length), rendering chat templates sent in requests, running requests
+on the AsyncEngine, SSE framing, aborting on client disconnect, and ending what
+still runs when a graceful shutdown runs out of time."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineEr
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
+from tokenmill.server.templates import TemplateRenderer
 
 T = TypeVar("T")
 
@@ -31,6 +33,11 @@ class Prompt:
 
 class ClientDisconnected(Exception):
     pass
+
+
+class ServerShuttingDown(RuntimeError):
+    """The server's graceful shutdown ran out of time: the request was aborted.
+    (A RuntimeError, as the engine's faults: the endpoints report both the same way.)"""
 
 
 def logprob_value(entry: object) -> float:
@@ -47,6 +54,13 @@ class Serving:
         self.config = config
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
+        self._shutting_down = asyncio.Event()
+        # Only a server that runs request templates starts their worker process.
+        self.template_renderer = TemplateRenderer() if config.trust_request_chat_template else None
+
+    def close(self) -> None:
+        if self.template_renderer is not None:
+            self.template_renderer.close()
 
     # ---- admission ------------------------------------------------------------------
 
@@ -94,6 +108,20 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
+    async def render_request_chat_template(
+        self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> str:
+        """A chat template from a request, rendered under limits in the template
+        worker (templates.py) and waited for on a worker thread."""
+        assert self.template_renderer is not None, "the server does not run request templates"
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this engine runs without a tokenizer; send token ids")
+        plain, variables = tokenizer.chat_template_inputs(messages)
+        return await asyncio.to_thread(
+            self.template_renderer.render, template, plain, add_generation_prompt, variables
+        )
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -134,6 +162,44 @@ class Serving:
                 raise APIError(500, INTERNAL_ERROR_MESSAGE) from e
             raise
         return streams
+
+    # ---- shutdown -----------------------------------------------------------------------
+
+    def end_requests(self) -> None:
+        """Graceful shutdown is out of time: every request still running ends now,
+        a stream with an error event and [DONE], others with a 503 (event loop)."""
+        self._shutting_down.set()
+
+    async def until_shutdown(
+        self, outputs: AsyncGenerator[T, None]
+    ) -> AsyncGenerator[T, None]:
+        """`outputs`, until end_requests(): then it is closed (which aborts its
+        requests) and ServerShuttingDown is raised."""
+        waiter = asyncio.ensure_future(self._shutting_down.wait())
+        item: asyncio.Future[T] | None = None
+        try:
+            while True:
+                item = asyncio.ensure_future(anext(outputs))
+                await asyncio.wait({item, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if not item.done():
+                    raise ServerShuttingDown(
+                        "the server is shutting down; its grace period for running requests "
+                        "ran out, so this one was stopped; retry on another server or later"
+                    )
+                try:
+                    value = item.result()
+                except StopAsyncIteration:
+                    return
+                yield value
+        finally:
+            waiter.cancel()
+            # (Also when the consumer is cancelled, e.g. on disconnect: the pending
+            # step must stop before `outputs` can be closed.)
+            if item is not None and not item.done():
+                item.cancel()
+                with contextlib.suppress(BaseException):
+                    await item
+            await outputs.aclose()
 
 
 async def merge(
@@ -178,6 +244,8 @@ async def merge(
 
 
 def engine_error_to_api(e: BaseException) -> APIError:
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, str(e), code="server_shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable")
     return APIError(500, INTERNAL_ERROR_MESSAGE)
