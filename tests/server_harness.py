@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 HOST = "127.0.0.1"
@@ -66,3 +72,44 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(3))
     return None
+
+
+# ---- `tokenmill serve` as a subprocess -------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def start_server(tmp_path: Path, *args: str) -> Server:
+    """`tokenmill serve` on the default model (float32, 64 MiB of KV) as a subprocess
+    on a free port, once /health answers; its output goes to tmp_path/serve.log."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", HOST, "--port", str(port),
+             "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), *args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+        )
+    server = Server(process, url, log_path)
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, server.log()
+        assert time.monotonic() < deadline, "the server did not come up\n" + server.log()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)

@@ -7,42 +7,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.server_harness import HOST, free_port
+from tests.server_harness import start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_serve_answers_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    log_path = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", HOST, "--port", str(port),
-             "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
-             "--served-model-name", "smol"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-        )
+    server = start_server(tmp_path, "--served-model-name", "smol")
+    process, url, log_path = server.process, server.url, server.log_path
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not come up\n" + log_path.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         answer = client.chat.completions.create(
             model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],

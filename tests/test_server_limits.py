@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server_harness import HOST, free_port
+from tests.server_harness import Server, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "limits-key"
@@ -28,40 +24,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 RENDER_DEADLINE_S = 15.0  # the 5 s time limit, plus a worker start on a busy machine
 RSS_GROWTH_LIMIT = 200 << 20
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-
-def start_server(tmp_path: Path, *args: str) -> Server:
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    log_path = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", HOST, "--port", str(port),
-             "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-        )
-    server = Server(process, url, log_path)
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, server.log()
-        assert time.monotonic() < deadline, "the server did not come up\n" + server.log()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
 
 
 def stop_server(server: Server) -> None:
@@ -130,11 +92,14 @@ def test_a_hostile_template_is_a_400_and_the_server_keeps_answering(
                 start = time.monotonic()
                 status = probe.get(server.url + "/health").status_code
                 health.append((status, time.monotonic() - start))
+                probed.set()
                 peak[0] = max(peak[0], status_bytes(pid, "VmRSS"))
                 time.sleep(0.2)
 
+    probed = threading.Event()  # (a render refused in milliseconds could beat the first probe)
     watcher = threading.Thread(target=watch)
     watcher.start()
+    assert probed.wait(30), "/health did not answer before the render"
     try:
         start = time.monotonic()
         response = chat_with_template(server, template)
