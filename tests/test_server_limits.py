@@ -5,12 +5,11 @@ grace period runs out while streams are open."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -182,42 +181,3 @@ def test_shutdown_past_its_grace_period_ends_streams_with_an_error_and_done(tmp_
         assert "shut down after SIGTERM" in log
     finally:
         stop_server(server)
-
-
-def test_until_shutdown_closes_its_outputs_however_it_ends() -> None:
-    """Consumer cancelled (a client gone), shutdown, or the end: the outputs are
-    closed each time (closing aborts the engine requests behind them)."""
-    from types import SimpleNamespace
-
-    from tokenmill.config import ServerConfig
-    from tokenmill.server.serving import ServerShuttingDown, Serving
-
-    closed: list[str] = []
-
-    async def outputs(name: str, count: int = 10**6) -> AsyncIterator[int]:
-        try:
-            for i in range(count):
-                await asyncio.sleep(0.01)
-                yield i
-        finally:
-            closed.append(name)
-
-    async def consume(stream: AsyncIterator[int]) -> list[int]:
-        return [i async for i in stream]
-
-    async def main() -> None:
-        serving = Serving(SimpleNamespace(), ServerConfig(), "m")  # type: ignore[arg-type]
-        task = asyncio.ensure_future(consume(serving.until_shutdown(outputs("cancelled"))))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert await consume(serving.until_shutdown(outputs("finished", 3))) == [0, 1, 2]
-        task = asyncio.ensure_future(consume(serving.until_shutdown(outputs("shut down"))))
-        await asyncio.sleep(0.05)
-        serving.end_requests()
-        with pytest.raises(ServerShuttingDown):
-            await task
-
-    asyncio.run(main())
-    assert closed == ["cancelled", "finished", "shut down"]

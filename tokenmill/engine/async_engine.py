@@ -92,6 +92,11 @@ class _Stop:
 
 
 @dataclass
+class _Fail:
+    error: BaseException
+
+
+@dataclass
 class _Tracker:
     """Per-request timing, for IterationStats (engine thread only)."""
 
@@ -119,7 +124,7 @@ class AsyncEngine:
         self, engine: LLMEngine | Callable[[], LLMEngine], idle_poll_s: float = 0.5
     ) -> None:
         self.idle_poll_s = idle_poll_s
-        self._inbox: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Fail | _Stop] = queue.Queue()
         self._lock = threading.Lock()
         self._num_pending = 0  # adds in the inbox, not yet in the scheduler
         self._stat_loggers: list[StatLogger] = []
@@ -259,6 +264,11 @@ class AsyncEngine:
         """Abort a request (any thread); it applies at the next step boundary."""
         self._inbox.put(_Abort(request_id))
 
+    def fail_requests(self, error: BaseException) -> None:
+        """Abort every request in flight and end its stream with `error` (any
+        thread); it applies at the next step boundary."""
+        self._inbox.put(_Fail(error))
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what runs and stop the loop."""
         if self._thread.is_alive():
@@ -282,8 +292,8 @@ class AsyncEngine:
         self._abort_all()
         self._dead_reason = "the engine was shut down"
 
-    def _drain(self) -> list[_Add | _Abort | _Stop]:
-        commands: list[_Add | _Abort | _Stop] = []
+    def _drain(self) -> list[_Add | _Abort | _Fail | _Stop]:
+        commands: list[_Add | _Abort | _Fail | _Stop] = []
         if not self.engine.has_unfinished_requests():
             try:  # idle: sleep until a command comes
                 commands.append(self._inbox.get(timeout=self.idle_poll_s))
@@ -307,6 +317,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id, stats)
+            elif isinstance(command, _Fail):
+                self._fail_all(command.error)
             else:
                 stop = True
         self._stats = self.engine.stats()

@@ -116,7 +116,7 @@ async def create_chat_completion(
     params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens, "messages"), top_k)
     request_id = random_id("chatcmpl")
     streams = await serving.start(request_id, [prompt], [params], request.priority)
-    outputs = serving.until_shutdown(merge(streams))
+    outputs = merge(streams)
     if request.stream:
         body = _stream(serving, request, request_id, outputs, top_k)
         return StreamingResponse(body, media_type="text/event-stream")

@@ -108,7 +108,7 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
         for p in prompts
     ]
     n = params[0].n
-    outputs = serving.until_shutdown(merge(streams))
+    outputs = merge(streams)
     if request.stream:
         body = _stream(serving, request, request_id, outputs, echoes, n)
         return StreamingResponse(body, media_type="text/event-stream")

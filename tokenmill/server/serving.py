@@ -54,7 +54,6 @@ class Serving:
         self.config = config
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
-        self._shutting_down = asyncio.Event()
         # Only a server that runs request templates starts their worker process.
         self.template_renderer = TemplateRenderer() if config.trust_request_chat_template else None
 
@@ -166,40 +165,13 @@ class Serving:
     # ---- shutdown -----------------------------------------------------------------------
 
     def end_requests(self) -> None:
-        """Graceful shutdown is out of time: every request still running ends now,
-        a stream with an error event and [DONE], others with a 503 (event loop)."""
-        self._shutting_down.set()
-
-    async def until_shutdown(
-        self, outputs: AsyncGenerator[T, None]
-    ) -> AsyncGenerator[T, None]:
-        """`outputs`, until end_requests(): then it is closed (which aborts its
-        requests) and ServerShuttingDown is raised."""
-        waiter = asyncio.ensure_future(self._shutting_down.wait())
-        item: asyncio.Future[T] | None = None
-        try:
-            while True:
-                item = asyncio.ensure_future(anext(outputs))
-                await asyncio.wait({item, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if not item.done():
-                    raise ServerShuttingDown(
-                        "the server is shutting down; its grace period for running requests "
-                        "ran out, so this one was stopped; retry on another server or later"
-                    )
-                try:
-                    value = item.result()
-                except StopAsyncIteration:
-                    return
-                yield value
-        finally:
-            waiter.cancel()
-            # (Also when the consumer is cancelled, e.g. on disconnect: the pending
-            # step must stop before `outputs` can be closed.)
-            if item is not None and not item.done():
-                item.cancel()
-                with contextlib.suppress(BaseException):
-                    await item
-            await outputs.aclose()
+        """Graceful shutdown is out of time: every request still running ends at the
+        engine's next step boundary, a stream with an error event and [DONE], others
+        with a 503."""
+        self.engine.fail_requests(ServerShuttingDown(
+            "the server is shutting down; its grace period for running requests "
+            "ran out, so this one was stopped; retry on another server or later"
+        ))
 
 
 async def merge(
