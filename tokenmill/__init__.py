@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
@@ -15,6 +15,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "default_model_path",
 ]
 

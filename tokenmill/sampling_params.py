@@ -45,6 +45,44 @@ class RequestOutputKind(Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output, as vLLM's StructuredOutputsParams: exactly one kind.
+
+    json: a JSON schema (dict or its JSON text); json_object: any JSON object;
+    regex: a regular expression; choice: one of these strings; grammar: an EBNF/GBNF
+    grammar. The engine compiles each distinct constraint once and masks the logits
+    of the request's rows so that only tokens the constraint allows can be sampled.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ParamError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}",
+                "structured_outputs",
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice
+            or any(not isinstance(c, str) for c in self.choice)
+        ):
+            raise ParamError(f"choice must be a non-empty list of strings, got {self.choice!r}",
+                             "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1  # independent samples of the same prompt (they share its KV blocks)
     presence_penalty: float = 0.0  # [-2, 2]: minus this for every token already generated
@@ -70,6 +108,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words (token sequences) that are never completed
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self) -> None:
         self._check_types()

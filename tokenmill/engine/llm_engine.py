@@ -224,6 +224,9 @@ class LLMEngine:
                 "skip_tokenizer_init); use stop_token_ids / logit_bias instead",
                 "stop" if params.stop else "bad_words",
             )
+        if params.structured_outputs is not None:
+            raise ParamError("structured_outputs is not supported by this engine yet",
+                             "structured_outputs")
         bad_words_token_ids: list[list[int]] = []
         if params.bad_words and self.tokenizer is not None:
             bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
