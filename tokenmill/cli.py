@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     roof_parser = bench_sub.add_parser("roofline", help="decode step vs this machine's ceilings")
     roofline.add_args(roof_parser)
     roof_parser.set_defaults(func=roofline.main_roofline)
+    from tokenmill.bench import eval as eval_bench
+
+    eval_parser = bench_sub.add_parser(
+        "eval", help="lm-evaluation-harness through tokenmill serve and through transformers"
+    )
+    eval_bench.add_args(eval_parser)
+    eval_parser.set_defaults(func=eval_bench.main_eval)
     return parser
 
 
