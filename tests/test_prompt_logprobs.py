@@ -184,6 +184,21 @@ def test_streamed_echo_logprobs_equal_the_whole_answer(served: Served) -> None:
     assert merged == whole["logprobs"]
 
 
+def test_streamed_echo_of_the_prompt_alone(served: Served) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body,
+                      timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200
+        chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    *texts, usage = chunks
+    (only,) = [c["choices"][0] for c in texts]
+    assert only["text"] == PROMPT and only["finish_reason"] == "length"
+    assert len(only["logprobs"]["tokens"]) == len(served.tokens(PROMPT))
+    assert usage["usage"]["completion_tokens"] == 0
+
+
 def test_echo_logprobs_with_n_samples(served: Served) -> None:
     body = served.post("/v1/completions", {
         "model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 2, "n": 2,

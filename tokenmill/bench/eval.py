@@ -243,7 +243,8 @@ def main_eval(args: argparse.Namespace) -> int:
             label = "hf (transformers, float32)"
         runs.append(read_run(run_dir, label))
     diff = compare(runs[0], runs[1]) if len(runs) == 2 else None
-    report = {"task": TASK, "package": LMEVAL_PACKAGE, "model_dir": str(model_dir),
+    shown_dir = model_dir.relative_to(REPO_ROOT) if model_dir.is_relative_to(REPO_ROOT) else model_dir
+    report = {"task": TASK, "package": LMEVAL_PACKAGE, "model_dir": str(shown_dir),
               "runs": [{**asdict(r), "loglikelihoods": None} for r in runs], "comparison": diff}
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(runs, diff))
