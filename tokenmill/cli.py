@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
 
 
@@ -49,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
         trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        allow_unauthenticated_tokenize=args.allow_unauthenticated_tokenize,
     )
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
@@ -64,7 +67,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
+                            "and /detokenize")
+    serve.add_argument("--allow-unauthenticated-tokenize", action="store_true",
+                       help="serve /tokenize and /detokenize without the API key (as vLLM does)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="answer 413 to a request body past this many bytes "
+                            f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES >> 20} MiB)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: the model's name)")
     serve.add_argument("--max-queued-requests", type=int, default=None,
