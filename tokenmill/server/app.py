@@ -131,6 +131,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         serving.check_model(request.model)
+        if len(request.tokens) > engine.max_model_len:  # (bounded as a prompt is)
+            raise APIError(
+                400, f"{len(request.tokens)} token ids are more than this model's maximum "
+                f"context length of {engine.max_model_len}", param="tokens",
+            )
         bad = [t for t in request.tokens if not 0 <= t < engine.vocab_size]
         if bad:
             raise APIError(
