@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     roof_parser = bench_sub.add_parser("roofline", help="decode step vs this machine's ceilings")
     roofline.add_args(roof_parser)
     roof_parser.set_defaults(func=roofline.main_roofline)
+    from tokenmill.bench import soak
+
+    soak_parser = bench_sub.add_parser(
+        "soak", help="mixed traffic against `tokenmill serve`: no 5xx, hangs, cut streams, leaks"
+    )
+    soak.add_args(soak_parser)
+    soak_parser.set_defaults(func=soak.main_soak)
     return parser
 
 
