@@ -46,10 +46,11 @@ MAX_TOKENS = 300
 DROP_FRACTION = 0.3
 MAX_PROBLEMS_KEPT = 50  # problem requests written to the JSON, first ones first
 WORDS = (
-    "the river stone light quiet engine paper seven window garden music cold market "
-    "number story bright field winter road silver morning question answer city old "
-    "small green cloud letter mountain simple reason between water thousand orange"
-).split()
+    "the", "river", "stone", "light", "quiet", "engine", "paper", "seven", "window", "garden",
+    "music", "cold", "market", "number", "story", "bright", "field", "winter", "road",
+    "silver", "morning", "question", "answer", "city", "old", "small", "green", "cloud",
+    "letter", "mountain", "simple", "reason", "between", "water", "thousand", "orange",
+)
 STOPS = ([" the"], ["\n"], [".", "!"], ["and", "or", "but"])
 
 
