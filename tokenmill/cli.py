@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
+from tokenmill.engine.openmp_wait import POLICIES, apply_openmp_wait_policy
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -45,6 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.run import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "openmp_wait_applied"):
+        logging.getLogger("tokenmill").info(args.openmp_wait_applied)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
@@ -74,7 +77,16 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     EngineArgs.add_cli_args(serve)
+    add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--omp-wait-policy", choices=list(POLICIES), default=None,
+        help="what OpenMP threads do between parallel regions (engine/openmp_wait.py); "
+        "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else passive",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the model's chat template")
     EngineArgs.add_cli_args(gen)
+    add_openmp_wait_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
@@ -144,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "omp_wait_policy"):
+        # Before torch loads libgomp, which reads it once (the commands import torch later).
+        args.openmp_wait_applied = apply_openmp_wait_policy(args.omp_wait_policy)
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:
