@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
+from tokenmill.engine.openmp_wait import POLICIES, apply_openmp_wait_policy
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -46,6 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.run import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "openmp_wait_applied"):
+        logging.getLogger("tokenmill").info(args.openmp_wait_applied)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
@@ -83,7 +86,16 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     EngineArgs.add_cli_args(serve)
+    add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--omp-wait-policy", choices=list(POLICIES), default=None,
+        help="what OpenMP threads do between parallel regions (engine/openmp_wait.py); "
+        "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else passive",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the model's chat template")
     EngineArgs.add_cli_args(gen)
+    add_openmp_wait_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
@@ -141,11 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     roof_parser = bench_sub.add_parser("roofline", help="decode step vs this machine's ceilings")
     roofline.add_args(roof_parser)
     roof_parser.set_defaults(func=roofline.main_roofline)
+    from tokenmill.bench import soak
+
+    soak_parser = bench_sub.add_parser(
+        "soak", help="mixed traffic against `tokenmill serve`: no 5xx, hangs, cut streams, leaks"
+    )
+    soak.add_args(soak_parser)
+    soak_parser.set_defaults(func=soak.main_soak)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "omp_wait_policy"):
+        # Before torch loads libgomp, which reads it once (the commands import torch later).
+        args.openmp_wait_applied = apply_openmp_wait_policy(args.omp_wait_policy)
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:
