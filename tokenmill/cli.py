@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_args(soak_parser)
     soak_parser.set_defaults(func=soak.main_soak)
+    from tokenmill.bench import eval as eval_bench
+
+    eval_parser = bench_sub.add_parser(
+        "eval", help="lm-evaluation-harness through tokenmill serve and through transformers"
+    )
+    eval_bench.add_args(eval_parser)
+    eval_parser.set_defaults(func=eval_bench.main_eval)
     return parser
 
 

@@ -145,12 +145,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprobEntry(BaseModel):
+    """One token's entry in vLLM's `prompt_logprobs` field (its Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extra: per prompt token (the first null), {token id: entry}.
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -199,6 +209,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None  # vLLM's extra
 
 
 class DeltaMessage(BaseModel):

@@ -19,7 +19,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
-from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
+from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
 from tokenmill.server.templates import TemplateRenderer
 
 T = TypeVar("T")
@@ -64,10 +64,11 @@ class Serving:
     # ---- admission ------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
+        # As vLLM: a 404 of type NotFoundError (clients tell it from a bad request).
         if model is not None and model != self.model_name:
             raise APIError(
-                400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
+                404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model", code=404, error_type="NotFoundError",
             )
 
     def check_queue(self, num_new: int) -> None:
@@ -258,7 +259,7 @@ def sse(data: BaseModel | str) -> str:
 
 
 def sse_error(e: APIError) -> str:
-    return sse(json.dumps(error_body(e.status_code, e.message, e.param, e.code).model_dump()))
+    return sse(json.dumps(e.body().model_dump()))
 
 
 async def wait_for_disconnect(request: Request) -> None:
