@@ -24,6 +24,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
 
+# The server's request body limit: a 128k-token prompt is about 0.5 MiB of text.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -140,6 +143,11 @@ class ServerConfig:
     # Run a chat_template sent in a request (vLLM's --trust-request-chat-template);
     # off: such a request is refused, since a template is code the server runs.
     trust_request_chat_template: bool = False
+    # A request body past this is a 413, counted as it streams in (server/limits.py).
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # /tokenize and /detokenize without the API key (vLLM leaves them open);
+    # off: --api-key covers them as it covers /v1.
+    allow_unauthenticated_tokenize: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -148,4 +156,8 @@ class ServerConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(
                 f"max_queued_requests must be >= 1 (or unset: no limit), got {self.max_queued_requests}"
+            )
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
             )

@@ -100,11 +100,40 @@ class Serving:
             )
         return max_tokens
 
+    def check_text_length(self, text: str, param: str) -> None:
+        """A 400 for text longer than the context can hold, found without
+        tokenizing it: with a tokenizer whose tokens cover at most L bytes each
+        (Tokenizer.max_token_bytes), text of more than max_model_len * L bytes
+        has more than max_model_len tokens. Tokenizing 10 MB would otherwise cost
+        ~10 s and ~1 GiB; text that passes is at most max_model_len * L bytes."""
+        tokenizer = self.engine.engine.tokenizer
+        longest = tokenizer.max_token_bytes if tokenizer is not None else None
+        if longest is None:
+            return
+        max_len = self.engine.max_model_len
+        limit = max_len * longest
+        # Characters <= UTF-8 bytes: a text too long in characters needs no encoding.
+        if len(text) <= limit and len(size := text.encode("utf-8", "surrogatepass")) <= limit:
+            return
+        num_bytes = len(size) if len(text) <= limit else len(text)
+        raise APIError(
+            400, f"This model's maximum context length is {max_len} tokens, and one of its "
+            f"tokens covers at most {longest} bytes of text. However, your prompt has "
+            f"{'' if len(text) <= limit else 'at least '}{num_bytes} bytes "
+            f"(more than {max_len} x {longest}); shorten it.", param=param,
+        )
+
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, on a worker thread: the tokenizer lets go of the GIL,
-        so a long prompt (seconds for megabytes) does not hold up other requests."""
+        so a long prompt (up to a second for the longest text check_text_length
+        lets through) does not hold up other requests."""
+
+        def checked_encode() -> list[int]:
+            self.check_text_length(text, param)
+            return self.engine.encode(text, add_special_tokens)
+
         try:
-            return await asyncio.to_thread(self.engine.encode, text, add_special_tokens)
+            return await asyncio.to_thread(checked_encode)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
