@@ -140,6 +140,11 @@ class ServerConfig:
     # Run a chat_template sent in a request (vLLM's --trust-request-chat-template);
     # off: such a request is refused, since a template is code the server runs.
     trust_request_chat_template: bool = False
+    # /v1/responses kept for previous_response_id and GET (least recently used
+    # dropped first; 0: none kept), so memory stays bounded.
+    max_stored_responses: int = 1000
+    # The metric names' prefix; "vllm:" lets a vLLM Grafana dashboard read them.
+    metrics_prefix: str = "tokenmill:"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -149,3 +154,5 @@ class ServerConfig:
             raise ValueError(
                 f"max_queued_requests must be >= 1 (or unset: no limit), got {self.max_queued_requests}"
             )
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")

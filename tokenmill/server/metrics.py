@@ -60,7 +60,7 @@ class _SchedulerCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
