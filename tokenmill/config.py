@@ -9,6 +9,7 @@ message that says what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,5 +155,8 @@ class ServerConfig:
             raise ValueError(
                 f"max_queued_requests must be >= 1 (or unset: no limit), got {self.max_queued_requests}"
             )
+        if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", self.metrics_prefix):
+            raise ValueError(f"metrics_prefix must be a Prometheus name prefix (letters, digits, "
+                             f"'_' and ':'; e.g. 'vllm:'), got {self.metrics_prefix!r}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")

@@ -239,12 +239,12 @@ async def create_response(serving: Serving, store: ResponseStore, request: Respo
     # carried into the stored conversation.
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     try:
-        chat = ChatCompletionRequest(
-            messages=system + conversation, model=request.model,
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            min_p=request.min_p, repetition_penalty=request.repetition_penalty,
-            seed=request.seed, user=request.user,
-        )
+        chat = ChatCompletionRequest.model_validate({
+            "messages": system + conversation, "model": request.model,
+            "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
+            "min_p": request.min_p, "repetition_penalty": request.repetition_penalty,
+            "seed": request.seed, "user": request.user,
+        })
     except ValidationError as e:
         message, param = describe_validation_error(e.errors())
         raise APIError(400, message, param) from e
