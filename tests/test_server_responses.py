@@ -87,6 +87,15 @@ def test_create_matches_offline_chat(served: Served) -> None:
         assert response.incomplete_details.reason == "max_output_tokens"
 
 
+def test_vllm_sampling_extras_apply(served: Served) -> None:
+    # `vllm bench serve --ignore-eos` sends vLLM's ignore_eos to /v1/responses.
+    response = served.client().responses.create(
+        input=QUESTION, max_output_tokens=40, temperature=0, extra_body={"ignore_eos": True},
+    )
+    assert response.usage is not None and response.usage.output_tokens == 40
+    assert response.status == "incomplete"
+
+
 def test_message_list_and_instructions(served: Served) -> None:
     expected = served.expected["instructed"]
     response = served.client().responses.create(

@@ -60,12 +60,28 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
-    # vLLM's extras
+    # vLLM's extras (its ResponsesRequest takes these sampling fields too)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     priority: int = 0
+
+
+# Fields passed on as they are to the chat request that runs the response.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+                   "include_stop_str_in_output", "user", "model")
 
 
 class ResponseStore:
@@ -240,10 +256,8 @@ async def create_response(serving: Serving, store: ResponseStore, request: Respo
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     try:
         chat = ChatCompletionRequest.model_validate({
-            "messages": system + conversation, "model": request.model,
-            "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-            "min_p": request.min_p, "repetition_penalty": request.repetition_penalty,
-            "seed": request.seed, "user": request.user,
+            "messages": system + conversation,
+            **{name: v for name in SAMPLING_FIELDS if (v := getattr(request, name)) is not None},
         })
     except ValidationError as e:
         message, param = describe_validation_error(e.errors())
