@@ -40,6 +40,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    # Sampling defaults: "auto" (the model's generation config), "vllm" (none) or
+    # a folder with a generation_config.json (vLLM's --generation-config).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -75,14 +75,17 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_completion(serving, request, raw)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_chat_completion(serving, request, raw)
 
     @v1.post("/responses")
     async def responses(request: ResponsesRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_response(serving, response_store, request, raw)
 
     @v1.get("/responses/{response_id}")
