@@ -279,3 +279,46 @@ def test_the_flags_reach_the_server_config(tmp_path: Path) -> None:
     default = build_parser().parse_args(["serve"])
     assert not default.allow_unauthenticated_tokenize
     assert default.max_request_body_bytes == DEFAULT_MAX_REQUEST_BODY_BYTES == 8 << 20
+
+
+# ---- the length bound's proof -------------------------------------------------------------
+
+
+def test_max_token_bytes_bounds_the_token_count_from_below() -> None:
+    import random
+
+    from tokenmill.model.source import default_model_path
+    from tokenmill.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(default_model_path())
+    longest = tok.max_token_bytes
+    assert longest is not None and longest >= len("<|im_start|>")
+    rng = random.Random(0)
+    pieces = ["#" * 200, " " * 90, "\n\n\n", "héllo wörld", "😀", "<|im_start|>", "<|im_end|>",
+              "word", "\t" * 9, "東京", "1234567890" * 5, "x"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 40)))
+        assert len(tok.encode(text)) * longest >= len(text.encode()), text
+    # Bytes the vocabulary lacks (some control characters) are dropped: the count
+    # can fall below the bound only through them, which the server counts anyway.
+    assert len(tok.encode("\x04" * 100, add_special_tokens=False)) < 100 / longest
+
+
+def test_no_bound_where_none_is_proven() -> None:
+    from tokenizers import AddedToken, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenmill.tokenizer import Tokenizer
+
+    def build(normalizer: bool, strip: bool) -> Tokenizer:
+        backend = Backend(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if normalizer:
+            backend.normalizer = normalizers.NFKC()
+        backend.add_special_tokens([AddedToken("<mask>", lstrip=strip, rstrip=strip)])
+        return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend))
+
+    assert build(normalizer=False, strip=False).max_token_bytes == len("<mask>")
+    assert build(normalizer=True, strip=False).max_token_bytes is None
+    assert build(normalizer=False, strip=True).max_token_bytes is None
