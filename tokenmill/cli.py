@@ -55,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
         allow_unauthenticated_tokenize=args.allow_unauthenticated_tokenize,
+        max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
     )
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
@@ -83,6 +84,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="answer 503 while this many requests wait to run")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="run a chat_template sent in a request (off: such requests get 400)")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="/v1/responses kept for previous_response_id (least recently used "
+                            "dropped first)")
+    serve.add_argument("--metrics-prefix", default="tokenmill:",
+                       help="prefix of the /metrics names; 'vllm:' lets vLLM's Grafana "
+                            "dashboards read them")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     EngineArgs.add_cli_args(serve)

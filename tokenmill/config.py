@@ -9,6 +9,7 @@ message that says what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    # Sampling defaults: "auto" (the model's generation config), "vllm" (none) or
+    # a folder with a generation_config.json (vLLM's --generation-config).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -148,6 +152,11 @@ class ServerConfig:
     # /tokenize and /detokenize without the API key (vLLM leaves them open);
     # off: --api-key covers them as it covers /v1.
     allow_unauthenticated_tokenize: bool = False
+    # /v1/responses kept for previous_response_id and GET (least recently used
+    # dropped first; 0: none kept), so memory stays bounded.
+    max_stored_responses: int = 1000
+    # The metric names' prefix; "vllm:" lets a vLLM Grafana dashboard read them.
+    metrics_prefix: str = "tokenmill:"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,3 +170,8 @@ class ServerConfig:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
             )
+        if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", self.metrics_prefix):
+            raise ValueError(f"metrics_prefix must be a Prometheus name prefix (letters, digits, "
+                             f"'_' and ':'; e.g. 'vllm:'), got {self.metrics_prefix!r}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")

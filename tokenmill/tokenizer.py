@@ -77,7 +77,7 @@ class Tokenizer:
         control character, which the tokenizer drops), so the server refuses text
         far over the context without tokenizing it. None for any other tokenizer
         (SentencePiece's normalizers change the text's length)."""
-        backend = getattr(self.hf, "backend_tokenizer", None)
+        backend: Any = getattr(self.hf, "backend_tokenizer", None)
         try:
             pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer else {}
             if (backend.normalizer is not None or backend.truncation is not None

@@ -31,6 +31,7 @@ from tokenmill.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response, not_found
 from tokenmill.server.serving import Serving
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
@@ -70,7 +71,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     registry). `app.state.serving.close()` stops the app's template worker."""
     model_name = server_config.served_model_name or engine.model_name
     serving = Serving(engine, server_config, model_name)
-    metrics = ServerMetrics(engine, model_name)
+    metrics = ServerMetrics(engine, model_name, server_config.metrics_prefix)
+    response_store = ResponseStore(server_config.max_stored_responses)
     app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
@@ -85,11 +87,25 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_completion(serving, request, raw)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_chat_completion(serving, request, raw)
+
+    @v1.post("/responses")
+    async def responses(request: ResponsesRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
+        return await create_response(serving, response_store, request, raw)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        stored = response_store.get(response_id)
+        if stored is None:
+            raise not_found(response_id, None)
+        return JSONResponse(stored[0])
 
     @v1.get("/models")
     async def models() -> ModelList:

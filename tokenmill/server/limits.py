@@ -44,10 +44,6 @@ async def send_error(send: Send, status_code: int, message: str, code: str) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class RequestLimits:
     """Pure ASGI (no body buffering of its own): 431 past MAX_HEADER_BYTES of
     headers; 413 for a Content-Length over `max_body_bytes`, or as soon as the
@@ -80,29 +76,34 @@ class RequestLimits:
             return
 
         received = 0
-        started = False
+        started = refused = False
 
         async def counted_receive() -> Message:
-            nonlocal received
+            # Past the limit: answer 413 now, and tell the app the client left
+            # (raising would reach FastAPI's body parser, which makes it a 400).
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise BodyTooLarge()
+                    refused = True
+                    if not started:
+                        await send_error(send, 413, self.too_large(f"over {received} bytes so far"),
+                                         "request_too_large")
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracked_send(message: Message) -> None:
             nonlocal started
+            if refused:  # (the app's answer to the "disconnect")
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counted_receive, tracked_send)
-        except BodyTooLarge:
-            if started:  # (the app read its body after answering: nothing to say)
-                raise
-            await send_error(send, 413, self.too_large(f"over {received} bytes so far"),
-                             "request_too_large")
         finally:
             if received > GIVE_BACK_AFTER_BODY_BYTES:
                 self.give_back_memory()
@@ -149,14 +150,15 @@ class JSONErrorsH11Protocol(H11Protocol):
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         size = config.h11_max_incomplete_event_size
-        self.conn = _Connection(h11.SERVER, MAX_HEADER_BYTES if size is None else size)
+        self.max_header_bytes = MAX_HEADER_BYTES if size is None else size
+        self.conn = self.recording = _Connection(h11.SERVER, self.max_header_bytes)
 
     def send_400_response(self, msg: str) -> None:
-        error = self.conn.error
+        error = self.recording.error
         status = getattr(error, "error_status_hint", 400) if error is not None else 400
         if status == 431:
             message = (f"the request's headers are over this server's limit of "
-                       f"{self.conn._max_incomplete_event_size} bytes")
+                       f"{self.max_header_bytes} bytes")
             code = "request_header_fields_too_large"
         else:
             status = 400

@@ -57,6 +57,26 @@ class Serving:
         # Only a server that runs request templates starts their worker process.
         self.template_renderer = TemplateRenderer() if config.trust_request_chat_template else None
 
+    def apply_generation_defaults(self, request: BaseModel) -> None:
+        """The model's generation-config defaults (engine/generation_config.py) for
+        the sampling fields this request left unset, as vLLM applies them. Their
+        max_tokens caps the request's (vLLM takes the smaller of the two)."""
+        defaults = self.engine.engine.default_sampling_params
+        fields = type(request).model_fields
+        for name, value in defaults.items():
+            if name != "max_tokens" and name in fields and getattr(request, name) is None:
+                setattr(request, name, value)
+        cap = defaults.get("max_tokens")
+        if cap is None:
+            return
+        names = [n for n in ("max_completion_tokens", "max_output_tokens", "max_tokens") if n in fields]
+        for name in names:
+            if (value := getattr(request, name)) is not None:
+                setattr(request, name, min(value, cap))
+                return
+        if names:
+            setattr(request, names[-1], cap)
+
     def close(self) -> None:
         if self.template_renderer is not None:
             self.template_renderer.close()
