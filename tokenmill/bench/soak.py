@@ -81,6 +81,9 @@ class SoakReport:
     num_transport_errors: int = 0
     num_stalled: int = 0  # requests without progress for stall_s or more
     longest_gap_s: float = 0.0
+    # Requests whose longest time without progress reached each threshold, streamed
+    # (gaps between chunks) and not (the whole request), e.g. {"stream": {"10": 0}}.
+    gap_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     num_cut_streams: int = 0
     num_streams: int = 0
     num_dropped_streams: int = 0
@@ -345,8 +348,16 @@ async def run_traffic(args: argparse.Namespace, base_url: str, pid: int) -> Soak
     return report
 
 
+GAP_THRESHOLDS_S = (5, 10, 20, 30, 60)
+
+
 def tally(report: SoakReport, records: list[RequestRecord], stall_s: float) -> None:
     report.num_requests = len(records)
+    for kind, stream in (("stream", True), ("non-stream", False)):
+        report.gap_counts[kind] = {
+            str(t): sum(r.stream is stream and r.max_gap_s >= t for r in records)
+            for t in GAP_THRESHOLDS_S
+        }
     for r in records:
         problem = []
         if r.status is not None and r.status >= 500:
