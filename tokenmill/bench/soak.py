@@ -9,8 +9,10 @@ the streams are dropped mid-way (the client closes the connection). Then it
 checks what a user would call a failure:
 
 - no 5xx (and no 4xx: every request it sends is valid);
-- no request without progress for `--stall-s` (a stream: the gap before its
-  first chunk and between chunks; a non-streamed request: its whole time);
+- no stream without progress for `--stall-s` (the gap before its first chunk
+  and between chunks); a non-streamed request shows no progress until it ends,
+  so its whole time is reported beside (a slow one is not a hang; one that
+  never ends runs into the read timeout, `--drain-s`, an error);
 - no cut stream: every stream not dropped ends with a final chunk for each
   choice and `[DONE]`;
 - the KV cache back to 0 and no request left running once the traffic stops
@@ -79,8 +81,15 @@ class SoakReport:
     num_5xx: int = 0
     num_4xx: int = 0
     num_transport_errors: int = 0
-    num_stalled: int = 0  # requests without progress for stall_s or more
-    longest_gap_s: float = 0.0
+    num_stalled: int = 0  # streams without a chunk for stall_s or more
+    longest_gap_s: float = 0.0  # of the streams
+    # Non-streamed requests show no progress until they end: their whole time is
+    # reported (a slow one is not a hang); one that never ends is a timeout error.
+    num_slow_non_stream: int = 0  # those that took stall_s or more
+    longest_non_stream_s: float = 0.0
+    # Requests whose longest time without progress reached each threshold, streamed
+    # (gaps between chunks) and not (the whole request), e.g. {"stream": {"10": 0}}.
+    gap_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     num_cut_streams: int = 0
     num_streams: int = 0
     num_dropped_streams: int = 0
@@ -105,8 +114,10 @@ class SoakReport:
         return (
             f"soak: {self.num_requests} requests in {self.duration_s / 60:.1f} min, "
             f"5xx {self.num_5xx}, 4xx {self.num_4xx}, errors {self.num_transport_errors}, "
-            f"hangs (no progress >= {stall_s:g} s) {self.num_stalled} "
-            f"(longest {self.longest_gap_s:.1f} s), cut streams {self.num_cut_streams} "
+            f"hangs (a stream without a chunk >= {stall_s:g} s) {self.num_stalled} "
+            f"(longest gap {self.longest_gap_s:.1f} s), non-streamed >= {stall_s:g} s "
+            f"{self.num_slow_non_stream} (longest {self.longest_non_stream_s:.1f} s), "
+            f"cut streams {self.num_cut_streams} "
             f"of {self.num_streams - self.num_dropped_streams} (dropped {self.num_dropped_streams}), "
             f"unfinished {self.num_unfinished}, preemptions {self.num_preemptions or 0:.0f}, "
             f"KV back to 0: {'yes' if self.kv_back_to_zero else 'NO'}, "
@@ -345,8 +356,16 @@ async def run_traffic(args: argparse.Namespace, base_url: str, pid: int) -> Soak
     return report
 
 
+GAP_THRESHOLDS_S = (5, 10, 20, 30, 60)
+
+
 def tally(report: SoakReport, records: list[RequestRecord], stall_s: float) -> None:
     report.num_requests = len(records)
+    for kind, stream in (("stream", True), ("non-stream", False)):
+        report.gap_counts[kind] = {
+            str(t): sum(r.stream is stream and r.max_gap_s >= t for r in records)
+            for t in GAP_THRESHOLDS_S
+        }
     for r in records:
         problem = []
         if r.status is not None and r.status >= 500:
@@ -364,10 +383,14 @@ def tally(report: SoakReport, records: list[RequestRecord], stall_s: float) -> N
             if r.cut:
                 report.num_cut_streams += 1
                 problem.append("cut")
-        report.longest_gap_s = max(report.longest_gap_s, r.max_gap_s)
-        if r.max_gap_s >= stall_s:
-            report.num_stalled += 1
-            problem.append("stalled")
+        if not r.stream:
+            report.longest_non_stream_s = max(report.longest_non_stream_s, r.max_gap_s)
+            report.num_slow_non_stream += r.max_gap_s >= stall_s
+        else:
+            report.longest_gap_s = max(report.longest_gap_s, r.max_gap_s)
+            if r.max_gap_s >= stall_s:
+                report.num_stalled += 1
+                problem.append("stalled")
         if problem and len(report.problems) < MAX_PROBLEMS_KEPT:
             report.problems.append({"problem": problem, **asdict(r)})
 
