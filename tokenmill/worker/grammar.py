@@ -1,0 +1,82 @@
+"""Grammar-constrained sampling: one matcher per request, one mask per step.
+
+Each constrained request's state (request_state.py) holds an xgrammar
+GrammarMatcher built from its compiled grammar (engine/structured.py). The
+matcher sits where the request's sampled tokens are: it is advanced only when
+the runner samples a token for the request, never from scheduled token ids, so
+a request recomputed after preemption (its prompt and outputs prefilled again)
+resumes its grammar exactly where it was, and a chunk in the middle of a prefill
+(no row sampled) leaves it untouched.
+
+Each step, for the rows that sample:
+
+    matchers of the constrained rows ──fill──> bitmask [rows, ceil(vocab / 32)] int32
+    logits [rows, vocab] ──apply (tokens whose bit is 0 -> -inf)──> the sampler
+
+The mask is applied before the sampler, so every stage after it (logprobs,
+penalties, temperature, top-k / top-p, greedy argmax) sees the masked logits, as
+in vLLM. Stop (EOS) tokens are among the allowed ones only where the grammar may
+end, so a constrained request stops exactly when its output is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import xgrammar as xgr
+
+logger = logging.getLogger("tokenmill")
+
+
+class RequestGrammar:
+    """One request's place in its grammar. Every sample of n > 1 has its own."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.num_rejected = 0
+
+    @property
+    def active(self) -> bool:
+        """False once a stop token ended the grammar (after that nothing is masked:
+        only ignore_eos keeps such a request going)."""
+        return not self.matcher.is_terminated()
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token. A token the mask allowed is always
+        accepted; one it did not (every allowed token banned by another option,
+        such as min_tokens holding EOS back) leaves the matcher where it was."""
+        if self.active and not self.matcher.accept_token(token_id):
+            self.num_rejected += 1
+            if self.num_rejected == 1:
+                logger.warning("a constrained request sampled token %d, which its grammar "
+                               "does not allow (another option banned every allowed token)",
+                               token_id)
+
+
+class GrammarMask:
+    """Fills the constrained rows' bitmasks and applies them to the logits, one
+    batched call each."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # grown on demand
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+        """Mask `logits` [rows, vocab] (in place) where row i has grammars[i]."""
+        rows: list[int] = []
+        matchers: list[xgr.GrammarMatcher] = []
+        for i, g in enumerate(grammars):
+            if g is not None and g.active:
+                rows.append(i)
+                matchers.append(g.matcher)
+        if not rows:
+            return
+        num_rows = logits.shape[0]
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        bitmask = self._bitmask[:num_rows]  # rows without a grammar are not read
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=rows)
