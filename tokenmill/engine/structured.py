@@ -36,6 +36,11 @@ GRAMMAR_CACHE_SIZE = 256
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; users need the rest.
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
+# JSON's free whitespace between tokens is capped at this many characters per gap:
+# enough for pretty-printed JSON (a newline and 19 spaces of indent), while a
+# model that would emit newlines forever (small models do) is moved on.
+MAX_JSON_WHITESPACE = 20
+
 GrammarKey = tuple[str, str, bool]
 
 
@@ -53,7 +58,8 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         if not isinstance(value, dict | bool):
             raise ParamError(f"structured_outputs.json must be a JSON schema (an object), got "
                              f"{type(value).__name__}", "structured_outputs")
-        text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        # Key order kept: properties are generated in the schema's order.
+        text = json.dumps(value, ensure_ascii=False)
     elif kind == "choice":
         text = json.dumps(value, ensure_ascii=False)
     elif kind == "json_object":
@@ -68,11 +74,13 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
     ParamError that says what is wrong if it cannot be parsed."""
     kind, text, no_whitespace = key
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=not no_whitespace)
-        if kind == "json_object":  # any JSON object (vLLM: the schema {"type": "object"})
-            return xgr.Grammar.from_json_schema('{"type": "object"}',
-                                                any_whitespace=not no_whitespace)
+        if kind in ("json", "json_object"):
+            # json_object: any JSON object (vLLM compiles the schema {"type": "object"}).
+            schema = text if kind == "json" else '{"type": "object"}'
+            if no_whitespace:  # json.dumps' separators, nothing else
+                return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=True,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":

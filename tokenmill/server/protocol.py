@@ -64,6 +64,13 @@ class SamplingFields(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs (server/structured.py): its extra body field, and
+    # the older guided_* names.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
