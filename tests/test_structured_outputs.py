@@ -188,7 +188,7 @@ def test_64_schemas_at_once_under_chunking_and_preemption(model_path: str) -> No
             # (strict=False: xgrammar 0.2.9 lets a string with maxLength hold raw control
             # characters, which strict JSON parsers refuse; the schema is still checked.)
             jsonschema.validate(json.loads(sample.text, strict=False), schema)
-    for (p, params), regex in zip(others[:3], REGEXES, strict=True):
+    for (p, _), regex in zip(others[:3], REGEXES, strict=True):
         text = by_prompt[json.dumps(p)].outputs[0].text
         assert re.fullmatch(regex, text), (regex, text)
     for p, _ in others[3:6]:
