@@ -56,15 +56,16 @@ class RequestGrammar:
 
 class GrammarMask:
     """Fills the constrained rows' bitmasks and applies them to the logits, one
-    batched call each."""
+    batched call each. (The fill needs only the matchers, so it could run during
+    the forward; measured, the apply is most of the cost: docs/perf-notes.)"""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # grown on demand
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
-    def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
-        """Mask `logits` [rows, vocab] (in place) where row i has grammars[i]."""
+    def fill(self, grammars: list[RequestGrammar | None]) -> list[int]:
+        """Fill the bitmask rows of the grammars' rows; returns those rows."""
         rows: list[int] = []
         matchers: list[xgr.GrammarMatcher] = []
         for i, g in enumerate(grammars):
@@ -72,11 +73,18 @@ class GrammarMask:
                 rows.append(i)
                 matchers.append(g.matcher)
         if not rows:
-            return
-        num_rows = logits.shape[0]
-        if self._bitmask.shape[0] < num_rows:
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        bitmask = self._bitmask[:num_rows]  # rows without a grammar are not read
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                        indices=rows)
+            return rows
+        if self._bitmask.shape[0] < len(grammars):
+            self._bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, rows)
+        return rows
+
+    def apply_filled(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Mask `logits` [rows, vocab] in place with what fill() left for `rows`."""
+        if rows:
+            xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]],
+                                            vocab_size=self.vocab_size, indices=rows)
+
+    def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+        """fill() then apply_filled(), on this thread."""
+        self.apply_filled(logits, self.fill(grammars))
