@@ -3,7 +3,7 @@
 Requests ignore fields they do not know (as OpenAI's and vLLM's servers do),
 so newer clients keep working; every known field is type-checked and a bad one
 becomes a 400 naming it. Fields that would change the output and that this
-server does not implement (tools, response_format, prompt_logprobs) are known
+server does not implement (tools, prompt_logprobs) are known
 so that a request using them gets a 400 instead of an answer that ignores them.
 """
 
