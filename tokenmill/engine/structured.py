@@ -59,7 +59,11 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
             raise ParamError(f"structured_outputs.json must be a JSON schema (an object), got "
                              f"{type(value).__name__}", "structured_outputs")
         # Key order kept: properties are generated in the schema's order.
-        text = json.dumps(value, ensure_ascii=False)
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:  # (an offline caller's dict holding non-JSON)
+            raise ParamError(f"structured_outputs.json is not JSON: {e}",
+                             "structured_outputs") from e
     elif kind == "choice":
         text = json.dumps(value, ensure_ascii=False)
     elif kind == "json_object":
