@@ -22,6 +22,7 @@ end, so a constrained request stops exactly when its output is complete.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -54,15 +55,25 @@ class RequestGrammar:
                                token_id)
 
 
-class GrammarMask:
-    """Fills the constrained rows' bitmasks and applies them to the logits, one
-    batched call each. (The fill needs only the matchers, so it could run during
-    the forward; measured, the apply is most of the cost: docs/perf-notes.)"""
+# Rows per thread below which applying the masks stays on one thread.
+MIN_ROWS_PER_THREAD = 8
 
-    def __init__(self, vocab_size: int) -> None:
+
+class GrammarMask:
+    """Fills the constrained rows' bitmasks and applies them to the logits.
+
+    The apply (a -inf pass over [rows, vocab]) is most of the cost (docs/perf-notes),
+    and it runs after the forward, when the forward's threads are idle: so the rows
+    are split over up to `num_threads` threads (xgrammar's kernel releases the GIL),
+    and the fill uses as many."""
+
+    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # grown on demand
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self.num_threads = max(1, min(num_threads or torch.get_num_threads(), 8))
+        self._batch = xgr.BatchGrammarMatcher(max_threads=self.num_threads)
+        self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="tokenmill-mask")
+                      if self.num_threads > 1 else None)
 
     def fill(self, grammars: list[RequestGrammar | None]) -> list[int]:
         """Fill the bitmask rows of the grammars' rows; returns those rows."""
@@ -81,9 +92,24 @@ class GrammarMask:
 
     def apply_filled(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Mask `logits` [rows, vocab] in place with what fill() left for `rows`."""
-        if rows:
-            xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]],
-                                            vocab_size=self.vocab_size, indices=rows)
+        if not rows:
+            return
+        bitmask = self._bitmask[: logits.shape[0]]
+
+        def apply(chunk: list[int]) -> None:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                            indices=chunk)
+
+        num_chunks = min(self.num_threads, len(rows) // MIN_ROWS_PER_THREAD)
+        if self._pool is None or num_chunks <= 1:
+            apply(rows)
+            return
+        size = -(-len(rows) // num_chunks)
+        chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
+        others = [self._pool.submit(apply, chunk) for chunk in chunks[1:]]
+        apply(chunks[0])
+        for done in others:
+            done.result()
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
         """fill() then apply_filled(), on this thread."""
