@@ -35,7 +35,7 @@ from tokenmill.model.source import default_model_path
 from tokenmill.sampling_params import ParamError, StructuredOutputsParams
 from tokenmill.server import build_app
 from tokenmill.tokenizer import Tokenizer
-from tokenmill.worker.grammar import RequestGrammar
+from tokenmill.worker.grammar import GrammarMask, RequestGrammar
 
 S = StructuredOutputsParams
 TIMEOUT_S = 60.0
@@ -339,3 +339,25 @@ def test_server_response_format_and_vllm_fields(server: ServerThread) -> None:
         "messages": chat, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})
     assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"], bad.text
+
+
+def test_masks_split_over_threads_match_the_bits() -> None:
+    """The apply split by rows over threads masks exactly the tokens whose bit is 0,
+    on the rows asked for and no others."""
+    vocab, num_rows = 1000, 64
+    generator = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (num_rows, -(-vocab // 32)), dtype=torch.int32,
+                          generator=generator)
+    rows = sorted({*range(0, num_rows, 2), 63})  # 33 rows: 4 chunks of 8 or more
+    logits = torch.randn(num_rows, vocab, generator=generator)
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, words, 32]
+    expected = logits.clone()
+    masked = bits.reshape(num_rows, -1)[:, :vocab] == 0
+    for r in rows:
+        expected[r, masked[r]] = float("-inf")
+    for num_threads in (1, 4):
+        mask = GrammarMask(vocab, num_threads)
+        mask._bitmask = words.clone()
+        got = logits.clone()
+        mask.apply_filled(got, rows)
+        assert torch.equal(got, expected), num_threads
