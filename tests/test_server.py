@@ -339,13 +339,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "guided_regex": "a(b"}, "structured_outputs"),  # does not compile
     ({"prompt": "hi", "guided_choice": ["a"], "response_format": {"type": "json_object"}},
      "response_format"),
-    ({"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "hi", "n": 129, "temperature": 1.0}, "n"),  # OpenAI's limit: 128
-    ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": "hi", "suffix": "tail"}, "suffix"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),  # past the signed 64-bit range
     ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),

@@ -37,6 +37,7 @@ NEUTRAL: dict[str, Any] = {
     "spaces_between_special_tokens": True,
     "allowed_token_ids": None,
     "bad_words": None,
+    "prompt_logprobs": None,
 }
 
 
@@ -46,9 +47,6 @@ def refuse_unsupported(request: SamplingFields) -> None:
         raise APIError(400, "tools (function calling) is not supported by this engine", param="tools")
     if request.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice is not supported by this engine (no tools)", param="tool_choice")
-    if request.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs is not supported by this server yet (the offline LLM "
-                       "API has it)", param="prompt_logprobs")
 
 
 def build_sampling_params(

@@ -74,4 +74,8 @@ def _from_structured_outputs(body: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise APIError(400, f"structured_outputs.{unknown[0]} is not supported by this engine "
                        f"(it takes {', '.join(sorted(_FIELDS))})", param="structured_outputs")
+    for name in ("json_object", "disable_any_whitespace"):
+        if name in body and not isinstance(body[name], bool | None):
+            raise APIError(400, f"structured_outputs.{name} must be a boolean, got {body[name]!r}",
+                           param="structured_outputs")
     return {k: v for k, v in body.items() if k in _FIELDS}
