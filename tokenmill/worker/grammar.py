@@ -95,6 +95,10 @@ class GrammarMask:
         if not rows:
             return
         bitmask = self._bitmask[: logits.shape[0]]
+        if logits.device.type != "cpu":  # (filled on the CPU; xgrammar's GPU kernel applies it)
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab_size, indices=rows)
+            return
 
         def apply(chunk: list[int]) -> None:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
