@@ -332,7 +332,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),  # over the context length
     ({"prompt": [10**9]}, "prompt"),  # a token id outside the vocabulary
     ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),  # no schema
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "hi", "structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"prompt": "hi", "guided_regex": "a(b"}, "structured_outputs"),  # does not compile
+    ({"prompt": "hi", "guided_choice": ["a"], "response_format": {"type": "json_object"}},
+     "response_format"),
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"),

@@ -52,6 +52,8 @@ class StructuredOutputsParams:
     regex: a regular expression; choice: one of these strings; grammar: an EBNF/GBNF
     grammar. The engine compiles each distinct constraint once and masks the logits
     of the request's rows so that only tokens the constraint allows can be sampled.
+    disable_any_whitespace: JSON output without free whitespace between tokens
+    (json.dumps' separators), as vLLM's flag of that name.
     """
 
     json: str | dict | None = None
@@ -59,6 +61,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")

@@ -55,6 +55,9 @@ class Request:
     num_cached_tokens: int = field(default=-1, init=False)  # prefix hits at first schedule
     # Chained hashes of this request's full blocks of tokens (prefix caching).
     block_hashes: list[int] = field(default_factory=list, init=False)
+    # structured_outputs: False while the engine compiles the request's grammar
+    # (off the step loop); the scheduler admits it only once this is True.
+    grammar_ready: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

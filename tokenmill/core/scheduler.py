@@ -179,15 +179,25 @@ class Scheduler:
         newcomer waits for blocks to be freed and never preempts: preempting for
         it would only trade one waiting request for another."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs and self.queue:
-            request = self.queue.peek()
+            request = self._next_ready()
+            if request is None:
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
-            self.queue.pop()
+            self.queue.remove(request)
             self._admit(request, num_hit_tokens, num_new, num_new_by_req)
             budget -= num_new
         return budget
+
+    def _next_ready(self) -> Request | None:
+        """The queue's first request that can run: one whose grammar is still
+        compiling is passed over, so it holds up nobody behind it."""
+        head = self.queue.peek()
+        if head.grammar_ready:
+            return head
+        return next((r for r in self.queue if r.grammar_ready), None)
 
     def _admit(
         self, request: Request, num_hit_tokens: int, num_new: int, num_new_by_req: dict[str, int]

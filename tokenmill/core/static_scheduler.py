@@ -125,7 +125,8 @@ class StaticBatchScheduler(Scheduler):
             # blocks up waits for the batch to end without running.
             request = next(
                 (r for r in self.queue
-                 if r.request_id in self.batch and r.request_id not in self.padding),
+                 if r.request_id in self.batch and r.request_id not in self.padding
+                 and r.grammar_ready),
                 None,
             )
             if request is None:

@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -24,6 +25,7 @@ from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
+from tokenmill.engine.structured import GrammarCompiler
 from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import RequestOutput
@@ -121,6 +123,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._scheduled_step: ScheduledStep | None = None  # scheduled, not executed yet
+        # Structured outputs: the compiler (built with the first constrained request),
+        # the requests whose grammar is still compiling, and those whose compile failed.
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._compiling: dict[str, tuple[Request, str, Future[Any]]] = {}
+        self._failed_compiles: dict[str, str] = {}  # caller's request id -> why
 
     # ---- requests ---------------------------------------------------------------
 
@@ -184,8 +191,14 @@ class LLMEngine:
         params, bad_words_token_ids = self.resolve_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
+        grammar = None
+        if params.structured_outputs is not None:
+            # A constraint that cannot be parsed raises here (a 400); compiling
+            # it runs in the background while the request waits.
+            grammar = self.grammar_compiler().compile(params.structured_outputs)
+
         def request(core_id: str, core_params: SamplingParams) -> Request:
-            return Request(
+            req = Request(
                 request_id=core_id,
                 prompt_token_ids=prompt_ids,
                 sampling_params=core_params,
@@ -194,6 +207,10 @@ class LLMEngine:
                 arrival_time=arrival,
                 priority=priority,
             )
+            if grammar is not None:
+                req.grammar_ready = False
+                self._compiling[core_id] = (req, request_id, grammar)
+            return req
 
         if params.n == 1:
             self.scheduler.add_request(request(request_id, params))
@@ -228,13 +245,41 @@ class LLMEngine:
                 "skip_tokenizer_init); use stop_token_ids / logit_bias instead",
                 "stop" if params.stop else "bad_words",
             )
-        if params.structured_outputs is not None:
-            raise ParamError("structured_outputs is not supported by this engine yet",
-                             "structured_outputs")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ParamError("structured_outputs needs a tokenizer (this engine has "
+                             "skip_tokenizer_init)", "structured_outputs")
         bad_words_token_ids: list[list[int]] = []
         if params.bad_words and self.tokenizer is not None:
             bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
         return params, bad_words_token_ids
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            assert self.tokenizer is not None
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _collect_grammars(self) -> None:
+        """Hand every finished compile to the runner and let its request be
+        scheduled; when nothing else can run, wait (briefly) for one."""
+        if not self._compiling:
+            return
+        if not any(r.grammar_ready for r in self.scheduler.requests.values()):
+            wait([f for _, _, f in self._compiling.values()], timeout=0.05,
+                 return_when=FIRST_COMPLETED)
+        for core_id, (request, request_id, future) in list(self._compiling.items()):
+            if core_id not in self.scheduler.requests:  # aborted meanwhile
+                del self._compiling[core_id]
+            elif future.done():
+                del self._compiling[core_id]
+                error = future.exception()
+                if error is not None:
+                    logger.error("request %s: its grammar failed to compile: %s", request_id, error)
+                    self._failed_compiles[request_id] = str(error)
+                    continue
+                self.runner.add_grammar(core_id, future.result())
+                request.grammar_ready = True
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort requests (between steps); their blocks are freed at once."""
@@ -267,6 +312,7 @@ class LLMEngine:
         # Each part's wall time goes to StepStats.phase_s, and its label to torch.profiler
         # (`tokenmill bench throughput --profile` reports both).
         with self.runner.timer.phase(StepPhase.SCHEDULE):
+            self._collect_grammars()
             scheduler_output = self.scheduler.schedule()
             now = time.monotonic()
             first_scheduled = []
@@ -290,6 +336,9 @@ class LLMEngine:
             outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._failed_compiles:  # (rare: a grammar that parsed but did not compile)
+            outputs.extend(self.abort_request(list(self._failed_compiles)))
+            self._failed_compiles.clear()
         stats = StepStats(
             num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
             num_scheduled_reqs=len(scheduler_output.scheduled),

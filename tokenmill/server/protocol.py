@@ -3,7 +3,7 @@
 Requests ignore fields they do not know (as OpenAI's and vLLM's servers do),
 so newer clients keep working; every known field is type-checked and a bad one
 becomes a 400 naming it. Fields that would change the output and that this
-server does not implement (tools, response_format) are known
+server does not implement (tools) are known
 so that a request using them gets a 400 instead of an answer that ignores them.
 
 Numbers and booleans are strict, as OpenAI's API (vLLM's models coerce): "5",
@@ -77,6 +77,13 @@ class SamplingFields(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs (server/structured.py): its extra body field, and
+    # the older guided_* names.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -13,6 +13,7 @@ from typing import Any
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import SamplingFields
+from tokenmill.server.structured import structured_outputs_from_request
 
 PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -46,9 +47,6 @@ def refuse_unsupported(request: SamplingFields) -> None:
         raise APIError(400, "tools (function calling) is not supported by this engine", param="tools")
     if request.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice is not supported by this engine (no tools)", param="tool_choice")
-    if request.response_format is not None and request.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than {'type': 'text'} (structured output) is not "
-                       "supported by this engine", param="response_format")
 
 
 def build_sampling_params(
@@ -58,6 +56,9 @@ def build_sampling_params(
     kwargs: dict[str, Any] = {"max_tokens": max_tokens}
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    structured_outputs = structured_outputs_from_request(request)
+    if structured_outputs is not None:
+        kwargs["structured_outputs"] = structured_outputs
     values: dict[str, Any] = {name: getattr(request, name) for name in NEUTRAL}
     if request.stop is not None:
         values["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)

@@ -13,6 +13,7 @@ import logging
 from typing import Protocol
 
 import torch
+import xgrammar as xgr
 
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
@@ -27,6 +28,7 @@ from tokenmill.core.contracts import (
 )
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.worker.grammar import GrammarMask, RequestGrammar
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.step_timer import StepPhase, StepTimer
@@ -103,6 +105,14 @@ class ModelRunner:
         # EOS ids found at load time: masked until a request reaches min_tokens.
         self.eos_token_ids = tuple(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
+        # Structured outputs: grammars handed over by the engine before the request's
+        # first step (it stays unscheduled until then), and the batched mask.
+        self.pending_grammars: dict[str, RequestGrammar] = {}
+        self.grammar_mask = GrammarMask(spec.vocab_size)
+
+    def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
+        """The compiled grammar of a request not scheduled yet: its own matcher."""
+        self.pending_grammars[request_id] = RequestGrammar(compiled)
 
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
@@ -111,6 +121,7 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
+            self.pending_grammars.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
         # Decodes first: the attention backend handles them as one batch.
@@ -145,6 +156,8 @@ class ModelRunner:
             logits = self.forward.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
         with self.timer.phase(StepPhase.SAMPLE):
+            # Grammar masks first: everything the sampler does sees the masked logits.
+            self.grammar_mask.apply(logits, [s.grammar for s in sample_states])
             out = self.sampler(logits, sample_states, self.eos_token_ids)
         prompt_logprobs: list[list[TokenLogprobs] | None] = []
         for state, token_id in zip(sample_states, out.token_ids, strict=True):
@@ -170,6 +183,10 @@ class ModelRunner:
             state = CachedRequestState.create(
                 r.request_id, r.prompt_token_ids, r.sampling_params, self.spec.vocab_size,
                 self.device, r.bad_words_token_ids,
+            )
+            state.grammar = self.pending_grammars.pop(r.request_id, None)
+            assert (state.grammar is None) == (r.sampling_params.structured_outputs is None), (
+                f"{r.request_id}: scheduled before its grammar was compiled"
             )
             self.requests[r.request_id] = state
         return state

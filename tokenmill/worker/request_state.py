@@ -3,7 +3,8 @@
 The scheduler sends only this step's tokens (and the prompt when it admits a
 request), so the runner keeps, per request: the prompt, the tokens it has
 sampled for it, the request's random generator (seeded requests), the
-penalty bookkeeping and the prompt logprobs gathered so far. The state
+penalty bookkeeping, the prompt logprobs gathered so far and its grammar
+matcher (structured outputs). The state
 survives preemption (a recomputed request is the same request: its history
 and generator go on where they were) and is dropped when the request finishes.
 
@@ -19,6 +20,7 @@ import torch
 
 from tokenmill.core.contracts import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.grammar import RequestGrammar
 
 
 @dataclass(eq=False)
@@ -38,6 +40,9 @@ class CachedRequestState:
     # chunked prefill delivers them a chunk at a time), and whether they were sent.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # structured_outputs only: the grammar matcher, advanced with each sampled token
+    # (worker/grammar.py), so it survives preemption with the rest of this state.
+    grammar: RequestGrammar | None = None
 
     @classmethod
     def create(
@@ -66,6 +71,8 @@ class CachedRequestState:
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.output_counts is not None and self.seen_token_ids is not None:
             self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
             if token_id not in self._seen:
