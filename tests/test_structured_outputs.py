@@ -335,6 +335,19 @@ def test_server_response_format_and_vllm_fields(server: ServerThread) -> None:
                                            extra_body=extra, stream=True)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
 
+    # Masked tokens have -inf logprobs in the engine; JSON has no -inf, so an
+    # answer floors them at -9999 as vLLM does (it was a 500 before).
+    few = client.chat.completions.create(model="m", messages=chat, temperature=0,  # type: ignore[arg-type]
+                                         max_tokens=5, logprobs=True, top_logprobs=5,
+                                         extra_body={"guided_choice": ["A"]})
+    assert few.choices[0].message.content == "A"
+    tops = [t.logprob for c in few.choices[0].logprobs.content for t in c.top_logprobs]  # type: ignore[union-attr]
+    assert min(tops) == -9999.0 and len(tops) == 5 * len(few.choices[0].logprobs.content)  # type: ignore[union-attr]
+    legacy = client.completions.create(model="m", prompt="x", temperature=0, max_tokens=5,
+                                       logprobs=5, extra_body={"guided_choice": ["A"]})
+    assert legacy.choices[0].text == "A"
+    assert min(v for d in legacy.choices[0].logprobs.top_logprobs for v in d.values()) == -9999.0  # type: ignore[union-attr]
+
     bad = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT_S, json={
         "messages": chat, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})

@@ -31,6 +31,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.sampling import build_sampling_params
 from tokenmill.server.serving import (
+    MIN_LOGPROB,
     ClientDisconnected,
     LogprobEntries,
     Prompt,
@@ -88,7 +89,7 @@ def chat_logprobs(serving: Serving, token_ids: list[int], entries: LogprobEntrie
         token = serving.token_text(token_id)
         chosen = entry.get(token_id)
         content.append(TokenLogprob(
-            token=token, logprob=float("-inf") if chosen is None else logprob_value(chosen),
+            token=token, logprob=MIN_LOGPROB if chosen is None else logprob_value(chosen),
             bytes=list(token.encode()),
             top_logprobs=[
                 TopLogprob(token=(t := serving.token_text(tid)), logprob=v, bytes=list(t.encode()))

@@ -13,10 +13,7 @@ from collections.abc import Sequence
 
 from tokenmill.outputs import Logprob, PromptLogprobs
 from tokenmill.server.protocol import CompletionLogprobs, PromptLogprobEntry
-from tokenmill.server.serving import Serving
-
-# JSON has no -inf: OpenAI's (and vLLM's) floor for a logprob in an answer.
-MIN_LOGPROB = -9999.0
+from tokenmill.server.serving import MIN_LOGPROB, Serving
 
 
 def clamp(value: float) -> float:

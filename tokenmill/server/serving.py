@@ -40,9 +40,15 @@ class ServerShuttingDown(RuntimeError):
     (A RuntimeError, as the engine's faults: the endpoints report both the same way.)"""
 
 
+# JSON has no -inf: OpenAI's (and vLLM's) floor for a logprob in an answer. A
+# masked token (structured outputs, allowed_token_ids) has -inf in the engine.
+MIN_LOGPROB = -9999.0
+
+
 def logprob_value(entry: object) -> float:
-    """A logprob entry's value: a `Logprob` (its .logprob) or a plain float."""
-    return float(getattr(entry, "logprob", entry))  # type: ignore[arg-type]
+    """A logprob entry's value, floored at MIN_LOGPROB: a `Logprob` (its
+    .logprob) or a plain float."""
+    return max(float(getattr(entry, "logprob", entry)), MIN_LOGPROB)  # type: ignore[arg-type]
 
 
 LogprobEntries = Sequence[Mapping[int, Any]]  # per token: {token_id: Logprob or float}
