@@ -184,6 +184,7 @@ def test_detokenize_is_bounded_by_the_context(server: Server) -> None:
 
 COMPLETION = {"prompt": "Hello", "max_tokens": 2}
 CHAT_BODY = {"messages": CHAT, "max_tokens": 2}
+RESPONSE = {"input": "Hello", "max_output_tokens": 16}
 
 
 @pytest.mark.parametrize(("path", "base", "field", "value"), [
@@ -208,6 +209,10 @@ CHAT_BODY = {"messages": CHAT, "max_tokens": 2}
     ("/v1/chat/completions", CHAT_BODY, "logprobs", 1),
     ("/v1/chat/completions", CHAT_BODY, "top_logprobs", "2"),
     ("/v1/chat/completions", CHAT_BODY, "top_p", "1"),
+    ("/v1/responses", RESPONSE, "max_output_tokens", "16"),
+    ("/v1/responses", RESPONSE, "temperature", "0.5"),
+    ("/v1/responses", RESPONSE, "stream", "yes"),
+    ("/v1/responses", RESPONSE, "store", 1),
     ("/tokenize", {"prompt": "Hi"}, "add_special_tokens", "no"),
     ("/detokenize", {"tokens": [1]}, "tokens", [True]),
 ])

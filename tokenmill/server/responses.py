@@ -19,7 +19,15 @@ from typing import Any, Literal
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.chat import chat_prompt
@@ -39,19 +47,20 @@ TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
 class ResponsesRequest(BaseModel):
-    """The fields of OpenAI's Responses API that apply to text generation."""
+    """The fields of OpenAI's Responses API that apply to text generation; numbers
+    and booleans strict, as the other requests (server/protocol.py)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    store: bool = True
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    store: StrictBool = True
     previous_response_id: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
     # Known so that asking for them is refused rather than silently ignored.
@@ -59,22 +68,22 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     # vLLM's extras (its ResponsesRequest takes these sampling fields too)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    priority: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    priority: StrictInt = 0
 
 
 # Fields passed on as they are to the chat request that runs the response.
