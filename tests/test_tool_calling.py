@@ -5,10 +5,26 @@ on a tiny random model (tokenizer and chat template of the default model)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import httpx
+import jsonschema
+import openai
 import pytest
+import torch
+import transformers
 
+from tests.hf_models import COMMON
+from tests.server_harness import ServerThread
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.model.source import resolve_model_source
+from tokenmill.server import build_app
+from tokenmill.server.errors import APIError
 from tokenmill.server.tool_parsers import (
     CallArguments,
     CallStart,
@@ -23,6 +39,12 @@ from tokenmill.server.tool_parsers import (
     ToolParser,
     collect,
 )
+from tokenmill.server.tools import required_schema, template_uses
+from tokenmill.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+HERMES_TEMPLATE = (REPO / "examples" / "tool_chat_template_hermes.jinja").read_text()
+TIMEOUT_S = 120.0
 
 # ---- parsers ---------------------------------------------------------------------------------
 
@@ -93,3 +115,238 @@ def test_streamed_arguments_arrive_in_pieces_and_tags_are_held() -> None:
     assert parser.feed('ments": {"a": 1') == [CallArguments(0, '{"a": 1')]
     assert parser.feed(', "b": 2}}</tool_call>') == [CallArguments(0, ', "b": 2}')]
     assert parser.finish() == []
+
+
+# ---- the schema of tool_choice "required", and the template --------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Tokyo", "Lima"]}, "unit": {"$ref": "#/$defs/unit"},
+        "tomorrow": {"type": "boolean"}},
+        "required": ["city", "unit", "tomorrow"], "additionalProperties": False,
+        "$defs": {"unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+ALARM = {"type": "function", "function": {
+    "name": "set_alarm", "parameters": {"type": "object", "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"}},
+        "required": ["hour", "loud"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ALARM]
+
+
+def test_required_schema_is_vllms_and_validates_calls() -> None:
+    functions = [t["function"] for t in TOOLS]
+    schema = required_schema(functions, parallel=True)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert schema["$defs"] == {"unit": {"enum": ["celsius", "fahrenheit"]}}
+    assert "$defs" in WEATHER["function"]["parameters"]  # (the request's tools are not changed)
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [
+        {"type": "string", "enum": ["get_weather"]}, {"type": "string", "enum": ["set_alarm"]}]
+    good = [{"name": "get_weather", "parameters": {"city": "Lima", "unit": "celsius", "tomorrow": True}},
+            {"name": "set_alarm", "parameters": {"hour": 7, "loud": False}}]
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {"hour": 7, "loud": False}}],
+                [{"name": "nope", "parameters": {}}], [{"name": "set_alarm", "parameters": {"hour": 24, "loud": True}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert required_schema(functions, parallel=False)["maxItems"] == 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(good, required_schema(functions, parallel=False))
+    clash = {"name": "f", "parameters": {"$defs": {"unit": {"type": "string"}}}}
+    with pytest.raises(APIError, match="defs/unit"):
+        required_schema([*functions, clash], parallel=True)
+
+
+def test_template_renders_tools_and_tool_history() -> None:
+    tokenizer = Tokenizer.load(resolve_model_source(None).path)
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "tomorrow": false}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]
+    text = tokenizer.apply_chat_template(history, True, HERMES_TEMPLATE, TOOLS)
+    assert json.dumps(WEATHER["function"]) in text  # the tools, as the template shows them
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", '
+            '"tomorrow": false}}\n</tool_call>') in text  # (the arguments parsed, then shown as JSON)
+    assert "<tool_response>\n18 degrees\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "<tools>" not in tokenizer.apply_chat_template(history[:1], True, HERMES_TEMPLATE)
+    bad = [{**history[1], "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments"):
+        tokenizer.apply_chat_template(bad, True, HERMES_TEMPLATE)
+    # The default model's template reads neither tools nor tool_calls: the server refuses them.
+    source = tokenizer.chat_template_source()
+    assert source is not None and not template_uses(source, "tools")
+    assert template_uses(HERMES_TEMPLATE, "tools") and template_uses(HERMES_TEMPLATE, "tool_calls")
+    assert not template_uses("{# tools #}{{ messages }}", "tools")
+
+
+# ---- the server, on a tiny random model ------------------------------------------------------
+
+
+@dataclass
+class Served:
+    llm: LLM
+    engine: AsyncEngine
+    tools: ServerThread  # --chat-template hermes --enable-auto-tool-choice --tool-call-parser hermes
+    plain: ServerThread  # the model's template, no auto tool choice
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.tools.url + "/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    directory = tmp_path_factory.mktemp("tiny-tools")
+    tokenizer = Tokenizer.load(resolve_model_source(None).path)
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer.hf)})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.hf.save_pretrained(directory)
+    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory_bytes=64 << 20)
+    engine = AsyncEngine(llm.engine)
+    tools = ServerThread(build_app(engine, ServerConfig(
+        chat_template=HERMES_TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes"))).start()
+    plain = ServerThread(build_app(engine, ServerConfig())).start()
+    try:
+        yield Served(llm, engine, tools, plain)
+    finally:
+        tools.stop()
+        plain.stop()
+        engine.shutdown()
+
+
+def structured_outputs_supported(llm: LLM) -> bool:
+    """Whether this engine honours SamplingParams.structured_outputs (it refuses it until then)."""
+    params = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    try:
+        llm.generate("hi", params, use_tqdm=False)
+    except ValueError as e:
+        if "not supported" in str(e):
+            return False
+        raise
+    return True
+
+
+CHAT = [{"role": "user", "content": "What is the weather in Paris tomorrow, in celsius?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"max_tokens": 8, **body}, timeout=TIMEOUT_S)
+
+
+def assert_400(response: httpx.Response, param: str | set[str], *words: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] in ({param} if isinstance(param, str) else param), error
+    for word in words:
+        assert word in error["message"], error
+
+
+def test_bad_tool_requests_are_400(served: Served) -> None:
+    url, plain = served.tools.url, served.plain.url
+    assert_400(post(url, {"messages": CHAT, "tools": [{"type": "function"}]}), "tools", "tools[0]")
+    assert_400(post(url, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f",
+               "parameters": [1]}}]}), "tools", "parameters")
+    assert_400(post(url, {"messages": CHAT, "tools": [WEATHER, WEATHER]}), "tools", "get_weather")
+    assert_400(post(url, {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function",
+               "function": {"name": "nope"}}}), "tool_choice", "nope")
+    assert_400(post(url, {"messages": CHAT, "tool_choice": "required"}), "tool_choice", "needs tools")
+    assert_400(post(url, {"messages": CHAT, "tools": TOOLS, "tool_choice": "sometimes"}), "tool_choice")
+    # "auto" (the default with tools) needs the server's flags, as vLLM.
+    assert_400(post(plain, {"messages": CHAT, "tools": TOOLS}), "tool_choice", "--enable-auto-tool-choice")
+    # The model's template cannot show tools, nor earlier calls: the error names --chat-template.
+    assert_400(post(plain, {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"}), "tools",
+               "--chat-template")
+    history = [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    assert_400(post(plain, {"messages": history}), "messages", "--chat-template")
+    # One constraint at a time (before structured outputs land, response_format itself is refused).
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert_400(post(url, {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "response_format": fmt}),
+               {"tool_choice", "response_format"})
+    completions = httpx.post(url + "/v1/completions", json={"prompt": "hi", "tools": TOOLS}, timeout=TIMEOUT_S)
+    assert_400(completions, "tools")
+
+
+def test_tool_choice_none_and_tool_history_are_served(served: Served) -> None:
+    # "none": the tools go to the template where it can show them, and no calls are read back.
+    for url in (served.tools.url, served.plain.url):
+        response = post(url, {"messages": CHAT, "tools": TOOLS, "tool_choice": "none"})
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        assert message["tool_calls"] == [] and isinstance(message["content"], str)
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    assert post(served.tools.url, {"messages": history, "tools": TOOLS}).status_code == 200
+
+
+def stream_message(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[str, Any], str | None]:
+    """A streamed answer reassembled from its deltas (as clients merge them)."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id is not None:
+                    assert call["id"] is None, "a call's id comes once"
+                    call["id"] = delta.id
+                if delta.function is not None and delta.function.name is not None:
+                    assert call["name"] is None and call["arguments"] == "", "the name comes first, once"
+                    call["name"] = delta.function.name
+                if delta.function is not None and delta.function.arguments:
+                    assert call["name"] is not None
+                    call["arguments"] += delta.function.arguments
+            reason = choice.finish_reason or reason
+    return {"content": content or None, "tool_calls": [
+        {"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())]}, reason
+
+
+def whole_message(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[str, Any], str | None]:
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = choice.message.tool_calls or []
+    assert all(c.type == "function" and c.id for c in calls)
+    return {"content": choice.message.content or None, "tool_calls": [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in calls]}, choice.finish_reason
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED], ids=["auto", "required", "named"])
+def test_streamed_deltas_reassemble_to_the_whole_answer(served: Served, tool_choice: Any) -> None:
+    if tool_choice != "auto" and not structured_outputs_supported(served.llm):
+        pytest.skip("the engine does not honour structured_outputs yet")
+    kwargs: dict[str, Any] = {"messages": CHAT, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 40, "temperature": 0}
+    client = served.client()
+    kwargs["model"] = client.models.list().data[0].id
+    whole, whole_reason = whole_message(client, **kwargs)
+    streamed, stream_reason = stream_message(client, **kwargs)
+    assert streamed == whole and stream_reason == whole_reason
+    if tool_choice == NAMED:  # (the whole text is the call's arguments)
+        assert whole["content"] is None and [c["name"] for c in whole["tool_calls"]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_and_named_give_valid_calls(served: Served, tool_choice: Any, stream: bool) -> None:
+    """A random model writes garbage unless the constraint holds: every call
+    parses and validates against its function's parameters."""
+    if not structured_outputs_supported(served.llm):
+        pytest.skip("the engine does not honour structured_outputs yet")
+    client = served.client()
+    model = client.models.list().data[0].id
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(4):
+        kwargs = {"model": model, "messages": CHAT, "tools": TOOLS, "tool_choice": tool_choice,
+                  "max_tokens": 200, "temperature": 1.0, "seed": seed, "parallel_tool_calls": seed % 2 == 0}
+        message, reason = (stream_message if stream else whole_message)(client, **kwargs)
+        calls = message["tool_calls"]
+        assert calls and message["content"] is None, message
+        assert reason == ("stop" if tool_choice == NAMED else "tool_calls")
+        if tool_choice == NAMED or seed % 2:
+            assert len(calls) == 1
+        for call in calls:
+            assert call["name"] in (["get_weather"] if tool_choice == NAMED else schemas)
+            jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,6 +37,18 @@ def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
     return engine_args.with_serve_defaults()
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -49,7 +62,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template=load_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
+    from tokenmill.server.tools import check_tool_call_parser
+
+    check_tool_call_parser(config)
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
@@ -71,6 +89,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="answer 503 while this many requests wait to run")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="run a chat_template sent in a request (off: such requests get 400)")
+    serve.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="the chat template (a file, or the template) in place of the model's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": the model may call tools (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how the model writes tool calls: hermes or llama3_json")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     EngineArgs.add_cli_args(serve)

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import APIError
-from tokenmill.server.protocol import SamplingFields
+from tokenmill.server.protocol import ChatCompletionRequest, SamplingFields
 
 PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -41,10 +41,11 @@ NEUTRAL: dict[str, Any] = {
 
 def refuse_unsupported(request: SamplingFields) -> None:
     """400 for fields that would change the output and are not implemented here."""
-    if request.tools:
-        raise APIError(400, "tools (function calling) is not supported by this engine", param="tools")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice is not supported by this engine (no tools)", param="tool_choice")
+    if not isinstance(request, ChatCompletionRequest):  # (chat's tools: server/tools.py)
+        if request.tools:
+            raise APIError(400, "tools (function calling) are for /v1/chat/completions", param="tools")
+        if request.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is for /v1/chat/completions", param="tool_choice")
     if request.response_format is not None and request.response_format.get("type", "text") != "text":
         raise APIError(400, "response_format other than {'type': 'text'} (structured output) is not "
                        "supported by this engine", param="response_format")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 # ---- events -------------------------------------------------------------------------------
 
@@ -492,7 +493,7 @@ class RequiredToolParser(ToolParser):
     A text that is no such array (an engine without the constraint) is content."""
 
     # state -> the characters that may come next (after whitespace)
-    EXPECTED = {"start": "[", "first": "{]", "item": "{", "next": ",]"}
+    EXPECTED: ClassVar[dict[str, str]] = {"start": "[", "first": "{]", "item": "{", "next": ",]"}
 
     def __init__(self) -> None:
         self.buffer = ""
