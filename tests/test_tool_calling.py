@@ -39,7 +39,8 @@ from tokenmill.server.tool_parsers import (
     ToolParser,
     collect,
 )
-from tokenmill.server.tools import required_schema, template_uses
+from tokenmill.server.tools import ToolPlan, ToolStream, plan_tools, required_schema, template_uses
+from tokenmill.server.tools import whole_message as server_whole_message
 from tokenmill.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,6 +116,45 @@ def test_streamed_arguments_arrive_in_pieces_and_tags_are_held() -> None:
     assert parser.feed('ments": {"a": 1') == [CallArguments(0, '{"a": 1')]
     assert parser.feed(', "b": 2}}</tool_call>') == [CallArguments(0, ', "b": 2}')]
     assert parser.finish() == []
+
+
+def test_tool_stream_chunks_merge_as_openai_clients_merge_them() -> None:
+    """The chat endpoint's deltas for a hermes answer, serialized and merged by
+    the openai client's own accumulator, give the non-streamed message."""
+    from openai.lib.streaming._deltas import accumulate_delta
+
+    from tokenmill.server.protocol import DeltaMessage
+
+    text = ('Checking. <tool_call>{"name": "get_weather", "arguments": ' + ARGS + '}</tool_call>\n'
+            '<tool_call>{"name": "set_alarm", "arguments": {"hour": 7}}</tool_call>')
+    for parallel in (True, False):
+        plan = ToolPlan([], "auto", parser="hermes", parallel=parallel)
+        stream, merged = ToolStream(plan), {}
+        for i in range(0, len(text), 3):
+            content, calls = stream.feed(text[i : i + 3], final=i + 3 >= len(text))
+            delta = json.loads(DeltaMessage(content=content, tool_calls=calls).model_dump_json())
+            for call in delta["tool_calls"] or []:
+                assert None not in call.values() and None not in call.get("function", {}).values()
+            merged = accumulate_delta(merged, {k: v for k, v in delta.items() if v is not None})
+        whole = server_whole_message(plan, text)
+        assert merged["content"] == whole.content == "Checking. \n"
+        assert [(c["type"], c["function"]) for c in merged["tool_calls"]] == [
+            ("function", c.function.model_dump()) for c in whole.tool_calls]
+        assert len(whole.tool_calls) == (2 if parallel else 1) and stream.called
+
+
+def test_plan_defaults() -> None:
+    """tool_choice defaults to "auto" with tools (OpenAI's and vLLM's default)."""
+    from tokenmill.server.protocol import ChatCompletionRequest
+
+    auto = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    plan = plan_tools(ChatCompletionRequest(messages=CHAT, tools=TOOLS), auto)
+    assert plan is not None and plan.choice == "auto" and plan.schema is None
+    assert plan_tools(ChatCompletionRequest(messages=CHAT, tool_choice="none"), auto) is None
+    named = plan_tools(ChatCompletionRequest(messages=CHAT, tools=TOOLS, tool_choice=NAMED), ServerConfig())
+    assert named is not None and named.schema == WEATHER["function"]["parameters"]
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
 
 
 # ---- the schema of tool_choice "required", and the template --------------------------------
