@@ -24,17 +24,19 @@ import json
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import openai
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class City(BaseModel):
-    name: str
-    country: str
+    # (bounded: a 135M model, held to the schema, can otherwise write one string
+    # or list past any max_tokens)
+    name: Annotated[str, Field(max_length=24)]
+    country: Annotated[str, Field(max_length=24)]
     population_millions: float
-    landmarks: list[str]
+    landmarks: Annotated[list[Annotated[str, Field(max_length=32)]], Field(max_length=3)]
 
 
 class Weather(BaseModel):
@@ -51,22 +53,18 @@ TIME_TOOL = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-# A worked example first: a small model then answers the next question with a call
-# of its own (tool_choice "auto"); it also sends tool history through the template.
+# Worked examples first (assistant turns that carry tool_calls, shown by the
+# template): a 135M model then answers the next question with a call of its own.
 FEW_SHOT = [
     {"role": "user", "content": "What is the weather in Tokyo?"},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Tokyo", "unit": "celsius"}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-    {"role": "assistant", "content": "It is 21 degrees celsius in Tokyo."},
     {"role": "user", "content": "What is the weather in Lima?"},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_2", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Lima", "unit": "celsius"}'}}]},
-    {"role": "tool", "tool_call_id": "call_2", "content": '{"temperature": 19}'},
-    {"role": "assistant", "content": "It is 19 degrees celsius in Lima."},
     *ASK,
 ]
-MAX_TOKENS = 200
+MAX_TOKENS = 300
 
 
 def reassemble(stream: Any) -> tuple[str | None, list[tuple[str, str]], str | None]:
@@ -127,7 +125,8 @@ def main() -> int:
 
     def json_object() -> str:
         response = client.chat.completions.create(
-            messages=[{"role": "user", "content": "Give me a JSON object about Paris."}], **greedy,
+            messages=[{"role": "user", "content": "Answer in JSON: what is the capital of France? Use the "
+                       "keys city and country."}], **greedy,
             response_format={"type": "json_object"})
         value = json.loads(response.choices[0].message.content or "")
         assert isinstance(value, dict), value
