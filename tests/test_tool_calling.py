@@ -390,3 +390,20 @@ def test_required_and_named_give_valid_calls(served: Served, tool_choice: Any, s
         for call in calls:
             assert call["name"] in (["get_weather"] if tool_choice == NAMED else schemas)
             jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def test_serve_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat-template takes a file or the template itself; the tool flags are
+    checked before the model loads."""
+    from tokenmill.cli import load_chat_template, main
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert load_chat_template(str(path)) == "{{ messages }}"
+    assert load_chat_template("{% for m in messages %}{% endfor %}") is not None
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "nope"]) == 2
+    assert "hermes, llama3_json" in capsys.readouterr().err
