@@ -333,13 +333,12 @@ BAD_COMPLETIONS = [
     ({"prompt": [10**9]}, "prompt"),  # a token id outside the vocabulary
     ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "hi", "n": 129, "temperature": 1.0}, "n"),  # OpenAI's limit: 128
-    ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": "hi", "suffix": "tail"}, "suffix"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),  # past the signed 64-bit range
     ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),

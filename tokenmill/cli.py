@@ -8,7 +8,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
+from tokenmill.engine.openmp_wait import POLICIES, apply_openmp_wait_policy
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -58,10 +60,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.run import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "openmp_wait_applied"):
+        logging.getLogger("tokenmill").info(args.openmp_wait_applied)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
         trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        allow_unauthenticated_tokenize=args.allow_unauthenticated_tokenize,
+        max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
@@ -82,13 +89,25 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
+                            "and /detokenize")
+    serve.add_argument("--allow-unauthenticated-tokenize", action="store_true",
+                       help="serve /tokenize and /detokenize without the API key (as vLLM does)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="answer 413 to a request body past this many bytes "
+                            f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES >> 20} MiB)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: the model's name)")
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="answer 503 while this many requests wait to run")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="run a chat_template sent in a request (off: such requests get 400)")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="/v1/responses kept for previous_response_id (least recently used "
+                            "dropped first)")
+    serve.add_argument("--metrics-prefix", default="tokenmill:",
+                       help="prefix of the /metrics names; 'vllm:' lets vLLM's Grafana "
+                            "dashboards read them")
     serve.add_argument("--chat-template", default=None, metavar="PATH",
                        help="the chat template (a file, or the template) in place of the model's")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -98,7 +117,16 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     EngineArgs.add_cli_args(serve)
+    add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--omp-wait-policy", choices=list(POLICIES), default=None,
+        help="what OpenMP threads do between parallel regions (engine/openmp_wait.py); "
+        "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else passive",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the model's chat template")
     EngineArgs.add_cli_args(gen)
+    add_openmp_wait_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
@@ -156,11 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
     roof_parser = bench_sub.add_parser("roofline", help="decode step vs this machine's ceilings")
     roofline.add_args(roof_parser)
     roof_parser.set_defaults(func=roofline.main_roofline)
+    from tokenmill.bench import soak
+
+    soak_parser = bench_sub.add_parser(
+        "soak", help="mixed traffic against `tokenmill serve`: no 5xx, hangs, cut streams, leaks"
+    )
+    soak.add_args(soak_parser)
+    soak_parser.set_defaults(func=soak.main_soak)
+    from tokenmill.bench import eval as eval_bench
+
+    eval_parser = bench_sub.add_parser(
+        "eval", help="lm-evaluation-harness through tokenmill serve and through transformers"
+    )
+    eval_bench.add_args(eval_parser)
+    eval_parser.set_defaults(func=eval_bench.main_eval)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "omp_wait_policy"):
+        # Before torch loads libgomp, which reads it once (the commands import torch later).
+        args.openmp_wait_applied = apply_openmp_wait_policy(args.omp_wait_policy)
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:

@@ -9,6 +9,7 @@ message that says what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # small budget gets first tokens out sooner (docs/perf-notes.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 160
+
+# The server's request body limit: a 128k-token prompt is about 0.5 MiB of text.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    # Sampling defaults: "auto" (the model's generation config), "vllm" (none) or
+    # a folder with a generation_config.json (vLLM's --generation-config).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -140,6 +147,16 @@ class ServerConfig:
     # Run a chat_template sent in a request (vLLM's --trust-request-chat-template);
     # off: such a request is refused, since a template is code the server runs.
     trust_request_chat_template: bool = False
+    # A request body past this is a 413, counted as it streams in (server/limits.py).
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # /tokenize and /detokenize without the API key (vLLM leaves them open);
+    # off: --api-key covers them as it covers /v1.
+    allow_unauthenticated_tokenize: bool = False
+    # /v1/responses kept for previous_response_id and GET (least recently used
+    # dropped first; 0: none kept), so memory stays bounded.
+    max_stored_responses: int = 1000
+    # The metric names' prefix; "vllm:" lets a vLLM Grafana dashboard read them.
+    metrics_prefix: str = "tokenmill:"
     # The chat template's text in place of the model's (vLLM's --chat-template).
     chat_template: str | None = None
     # Tool calling with tool_choice "auto": the model's calls read out of its text
@@ -157,3 +174,12 @@ class ServerConfig:
             raise ValueError(
                 f"max_queued_requests must be >= 1 (or unset: no limit), got {self.max_queued_requests}"
             )
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
+            )
+        if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", self.metrics_prefix):
+            raise ValueError(f"metrics_prefix must be a Prometheus name prefix (letters, digits, "
+                             f"'_' and ':'; e.g. 'vllm:'), got {self.metrics_prefix!r}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")

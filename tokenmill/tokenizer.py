@@ -6,6 +6,7 @@ metadata (transformers converts it), so a GGUF file is self-contained.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -65,6 +66,33 @@ class Tokenizer:
                     "send UTF-8 text (surrogates only in pairs)"
                 ) from e
             raise
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for, where that is proven:
+        a byte-level BPE (no normalizer, a ByteLevel pre-tokenizer: each token is
+        a vocabulary entry covering exactly its own bytes) whose added tokens strip
+        no whitespace around them. Then text of N UTF-8 bytes encodes to at least
+        N / this many tokens (fewer only where the vocabulary lacks a byte, e.g. a
+        control character, which the tokenizer drops), so the server refuses text
+        far over the context without tokenizing it. None for any other tokenizer
+        (SentencePiece's normalizers change the text's length)."""
+        backend: Any = getattr(self.hf, "backend_tokenizer", None)
+        try:
+            pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer else {}
+            if (backend.normalizer is not None or backend.truncation is not None
+                    or type(backend.model).__name__ != "BPE"):
+                return None
+            vocab = backend.get_vocab(with_added_tokens=False)
+            added = list(backend.get_added_tokens_decoder().values())
+        except Exception:  # (not a tokenizers backend)
+            return None
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        if (not any(p.get("type") == "ByteLevel" for p in steps)
+                or any(p.get("type") not in ("ByteLevel", "Split") for p in steps)
+                or any(a.lstrip or a.rstrip for a in added)):
+            return None
+        return max([len(t) for t in vocab] + [len(a.content.encode()) for a in added])
 
     def decode(
         self,

@@ -19,6 +19,7 @@ from tokenmill.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from tokenmill.engine.generation_config import check_generation_config
 
 
 @dataclass
@@ -39,15 +40,18 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
+    generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
         budget = self.max_num_batched_tokens
+        check_generation_config(self.generation_config)
         return (
             ModelConfig(
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                 device=self.device, max_model_len=self.max_model_len, seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                generation_config=self.generation_config,
             ),
             CacheConfig(
                 block_size=self.block_size,
@@ -96,6 +100,10 @@ class EngineArgs:
         parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
         parser.add_argument("--skip-tokenizer-init", action="store_true",
                             help="no tokenizer: prompts and outputs are token ids")
+        parser.add_argument(
+            "--generation-config", default="auto",
+            help="sampling defaults for what a request leaves unset: 'auto' (the model's "
+                 "generation config), 'vllm' (none) or a folder with a generation_config.json")
         return parser
 
     @classmethod

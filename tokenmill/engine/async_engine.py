@@ -103,7 +103,11 @@ class _Tracker:
 
     arrival_time: float
     num_prompt_tokens: int = 0
+    n: int = 1
+    max_tokens: int | None = None
+    num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
 
@@ -358,7 +362,9 @@ class AsyncEngine:
         prompt = command.prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             num_prompt = len(prompt["prompt_token_ids"])
-        state.trackers[command.request_id] = _Tracker(command.arrival_time, num_prompt)
+        state.trackers[command.request_id] = _Tracker(
+            command.arrival_time, num_prompt, n=command.params.n, max_tokens=command.params.max_tokens
+        )
         command.stream.put(_ACCEPTED)
 
     def _abort(self, request_id: str, stats: IterationStats) -> None:
@@ -389,6 +395,7 @@ class AsyncEngine:
             self._fail_all(EngineError("internal error in the engine; the request was aborted"))
             return
         now = time.monotonic()
+        stats.num_scheduled_tokens = result.stats.num_scheduled_tokens
         for request_id in result.stats.first_scheduled_req_ids:
             tracker = state.trackers.get(request_id)
             if tracker is not None and tracker.first_scheduled_time is None:
@@ -403,8 +410,11 @@ class AsyncEngine:
             if num_new:
                 if tracker.last_token_time is None:
                     stats.time_to_first_tokens_s.append(now - tracker.arrival_time)
+                    tracker.first_token_time = now
                     tracker.num_prompt_tokens = len(out.prompt_token_ids)
+                    tracker.num_cached_tokens = out.num_cached_tokens
                     stats.num_prompt_tokens += tracker.num_prompt_tokens
+                    stats.num_cached_prompt_tokens += out.num_cached_tokens
                 else:
                     stats.inter_token_latencies_s.append(now - tracker.last_token_time)
                 tracker.last_token_time = now
@@ -453,11 +463,22 @@ class AsyncEngine:
 
 
 def _finished(tracker: _Tracker, reason: str, now: float) -> FinishedRequestStats:
+    scheduled, first, last = tracker.first_scheduled_time, tracker.first_token_time, tracker.last_token_time
+    decode_s = last - first if first is not None and last is not None else 0.0
     return FinishedRequestStats(
         finish_reason=reason,
         e2e_latency_s=now - tracker.arrival_time,
         num_prompt_tokens=tracker.num_prompt_tokens,
         num_generation_tokens=tracker.num_generation_tokens,
+        num_cached_tokens=tracker.num_cached_tokens,
+        prefill_time_s=first - scheduled if first is not None and scheduled is not None else 0.0,
+        decode_time_s=decode_s,
+        inference_time_s=last - scheduled if last is not None and scheduled is not None else 0.0,
+        mean_time_per_output_token_s=(
+            decode_s / (tracker.num_generation_tokens - 1) if tracker.num_generation_tokens > 1 else 0.0
+        ),
+        n=tracker.n,
+        max_tokens=tracker.max_tokens,
     )
 
 

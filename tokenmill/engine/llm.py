@@ -53,6 +53,11 @@ class LLM:
             raise ValueError("this LLM was created with skip_tokenizer_init=True")
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (vLLM's):
+        what `generate` and `chat` use when given none."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def model_info(self) -> dict[str, Any]:
         """The loaded model's shape and size, for reports and rooflines."""
         spec = self.engine.spec
@@ -150,12 +155,11 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    @staticmethod
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         params = list(sampling_params)

@@ -21,6 +21,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
 from tokenmill.engine.arg_utils import EngineArgs
+from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
 from tokenmill.model.loader import load_model
@@ -91,6 +92,9 @@ class LLMEngine:
         model, spec = load_model(model_config, self.source)
         self.spec: ModelSpec = spec
         self.dtype: torch.dtype = next(model.parameters()).dtype
+        # What a request leaves unset takes these (vLLM's get_diff_sampling_param).
+        self.default_sampling_params: dict[str, Any] = default_sampling_params(
+            self.source, model_config.generation_config)
         # Without a tokenizer (vLLM's skip_tokenizer_init) prompts must be token ids
         # and outputs carry token ids only.
         self.tokenizer: Tokenizer | None = None

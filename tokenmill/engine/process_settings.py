@@ -44,3 +44,21 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def give_back_freed_memory() -> bool:
+    """Collect reference cycles (an exception's traceback can hold a request's
+    big strings), then have glibc return the free pages of every heap to the
+    system (malloc_trim(0); it ignores the trim threshold keep_freed_memory
+    raised). For after a rare big request, so RSS falls back from its peak;
+    not per step. False (only the collection done) with another C library."""
+    gc.collect()
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
+    return True

@@ -21,6 +21,7 @@ from tokenmill.server.errors import (
     error_json,
     install_error_handlers,
 )
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -30,20 +31,29 @@ from tokenmill.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response, not_found
 from tokenmill.server.serving import Serving
+
+TOKENIZE_PATHS = ("/tokenize", "/detokenize")
 
 
 class APIKeyCheck:
     """401 for a /v1 request without the key, before its body is read or
-    validated (as vLLM: a caller without the key learns nothing about the API)."""
+    validated (as vLLM: a caller without the key learns nothing about the API);
+    also for /tokenize and /detokenize unless `open_tokenize` (vLLM leaves them
+    open; here they are bounded but still cost the server work)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_tokenize: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_tokenize = open_tokenize
+
+    def covers(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or (
+            not self.open_tokenize and path in TOKENIZE_PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+        if scope["type"] == "http" and self.covers(scope.get("path", "")):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 response = error_json(
@@ -61,23 +71,41 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     registry). `app.state.serving.close()` stops the app's template worker."""
     model_name = server_config.served_model_name or engine.model_name
     serving = Serving(engine, server_config, model_name)
-    metrics = ServerMetrics(engine, model_name)
+    metrics = ServerMetrics(engine, model_name, server_config.metrics_prefix)
+    response_store = ResponseStore(server_config.max_stored_responses)
     app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
     if server_config.api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=server_config.api_key)
+        app.add_middleware(APIKeyCheck, api_key=server_config.api_key,
+                           open_tokenize=server_config.allow_unauthenticated_tokenize)
+    # Added last, so it runs first: sizes are checked before anything else.
+    app.add_middleware(RequestLimits, max_body_bytes=server_config.max_request_body_bytes)
 
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_completion(serving, request, raw)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
         return await create_chat_completion(serving, request, raw)
+
+    @v1.post("/responses")
+    async def responses(request: ResponsesRequest, raw: Request) -> Response:
+        serving.apply_generation_defaults(request)
+        return await create_response(serving, response_store, request, raw)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        stored = response_store.get(response_id)
+        if stored is None:
+            raise not_found(response_id, None)
+        return JSONResponse(stored[0])
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -119,6 +147,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         serving.check_model(request.model)
+        if len(request.tokens) > engine.max_model_len:  # (bounded as a prompt is)
+            raise APIError(
+                400, f"{len(request.tokens)} token ids are more than this model's maximum "
+                f"context length of {engine.max_model_len}", param="tokens",
+            )
         bad = [t for t in request.tokens if not 0 <= t < engine.vocab_size]
         if bad:
             raise APIError(

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError
+from tokenmill.server.logprobs import prompt_logprobs_field
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -120,6 +121,9 @@ async def create_chat_completion(
     serving.check_model(request.model)
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if request.stream and request.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not available with stream=true (as in vLLM); drop one",
+                       param="prompt_logprobs")
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
@@ -141,7 +145,7 @@ async def create_chat_completion(
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         response = await unless_disconnected(
-            raw, _collect(serving, request_id, outputs, params.n, top_k, plan)
+            raw, _collect(serving, request_id, outputs, params.n, top_k, request.prompt_logprobs, plan)
         )
     except ClientDisconnected:
         return Response(status_code=499)
@@ -154,6 +158,7 @@ async def _collect(
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     n: int,
     top_k: int | None,
+    prompt_k: int | None = None,
     plan: ToolPlan | None = None,
 ) -> ChatCompletionResponse:
     choices = {
@@ -162,9 +167,13 @@ async def _collect(
         for j in range(n)
     }
     num_prompt = num_completion = 0
+    prompt_logprobs = None
     try:
         async for _, out in outputs:
             num_prompt = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None and prompt_k is not None:  # vLLM's extra field
+                prompt_logprobs = prompt_logprobs_field(
+                    serving, out.prompt_token_ids, out.prompt_logprobs, prompt_k)
             for c in out.outputs:
                 choice = choices[c.index]
                 choice.message.content = (choice.message.content or "") + c.text
@@ -188,6 +197,7 @@ async def _collect(
         id=request_id, model=serving.model_name, choices=list(choices.values()),
         usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                         total_tokens=num_prompt + num_completion),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PromptLogprobs, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
+from tokenmill.server.logprobs import echo_logprobs, join, prompt_logprobs_field
 from tokenmill.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobEntry,
     UsageInfo,
     random_id,
 )
@@ -64,6 +68,51 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     offset: int = 0
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
+
+
+@dataclass
+class _Echo:
+    """What a request shows of its prompts: the echoed text, and the prompt logprobs
+    asked for (the legacy shape's `echo` + `logprobs`, vLLM's `prompt_logprobs`)."""
+
+    request: CompletionRequest
+    prompts: list[Prompt]
+    texts: list[str]
+
+    @property
+    def only(self) -> bool:
+        """echo with max_tokens=0: the prompt alone (one token runs and is dropped, as vLLM)."""
+        return self.request.echo and self.request.max_tokens == 0
+
+    def first(self, serving: Serving, i: int, choice: _Choice,
+              prompt_logprobs: PromptLogprobs | None) -> tuple[str, CompletionLogprobs | None]:
+        """A choice's first output: the prompt's text, and its part of the legacy
+        logprobs (the completion's offsets then continue after it)."""
+        request = self.request
+        if request.prompt_logprobs is not None or (request.echo and request.logprobs is not None):
+            # The first output of every choice carries them: the sample that computes
+            # them (index 0) is scheduled ahead of the others (FCFS), never after.
+            if prompt_logprobs is None:
+                raise RuntimeError("a sample's first output came before its prompt's logprobs")
+            ids = self.prompts[i].token_ids
+            if request.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_field(
+                    serving, ids, prompt_logprobs, request.prompt_logprobs)
+            if request.echo and request.logprobs is not None:
+                part, choice.offset = echo_logprobs(serving, ids, prompt_logprobs, request.logprobs)
+                return self.texts[i], part
+        return self.texts[i], None
+
+
+def completion_params(serving: Serving, request: CompletionRequest, prompt: Prompt) -> SamplingParams:
+    max_tokens = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
+    params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens, "prompt"),
+                                   request.logprobs)
+    if request.echo and request.logprobs is not None:  # the legacy shape needs the prompt's
+        k = max(request.logprobs, request.prompt_logprobs or 0)
+        params = dataclasses.replace(params, prompt_logprobs=k)
+    return params
 
 
 def add_logprobs(
@@ -89,24 +138,19 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
         raise APIError(400, "suffix is not supported (no fill-in-the-middle); remove it", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise APIError(400, "best_of other than n is not supported; remove it", param="best_of")
-    if request.echo and request.logprobs is not None:
-        raise APIError(
-            400, "echo with logprobs needs prompt logprobs, which are not supported; drop one",
-            param="echo",
-        )
+    if request.stream and request.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not available with stream=true (as in vLLM); "
+                       "drop one (echo with logprobs streams the prompt's)", param="prompt_logprobs")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     prompts = await parse_prompts(serving, request.prompt)
-    params = [
-        build_sampling_params(request, serving.max_tokens_for(p, request.max_tokens, "prompt"), request.logprobs)
-        for p in prompts
-    ]
+    params = [completion_params(serving, request, p) for p in prompts]
     request_id = random_id("cmpl")
     streams = await serving.start(request_id, prompts, params, request.priority)
-    echoes = [
+    echoes = _Echo(request, prompts, [
         (p.text if p.text is not None else serving.engine.decode(p.token_ids)) if request.echo else ""
         for p in prompts
-    ]
+    ])
     n = params[0].n
     outputs = merge(streams)
     if request.stream:
@@ -123,6 +167,7 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
                 CompletionChoice(
                     index=i, text=c.text, logprobs=c.logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=c.prompt_logprobs,
                 )
                 for i, c in sorted(choices.items())
             ],
@@ -134,16 +179,26 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
 async def _collect(
     serving: Serving,
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    echoes: list[str],
+    echoes: _Echo,
     n: int,
 ) -> tuple[dict[int, _Choice], UsageInfo]:
-    choices = {i * n + j: _Choice(text=echoes[i]) for i in range(len(echoes)) for j in range(n)}
-    num_prompt_tokens = [0] * len(echoes)
+    choices: dict[int, _Choice] = {}
+    num_prompt_tokens = [0] * len(echoes.prompts)
+    prompt_logprobs: dict[int, PromptLogprobs] = {}
     try:
         async for i, out in outputs:
             num_prompt_tokens[i] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for c in out.outputs:
-                choice = choices[i * n + c.index]
+                choice = choices.get(i * n + c.index)
+                if choice is None:
+                    choice = choices[i * n + c.index] = _Choice()
+                    choice.text, choice.logprobs = echoes.first(serving, i, choice, prompt_logprobs.get(i))
+                if c.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                if echoes.only:
+                    continue
                 choice.text += c.text
                 if c.logprobs is not None:
                     new = add_logprobs(serving, choice, c.token_ids, c.logprobs)
@@ -153,8 +208,6 @@ async def _collect(
                         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             getattr(choice.logprobs, name).extend(getattr(new, name))
                 choice.token_ids.extend(c.token_ids)
-                if c.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     except RuntimeError as e:
         raise engine_error_to_api(e) from e
     finally:
@@ -173,12 +226,13 @@ async def _stream(
     request: CompletionRequest,
     request_id: str,
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    echoes: list[str],
+    echoes: _Echo,
     n: int,
 ) -> AsyncIterator[str]:
     model = serving.model_name
     choices: dict[int, _Choice] = {}
-    num_prompt_tokens = [0] * len(echoes)
+    num_prompt_tokens = [0] * len(echoes.prompts)
+    prompt_logprobs: dict[int, PromptLogprobs] = {}
 
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
               finish_reason: str | None = None, stop_reason: int | str | None = None) -> str:
@@ -191,15 +245,21 @@ async def _stream(
     try:
         async for i, out in outputs:
             num_prompt_tokens[i] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for c in out.outputs:
                 index = i * n + c.index
                 choice = choices.get(index)
-                text = c.text
+                echo, echo_lp = "", None
                 if choice is None:
                     choice = choices[index] = _Choice()
-                    text = echoes[i] + text
-                lp = add_logprobs(serving, choice, c.token_ids, c.logprobs) if c.logprobs is not None else None
-                choice.token_ids.extend(c.token_ids)
+                    echo, echo_lp = echoes.first(serving, i, choice, prompt_logprobs.get(i))
+                text, lp = echo, echo_lp
+                if not echoes.only:
+                    text += c.text
+                    if c.logprobs is not None:
+                        lp = join(echo_lp, add_logprobs(serving, choice, c.token_ids, c.logprobs))
+                    choice.token_ids.extend(c.token_ids)
                 if text or c.finish_reason is not None or c.token_ids:
                     yield chunk(index, text, lp, c.finish_reason, c.stop_reason)
         if request.stream_options is not None and request.stream_options.include_usage:

@@ -39,29 +39,34 @@ class APIError(Exception):
         status_code: int,
         message: str,
         param: str | None = None,
-        code: str | None = None,
+        code: int | str | None = None,
+        error_type: str | None = None,  # else the status code's (ERROR_TYPES)
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
+        self.error_type = error_type
 
     def body(self) -> ErrorResponse:
-        return error_body(self.status_code, self.message, self.param, self.code)
+        return error_body(self.status_code, self.message, self.param, self.code, self.error_type)
 
 
 def error_body(
-    status_code: int, message: str, param: str | None = None, code: str | None = None
+    status_code: int, message: str, param: str | None = None, code: int | str | None = None,
+    error_type: str | None = None,
 ) -> ErrorResponse:
-    error_type = ERROR_TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    if error_type is None:
+        error_type = ERROR_TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
     return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code))
 
 
 def error_json(
-    status_code: int, message: str, param: str | None = None, code: str | None = None
+    status_code: int, message: str, param: str | None = None, code: int | str | None = None,
+    error_type: str | None = None,
 ) -> JSONResponse:
-    body = error_body(status_code, message, param, code)
+    body = error_body(status_code, message, param, code, error_type)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status_code == 503 else None
     return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
 
@@ -84,7 +89,7 @@ def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_json(exc.status_code, exc.message, exc.param, exc.code)
+        return error_json(exc.status_code, exc.message, exc.param, exc.code, exc.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Prometheus metrics, named as vLLM's under a `tokenmill:` prefix.
+"""Prometheus metrics, named as vLLM's under a `tokenmill:` prefix (ServerConfig's
+`metrics_prefix`: `vllm:` makes vLLM's Grafana dashboards read them unchanged).
 
 Each app has its own CollectorRegistry (tests build several apps). State
 (running, waiting, KV usage, cumulative cache and preemption counts) is read
@@ -7,7 +8,7 @@ from the engine's last step boundary at scrape time; per-request events
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,37 +19,75 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.iteration_stats import IterationStats
 
 PREFIX = "tokenmill:"
+ENGINE = "0"  # vLLM's `engine` label: the engine core's index; one engine here
 
+# vLLM's bucket families (vllm/v1/metrics/buckets.py), by the same names.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def request_tokens_buckets(max_model_len: int) -> list[float]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, prefix: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.prefix = prefix
+        cache = engine.engine.cache_config
+        # vLLM's cache_config_info: an info metric (a gauge at 1) whose labels are
+        # the cache's settings, vLLM's names where tokenmill has the same thing.
+        self.cache_info = {
+            "block_size": str(cache.block_size),
+            "cache_dtype": str(engine.engine.dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+            "num_gpu_blocks": str(engine.engine.scheduler.kv.num_blocks),
+            "engine": ENGINE,
+        }
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
-        labels = [self.model_name]
+        label_names = ["model_name", "engine"]
+        labels = [self.model_name, ENGINE]
+        prefix = self.prefix
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(prefix + name, doc, labels=label_names)
             g.add_metric(labels, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(prefix + name, doc, labels=label_names)
             c.add_metric(labels, value)
             return c
 
+        num_waiting = self.engine.num_waiting_requests()
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled (queued in the "
-                    "engine loop included).", self.engine.num_waiting_requests())
+                    "engine loop included).", num_waiting)
+        by_reason = GaugeMetricFamily(
+            prefix + "num_requests_waiting_by_reason", "Waiting requests by reason: 'capacity' "
+            "= waiting for scheduling capacity; 'deferred' = held back by a transient "
+            "constraint (none in tokenmill, so always 0).", labels=[*label_names, "reason"])
+        by_reason.add_metric([*labels, "capacity"], num_waiting)
+        by_reason.add_metric([*labels, "deferred"], 0)
+        yield by_reason
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
                     stats.kv_cache_usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -57,55 +96,102 @@ class _SchedulerCollector(Collector):
                       stats.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (recompute) since start.",
                       stats.num_preemptions)
+        info = GaugeMetricFamily(prefix + "cache_config_info", "Information of the engine's "
+                                 "CacheConfig", labels=list(self.cache_info))
+        info.add_metric(list(self.cache_info.values()), 1)
+        yield info
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    """The families vLLM's Prometheus logger exports (vllm/v1/metrics/loggers.py),
+    with its names, buckets and labels (`model_name`, `engine`), under `prefix`."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         reg = self.registry
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generation tokens processed.", labels, registry=reg)
-        self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.",
-            [*labels, "finished_reason"], registry=reg)
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between output tokens.", labels,
-            buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", labels,
-            buckets=REQUEST_BUCKETS, registry=reg)
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", labels,
-            buckets=REQUEST_BUCKETS, registry=reg)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
-                       self.e2e, self.queue_time):
-            metric.labels(model_name)  # so every series shows from the first scrape
-        reg.register(_SchedulerCollector(engine, model_name))
+        token_buckets = request_tokens_buckets(engine.max_model_len)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(prefix + name, doc, [*labels, *extra], registry=reg)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=reg)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.request_success = counter(
+            "request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                    REQUEST_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKENS_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", token_buckets)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token, per request.",
+            REQUEST_BUCKETS)
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token, per request.",
+            REQUEST_BUCKETS)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token, per request.",
+            REQUEST_BUCKETS)
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time / (generated tokens - 1), per request.", ITL_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n request parameter.",
+                                  REQUEST_PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens request parameter.", token_buckets)
+        for metric in (self.prompt_tokens, self.prompt_tokens_cached, self.generation_tokens,
+                       self.ttft, self.itl, self.e2e, self.queue_time, self.iteration_tokens,
+                       self.request_prompt_tokens, self.request_generation_tokens,
+                       self.prefill_time, self.decode_time, self.inference_time,
+                       self.time_per_output_token, self.params_n, self.params_max_tokens):
+            metric.labels(model_name, ENGINE)  # so every series shows from the first scrape
+        reg.register(_SchedulerCollector(engine, model_name, prefix))
         engine.add_stat_logger(self.record)
 
     def record(self, stats: IterationStats) -> None:
         """Called in the engine thread after each iteration (prometheus_client is thread-safe)."""
-        name = self.model_name
+        labels = (self.model_name, ENGINE)
         if stats.num_prompt_tokens:
-            self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
+            self.prompt_tokens.labels(*labels).inc(stats.num_prompt_tokens)
+        if stats.num_cached_prompt_tokens:
+            self.prompt_tokens_cached.labels(*labels).inc(stats.num_cached_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
+            self.generation_tokens.labels(*labels).inc(stats.num_generation_tokens)
+        if stats.num_scheduled_tokens is not None:
+            self.iteration_tokens.labels(*labels).observe(stats.num_scheduled_tokens)
         for value in stats.time_to_first_tokens_s:
-            self.ttft.labels(name).observe(value)
+            self.ttft.labels(*labels).observe(value)
         for value in stats.inter_token_latencies_s:
-            self.itl.labels(name).observe(value)
+            self.itl.labels(*labels).observe(value)
         for value in stats.queue_times_s:
-            self.queue_time.labels(name).observe(value)
+            self.queue_time.labels(*labels).observe(value)
         for finished in stats.finished:
-            self.e2e.labels(name).observe(finished.e2e_latency_s)
-            self.request_success.labels(name, finished.finish_reason).inc()
+            self.e2e.labels(*labels).observe(finished.e2e_latency_s)
+            self.request_success.labels(*labels, finished.finish_reason).inc()
+            self.request_prompt_tokens.labels(*labels).observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.labels(*labels).observe(finished.num_generation_tokens)
+            self.prefill_time.labels(*labels).observe(finished.prefill_time_s)
+            self.decode_time.labels(*labels).observe(finished.decode_time_s)
+            self.inference_time.labels(*labels).observe(finished.inference_time_s)
+            self.time_per_output_token.labels(*labels).observe(
+                finished.mean_time_per_output_token_s)
+            self.params_n.labels(*labels).observe(finished.n)
+            if finished.max_tokens:
+                self.params_max_tokens.labels(*labels).observe(finished.max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

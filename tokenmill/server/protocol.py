@@ -3,8 +3,13 @@
 Requests ignore fields they do not know (as OpenAI's and vLLM's servers do),
 so newer clients keep working; every known field is type-checked and a bad one
 becomes a 400 naming it. Fields that would change the output and that this
-server does not implement (tools, response_format, prompt_logprobs) are known
+server does not implement (response_format; tools outside chat) are known
 so that a request using them gets a 400 instead of an answer that ignores them.
+
+Numbers and booleans are strict, as OpenAI's API (vLLM's models coerce): "5",
+true or 5.0 for an integer, "1" or true for a float, "yes" or 1 for a boolean
+are 400s naming the field; a float field takes an integer (JSON has one number
+type, and OpenAI takes temperature: 1).
 """
 
 from __future__ import annotations
@@ -13,7 +18,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_serializer,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -25,7 +40,7 @@ def now_s() -> int:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -34,45 +49,56 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=128)  # OpenAI's range: each sample is a request of its own
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    n: StrictInt = Field(default=1, ge=1, le=128)  # OpenAI's range: each sample is a request of its own
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    allowed_token_ids: list[int] | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: StrictInt = 0
     # Known, so that asking for them is refused rather than silently ignored
     # (sampling.build_sampling_params): they would change what comes back.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_booleans(cls, prompt: Any) -> Any:
+        # (else the union's error names a member type: "prompt.str")
+        items = prompt if isinstance(prompt, list) else [prompt]
+        if any(isinstance(x, bool) or (isinstance(x, list) and any(isinstance(y, bool) for y in x))
+               for x in items):
+            raise ValueError("a prompt is a string, a list of strings, token ids (integers) "
+                             "or a list of lists of token ids; booleans are not token ids")
+        return prompt
 
 
 class ChatMessage(BaseModel):
@@ -84,26 +110,26 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
     chat_template: str | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: StrictBool | None = True
 
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class UsageInfo(BaseModel):
@@ -122,12 +148,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprobEntry(BaseModel):
+    """One token's entry in vLLM's `prompt_logprobs` field (its Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extra: per prompt token (the first null), {token id: entry}.
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -209,6 +245,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None  # vLLM's extra
 
 
 class DeltaMessage(BaseModel):

@@ -36,6 +36,7 @@ NEUTRAL: dict[str, Any] = {
     "spaces_between_special_tokens": True,
     "allowed_token_ids": None,
     "bad_words": None,
+    "prompt_logprobs": None,
 }
 
 
@@ -49,9 +50,6 @@ def refuse_unsupported(request: SamplingFields) -> None:
     if request.response_format is not None and request.response_format.get("type", "text") != "text":
         raise APIError(400, "response_format other than {'type': 'text'} (structured output) is not "
                        "supported by this engine", param="response_format")
-    if request.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs is not supported by this server yet (the offline LLM "
-                       "API has it)", param="prompt_logprobs")
 
 
 def build_sampling_params(

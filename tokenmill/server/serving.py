@@ -19,7 +19,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
-from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
+from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
 from tokenmill.server.templates import TemplateRenderer
 
 T = TypeVar("T")
@@ -57,6 +57,26 @@ class Serving:
         # Only a server that runs request templates starts their worker process.
         self.template_renderer = TemplateRenderer() if config.trust_request_chat_template else None
 
+    def apply_generation_defaults(self, request: BaseModel) -> None:
+        """The model's generation-config defaults (engine/generation_config.py) for
+        the sampling fields this request left unset, as vLLM applies them. Their
+        max_tokens caps the request's (vLLM takes the smaller of the two)."""
+        defaults = self.engine.engine.default_sampling_params
+        fields = type(request).model_fields
+        for name, value in defaults.items():
+            if name != "max_tokens" and name in fields and getattr(request, name) is None:
+                setattr(request, name, value)
+        cap = defaults.get("max_tokens")
+        if cap is None:
+            return
+        names = [n for n in ("max_completion_tokens", "max_output_tokens", "max_tokens") if n in fields]
+        for name in names:
+            if (value := getattr(request, name)) is not None:
+                setattr(request, name, min(value, cap))
+                return
+        if names:
+            setattr(request, names[-1], cap)
+
     def close(self) -> None:
         if self.template_renderer is not None:
             self.template_renderer.close()
@@ -64,10 +84,11 @@ class Serving:
     # ---- admission ------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
+        # As vLLM: a 404 of type NotFoundError (clients tell it from a bad request).
         if model is not None and model != self.model_name:
             raise APIError(
-                400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
+                404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model", code=404, error_type="NotFoundError",
             )
 
     def check_queue(self, num_new: int) -> None:
@@ -99,11 +120,40 @@ class Serving:
             )
         return max_tokens
 
+    def check_text_length(self, text: str, param: str) -> None:
+        """A 400 for text longer than the context can hold, found without
+        tokenizing it: with a tokenizer whose tokens cover at most L bytes each
+        (Tokenizer.max_token_bytes), text of more than max_model_len * L bytes
+        has more than max_model_len tokens. Tokenizing 10 MB would otherwise cost
+        ~10 s and ~1 GiB; text that passes is at most max_model_len * L bytes."""
+        tokenizer = self.engine.engine.tokenizer
+        longest = tokenizer.max_token_bytes if tokenizer is not None else None
+        if longest is None:
+            return
+        max_len = self.engine.max_model_len
+        limit = max_len * longest
+        # Characters <= UTF-8 bytes: a text too long in characters needs no encoding.
+        if len(text) <= limit and len(size := text.encode("utf-8", "surrogatepass")) <= limit:
+            return
+        num_bytes = len(size) if len(text) <= limit else len(text)
+        raise APIError(
+            400, f"This model's maximum context length is {max_len} tokens, and one of its "
+            f"tokens covers at most {longest} bytes of text. However, your prompt has "
+            f"{'' if len(text) <= limit else 'at least '}{num_bytes} bytes "
+            f"(more than {max_len} x {longest}); shorten it.", param=param,
+        )
+
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, on a worker thread: the tokenizer lets go of the GIL,
-        so a long prompt (seconds for megabytes) does not hold up other requests."""
+        so a long prompt (up to a second for the longest text check_text_length
+        lets through) does not hold up other requests."""
+
+        def checked_encode() -> list[int]:
+            self.check_text_length(text, param)
+            return self.engine.encode(text, add_special_tokens)
+
         try:
-            return await asyncio.to_thread(self.engine.encode, text, add_special_tokens)
+            return await asyncio.to_thread(checked_encode)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
@@ -232,7 +282,7 @@ def sse(data: BaseModel | str) -> str:
 
 
 def sse_error(e: APIError) -> str:
-    return sse(json.dumps(error_body(e.status_code, e.message, e.param, e.code).model_dump()))
+    return sse(json.dumps(e.body().model_dump()))
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -1,0 +1,350 @@
+"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API for
+text in and text out, streaming and not.
+
+A request becomes chat messages (`instructions` as the system message, then the
+stored conversation of `previous_response_id`, then `input`), runs through the
+model's chat template as a chat completion does, and comes back as one
+assistant message. Responses with `store` (the default, as OpenAI's) are kept in
+memory, the most recently used `max_stored_responses` of them (least recently
+used dropped first), so a long-running server's memory stays bounded."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.chat import chat_prompt
+from tokenmill.server.errors import APIError, describe_validation_error
+from tokenmill.server.protocol import ChatCompletionRequest, random_id
+from tokenmill.server.sampling import build_sampling_params
+from tokenmill.server.serving import (
+    ClientDisconnected,
+    Serving,
+    engine_error_to_api,
+    merge,
+    unless_disconnected,
+)
+
+# Content part types that carry text, in input items and in stored outputs.
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of OpenAI's Responses API that apply to text generation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Known so that asking for them is refused rather than silently ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    # vLLM's extras (its ResponsesRequest takes these sampling fields too)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int = 0
+
+
+# Fields passed on as they are to the chat request that runs the response.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+                   "include_stop_str_in_output", "user", "model")
+
+
+class ResponseStore:
+    """Stored responses: id -> (the response's JSON, the conversation it ends:
+    its messages without instructions, its output last). At most `capacity`,
+    least recently used dropped first. Used from the event loop and its threads."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        if self.capacity <= 0:
+            return
+        with self._lock:
+            self._items[response["id"]] = (response, conversation)
+            self._items.move_to_end(response["id"])
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is not None:
+                self._items.move_to_end(response_id)
+            return item
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def not_found(response_id: str, param: str | None) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found; it was never stored "
+                    "(store=false), or the server has dropped it (--max-stored-responses)",
+                    param=param, code="response_not_found")
+
+
+def item_text(content: Any, index: int) -> str:
+    """The text of an input item's content: a string or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"input[{index}].content must be a string or a list of content parts",
+                       param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+            raise APIError(400, f"input[{index}] has a content part of type {kind!r}; this server "
+                           f"takes text parts only ({', '.join(TEXT_PART_TYPES)})", param="input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(request_input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(request_input, str):
+        return [{"role": "user", "content": request_input}]
+    messages = []
+    for i, item in enumerate(request_input):
+        kind = item.get("type", "message")
+        if kind != "message" or "role" not in item:
+            raise APIError(400, f"input[{i}] is of type {kind!r}; this server takes messages "
+                           "({'role': ..., 'content': ...}) only", param="input")
+        if item["role"] not in ("user", "assistant", "system", "developer"):
+            raise APIError(400, f"input[{i}].role {item['role']!r} is not one of user, assistant, "
+                           "system, developer", param="input")
+        # The chat templates know "system"; OpenAI's "developer" is its new name.
+        role = "system" if item["role"] == "developer" else item["role"]
+        messages.append({"role": role, "content": item_text(item.get("content"), i)})
+    if not messages:
+        raise APIError(400, "input is an empty list; give a string or at least one message",
+                       param="input")
+    return messages
+
+
+def refuse_unsupported(request: ResponsesRequest) -> None:
+    if request.tools:
+        raise APIError(400, "tools are not supported by this server's /v1/responses yet",
+                       param="tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
+    fmt = (request.text or {}).get("format") or {"type": "text"}
+    if fmt.get("type", "text") != "text":
+        raise APIError(400, "text.format other than {'type': 'text'} (structured output) is not "
+                       "supported by this server's /v1/responses yet", param="text")
+    if request.background:
+        raise APIError(400, "background responses are not supported", param="background")
+
+
+def usage_json(num_input: int, num_cached: int, num_output: int) -> dict[str, Any]:
+    return {
+        "input_tokens": num_input,
+        "input_tokens_details": {"cached_tokens": num_cached},
+        "output_tokens": num_output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": num_input + num_output,
+    }
+
+
+def message_json(message_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": message_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+class ResponseBuilder:
+    """One response's JSON as it grows: the object the stream's events carry and
+    the non-streaming answer."""
+
+    def __init__(self, serving: Serving, request: ResponsesRequest, max_tokens: int) -> None:
+        self.id = random_id("resp")
+        self.message_id = random_id("msg")
+        self.created_at = int(time.time())
+        self.serving = serving
+        self.request = request
+        self.max_tokens = max_tokens
+        self.text = ""
+        self.num_input = self.num_cached = self.num_output = 0
+        self.finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> str:
+        """Takes one output delta; returns its new text."""
+        self.num_input = len(out.prompt_token_ids)
+        self.num_cached = out.num_cached_tokens
+        delta = ""
+        for c in out.outputs:
+            delta += c.text
+            self.num_output += len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish_reason = c.finish_reason
+        self.text += delta
+        return delta
+
+    def json(self, status: Literal["in_progress", "completed", "incomplete", "failed"],
+             error: dict[str, Any] | None = None) -> dict[str, Any]:
+        request = self.request
+        done = status in ("completed", "incomplete")
+        output = [message_json(self.message_id, self.text, status)] if done else []
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "model": self.serving.model_name, "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions, "metadata": request.metadata,
+            "max_output_tokens": request.max_output_tokens,
+            "output": output, "parallel_tool_calls": True,
+            "previous_response_id": request.previous_response_id,
+            "store": request.store, "temperature": request.temperature, "top_p": request.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+            "truncation": "disabled", "user": request.user,
+            "usage": usage_json(self.num_input, self.num_cached, self.num_output) if done else None,
+        }
+
+    def final_status(self) -> Literal["completed", "incomplete"]:
+        # Cut by the token limit: OpenAI's "incomplete" with reason max_output_tokens.
+        return "incomplete" if self.finish_reason == "length" else "completed"
+
+
+async def create_response(serving: Serving, store: ResponseStore, request: ResponsesRequest,
+                          raw: Request) -> Response:
+    serving.check_model(request.model)
+    refuse_unsupported(request)
+    history: list[dict[str, Any]] = []
+    if request.previous_response_id is not None:
+        stored = store.get(request.previous_response_id)
+        if stored is None:
+            raise not_found(request.previous_response_id, "previous_response_id")
+        history = stored[1]
+    conversation = history + input_messages(request.input)
+    # Instructions hold for this response only (OpenAI's rule): they are not
+    # carried into the stored conversation.
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    try:
+        chat = ChatCompletionRequest.model_validate({
+            "messages": system + conversation,
+            **{name: v for name in SAMPLING_FIELDS if (v := getattr(request, name)) is not None},
+        })
+    except ValidationError as e:
+        message, param = describe_validation_error(e.errors())
+        raise APIError(400, message, param) from e
+    prompt = await chat_prompt(serving, chat)
+    try:
+        max_tokens = serving.max_tokens_for(prompt, request.max_output_tokens, "input")
+    except APIError as e:  # named as this endpoint names it
+        if e.param != "max_tokens":
+            raise
+        raise APIError(400, e.message.replace("max_tokens", "max_output_tokens"),
+                       param="max_output_tokens") from e
+    params = build_sampling_params(chat, max_tokens, None)
+    builder = ResponseBuilder(serving, request, max_tokens)
+    streams = await serving.start(builder.id, [prompt], [params], request.priority)
+    outputs = merge(streams)
+
+    def finish() -> dict[str, Any]:
+        body = builder.json(builder.final_status())
+        if request.store:
+            store.put(body, [*conversation, {"role": "assistant", "content": builder.text}])
+        return body
+
+    if request.stream:
+        return StreamingResponse(_stream(builder, outputs, finish), media_type="text/event-stream")
+
+    async def collect() -> dict[str, Any]:
+        try:
+            async for _, out in outputs:
+                builder.add(out)
+        except RuntimeError as e:
+            raise engine_error_to_api(e) from e
+        finally:
+            await outputs.aclose()
+        return finish()
+
+    try:
+        body = await unless_disconnected(raw, collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(json.dumps(body), media_type="application/json")
+
+
+def event(kind: str, seq: int, **fields: Any) -> str:
+    """One server-sent event, named by its type as OpenAI's stream names them."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n"
+
+
+async def _stream(
+    builder: ResponseBuilder,
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    finish: Any,
+) -> AsyncIterator[str]:
+    """The Responses API's event sequence for one text message."""
+    seq = 0
+
+    def ev(kind: str, **fields: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return event(kind, seq - 1, **fields)
+
+    item = {"item_id": builder.message_id, "output_index": 0}
+    part = {**item, "content_index": 0}
+    yield ev("response.created", response=builder.json("in_progress"))
+    yield ev("response.in_progress", response=builder.json("in_progress"))
+    yield ev("response.output_item.added", output_index=0,
+             item=message_json(builder.message_id, "", "in_progress") | {"content": []})
+    yield ev("response.content_part.added", **part,
+             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+    try:
+        async for _, out in outputs:
+            delta = builder.add(out)
+            if delta:
+                yield ev("response.output_text.delta", **part, delta=delta, logprobs=[])
+    except RuntimeError as e:
+        err = engine_error_to_api(e)
+        yield ev("response.failed", response=builder.json(
+            "failed", error={"code": str(err.code or "server_error"), "message": err.message}))
+        return
+    finally:
+        await outputs.aclose()
+    body = finish()
+    status = body["status"]
+    yield ev("response.output_text.done", **part, text=builder.text, logprobs=[])
+    yield ev("response.content_part.done", **part,
+             part={"type": "output_text", "text": builder.text, "annotations": [], "logprobs": []})
+    yield ev("response.output_item.done", output_index=0,
+             item=message_json(builder.message_id, builder.text, status))
+    yield ev("response.completed" if status == "completed" else "response.incomplete",
+             response=body)
