@@ -375,7 +375,8 @@ def test_bad_chat_requests_are_400(served: Served) -> None:
     lone = [{"role": "user", "content": "hi \udfff"}]
     assert_error(post_json(url, {"messages": lone}), 400, "messages")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    assert_error(httpx.post(url, json={"messages": CHAT, "tools": [tool]}, timeout=TIMEOUT_S), 400, "tools")
+    # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice (tests/test_tool_calling.py)
+    assert_error(httpx.post(url, json={"messages": CHAT, "tools": [tool]}, timeout=TIMEOUT_S), 400, "tool_choice")
     # A template is code the server would run: refused unless the server trusts them.
     templated = {"messages": CHAT, "max_tokens": 2, "chat_template": "{{ messages[0]['content'] }}"}
     assert_error(httpx.post(url, json=templated, timeout=TIMEOUT_S), 400, "chat_template")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,6 +39,18 @@ def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
     return engine_args.with_serve_defaults()
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -56,7 +69,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         allow_unauthenticated_tokenize=args.allow_unauthenticated_tokenize,
         max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
+        chat_template=load_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
+    from tokenmill.server.tools import check_tool_call_parser
+
+    check_tool_call_parser(config)
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
@@ -90,6 +108,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--metrics-prefix", default="tokenmill:",
                        help="prefix of the /metrics names; 'vllm:' lets vLLM's Grafana "
                             "dashboards read them")
+    serve.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="the chat template (a file, or the template) in place of the model's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": the model may call tools (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how the model writes tool calls: hermes or llama3_json")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     EngineArgs.add_cli_args(serve)

@@ -157,11 +157,19 @@ class ServerConfig:
     max_stored_responses: int = 1000
     # The metric names' prefix; "vllm:" lets a vLLM Grafana dashboard read them.
     metrics_prefix: str = "tokenmill:"
+    # The chat template's text in place of the model's (vLLM's --chat-template).
+    chat_template: str | None = None
+    # Tool calling with tool_choice "auto": the model's calls read out of its text
+    # by this parser (vLLM's --enable-auto-tool-choice --tool-call-parser NAME).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(
                 f"max_queued_requests must be >= 1 (or unset: no limit), got {self.max_queued_requests}"

@@ -144,12 +144,23 @@ class Tokenizer:
                 sequences.append(spaced)
         return [seq for seq in sequences if seq]
 
+    def chat_template_source(self, chat_template: str | None = None,
+                             tools: list[dict[str, Any]] | None = None) -> str | None:
+        """The template's text that renders these messages (a model with several
+        picks by name, or its "tool_use" one for tools), or None without one."""
+        if chat_template is None and not self.has_chat_template:
+            return None
+        return str(self.hf.get_chat_template(chat_template, tools))
+
     def apply_chat_template(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """`tools` (OpenAI's function tools) reach the template as its `tools`,
+        as transformers' apply_chat_template(tools=...) passes them."""
         if chat_template is None and not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; send a plain prompt "
@@ -163,6 +174,7 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                tools=tools,
             )
         except jinja2.TemplateError as e:  # a template that fails on these messages
             raise ValueError(f"the chat template failed on these messages: {e}") from e
@@ -207,8 +219,31 @@ def plain_chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
             message["content"] = "".join(p["text"] for p in content)
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _template_tool_calls(message["tool_calls"], i)
         plain.append(message)
     return plain
+
+
+def _template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as templates take them: each call's
+    arguments (OpenAI sends JSON text) parsed into an object, as vLLM does."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must have a function with a string name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
+                                 f"{e}") from e
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 def _backend_decode(hf: Any) -> Any:

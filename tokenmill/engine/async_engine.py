@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.engine.iteration_stats import FinishedRequestStats, IterationStats
@@ -203,10 +204,16 @@ class AsyncEngine:
         messages: list[dict[str, object]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         return self._tokenizer().apply_chat_template(
-            messages, add_generation_prompt, chat_template
+            messages, add_generation_prompt, chat_template, tools
         )
+
+    def chat_template_source(
+        self, chat_template: str | None = None, tools: list[dict[str, Any]] | None = None
+    ) -> str | None:
+        return self._tokenizer().chat_template_source(chat_template, tools)
 
     @property
     def vocab_size(self) -> int:

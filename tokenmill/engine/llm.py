@@ -139,8 +139,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them
+        (`tools`, OpenAI's function tools, reach the template as its `tools`)."""
         conversations = cast(
             list[list[ChatMessage]],
             [messages] if messages and isinstance(messages[0], dict) else messages,
@@ -148,7 +150,7 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template)
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template, tools)
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -44,6 +44,15 @@ from tokenmill.server.serving import (
     unless_disconnected,
 )
 from tokenmill.server.templates import ChatTemplateLimitError
+from tokenmill.server.tools import (
+    ToolPlan,
+    ToolStream,
+    constrain,
+    finish_reason,
+    plan_tools,
+    template_tools,
+    whole_message,
+)
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -52,7 +61,8 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
-async def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
+async def chat_prompt(serving: Serving, request: ChatCompletionRequest,
+                      plan: ToolPlan | None = None) -> Prompt:
     if request.chat_template is not None and not serving.config.trust_request_chat_template:
         # A template is code the server runs: one line of Jinja can take minutes
         # and gigabytes. As vLLM, only a server started to trust them takes one.
@@ -62,17 +72,24 @@ async def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Promp
             "server with --trust-request-chat-template", param="chat_template",
         )
     messages = plain_messages(request.messages)
+    template = request.chat_template or serving.config.chat_template  # (None: the model's)
     try:
-        if request.chat_template is None:  # the model's own: trusted with the model
+        source = template if template is not None else serving.engine.chat_template_source(
+            None, plan.tools if plan is not None else None)
+        tools = template_tools(plan, messages, source)
+        if request.chat_template is None:  # the server's: trusted with the model
             text = await asyncio.to_thread(
-                serving.engine.apply_chat_template, messages, request.add_generation_prompt
+                serving.engine.apply_chat_template, messages, request.add_generation_prompt,
+                template, tools,
             )
         else:  # under limits, in the template worker
             text = await serving.render_request_chat_template(
-                request.chat_template, messages, request.add_generation_prompt
+                request.chat_template, messages, request.add_generation_prompt, tools
             )
     except ChatTemplateLimitError as e:
         raise APIError(400, str(e), param="chat_template") from e
+    except APIError:
+        raise
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
     except Exception as e:  # a template that fails on these messages (jinja errors)
@@ -114,20 +131,22 @@ async def create_chat_completion(
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}",
                        param="top_logprobs")
     top_k = (request.top_logprobs or 0) if request.logprobs else None
-    prompt = await chat_prompt(serving, request)
+    plan = plan_tools(request, serving.config)
+    prompt = await chat_prompt(serving, request, plan)
     max_tokens = request.max_completion_tokens
     if max_tokens is None:  # (not `or`: a 0 is an error to report, not "unset")
         max_tokens = request.max_tokens
     params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens, "messages"), top_k)
+    constrain(plan, params)  # (tool_choice "required" or named: the calls' JSON schema)
     request_id = random_id("chatcmpl")
     streams = await serving.start(request_id, [prompt], [params], request.priority)
     outputs = merge(streams)
     if request.stream:
-        body = _stream(serving, request, request_id, outputs, top_k)
+        body = _stream(serving, request, request_id, outputs, top_k, plan)
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         response = await unless_disconnected(
-            raw, _collect(serving, request_id, outputs, params.n, top_k, request.prompt_logprobs)
+            raw, _collect(serving, request_id, outputs, params.n, top_k, request.prompt_logprobs, plan)
         )
     except ClientDisconnected:
         return Response(status_code=499)
@@ -141,6 +160,7 @@ async def _collect(
     n: int,
     top_k: int | None,
     prompt_k: int | None = None,
+    plan: ToolPlan | None = None,
 ) -> ChatCompletionResponse:
     choices = {
         j: ChatChoice(index=j, message=ChatResponseMessage(content=""),
@@ -170,6 +190,10 @@ async def _collect(
         raise engine_error_to_api(e) from e
     finally:
         await outputs.aclose()
+    if plan is not None:  # the tool calls in the text
+        for choice in choices.values():
+            choice.message = whole_message(plan, choice.message.content or "")
+            choice.finish_reason = finish_reason(plan, bool(choice.message.tool_calls), choice.finish_reason)
     return ChatCompletionResponse(
         id=request_id, model=serving.model_name, choices=list(choices.values()),
         usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
@@ -184,9 +208,11 @@ async def _stream(
     request_id: str,
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     top_k: int | None,
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     model = serving.model_name
     started: set[int] = set()
+    tool_streams: dict[int, ToolStream] = {}
     num_prompt = num_completion = 0
 
     def chunk(choice: ChatStreamChoice) -> str:
@@ -204,10 +230,15 @@ async def _stream(
                 logprobs = None
                 if top_k is not None and c.logprobs is not None:
                     logprobs = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
-                if c.text or logprobs is not None or c.finish_reason is not None:
+                content, tool_calls, reason = c.text or None, None, c.finish_reason
+                if plan is not None:  # content and tool-call deltas (text held while it may be a call)
+                    tools = tool_streams.setdefault(c.index, ToolStream(plan))
+                    content, tool_calls = tools.feed(c.text, final=reason is not None)
+                    reason = finish_reason(plan, tools.called, reason)
+                if content or tool_calls or logprobs is not None or reason is not None:
                     yield chunk(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text or None),
-                        logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                        logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason,
                     ))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,

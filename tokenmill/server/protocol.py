@@ -3,7 +3,7 @@
 Requests ignore fields they do not know (as OpenAI's and vLLM's servers do),
 so newer clients keep working; every known field is type-checked and a bad one
 becomes a 400 naming it. Fields that would change the output and that this
-server does not implement (tools) are known
+server does not implement (tools outside chat) are known
 so that a request using them gets a 400 instead of an answer that ignores them.
 
 Numbers and booleans are strict, as OpenAI's API (vLLM's models coerce): "5",
@@ -22,10 +22,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     field_validator,
+    model_serializer,
 )
 
 
@@ -121,6 +123,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     chat_template: str | None = None
+    parallel_tool_calls: StrictBool | None = True
 
 
 class TokenizeRequest(BaseModel):
@@ -196,9 +199,42 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class OmitNone(BaseModel):
+    """Serialized without its None fields: a stream's deltas carry only what
+    they set (clients merge them key by key, and a null would overwrite)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -222,6 +258,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import APIError
-from tokenmill.server.protocol import SamplingFields
+from tokenmill.server.protocol import ChatCompletionRequest, SamplingFields
 from tokenmill.server.structured import structured_outputs_from_request
 
 PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -43,10 +43,11 @@ NEUTRAL: dict[str, Any] = {
 
 def refuse_unsupported(request: SamplingFields) -> None:
     """400 for fields that would change the output and are not implemented here."""
-    if request.tools:
-        raise APIError(400, "tools (function calling) is not supported by this engine", param="tools")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice is not supported by this engine (no tools)", param="tool_choice")
+    if not isinstance(request, ChatCompletionRequest):  # (chat's tools: server/tools.py)
+        if request.tools:
+            raise APIError(400, "tools (function calling) are for /v1/chat/completions", param="tools")
+        if request.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is for /v1/chat/completions", param="tool_choice")
 
 
 def build_sampling_params(

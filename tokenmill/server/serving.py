@@ -164,7 +164,8 @@ class Serving:
             raise APIError(400, str(e), param=param) from e
 
     async def render_request_chat_template(
-        self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """A chat template from a request, rendered under limits in the template
         worker (templates.py) and waited for on a worker thread."""
@@ -173,6 +174,8 @@ class Serving:
         if tokenizer is None:
             raise ValueError("this engine runs without a tokenizer; send token ids")
         plain, variables = tokenizer.chat_template_inputs(messages)
+        if tools is not None:
+            variables["tools"] = tools
         return await asyncio.to_thread(
             self.template_renderer.render, template, plain, add_generation_prompt, variables
         )
