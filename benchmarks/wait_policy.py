@@ -27,6 +27,7 @@ SETTINGS: dict[str, dict[str, str]] = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin-1000": {"GOMP_SPINCOUNT": "1000"},
     "spin-10000": {"GOMP_SPINCOUNT": "10000"},
+    "spin-100000": {"GOMP_SPINCOUNT": "100000"},
 }
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

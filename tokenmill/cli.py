@@ -125,7 +125,7 @@ def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--omp-wait-policy", choices=list(POLICIES), default=None,
         help="what OpenMP threads do between parallel regions (engine/openmp_wait.py); "
-        "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else passive",
+        "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else short-spin (GOMP_SPINCOUNT=1000)",
     )
 
 

@@ -24,12 +24,14 @@ from collections.abc import MutableMapping
 POLICIES: dict[str, dict[str, str]] = {
     "libgomp": {},  # libgomp's own default: spin 300,000 rounds, then sleep
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # sleep at once
-    "short-spin": {"GOMP_SPINCOUNT": "10000"},  # spin a little (tens of microseconds), then sleep
+    "short-spin": {"GOMP_SPINCOUNT": "1000"},  # spin a little (about a microsecond), then sleep
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},  # spin (almost) forever
 }
 # The policy the entry points apply when neither the user's environment nor a
-# flag chose one. The one constant to flip once measured on a quiet machine.
-DEFAULT_POLICY = "passive"
+# flag chose one. short-spin: near libgomp's speed on a quiet machine (B=1 step
+# 14.6 vs 12.9 ms; passive 19.9) and near passive's beside a busy core (23.8 vs
+# 17.5 ms; libgomp 550); docs/perf-notes.md, "OpenMP's wait policy".
+DEFAULT_POLICY = "short-spin"
 USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
