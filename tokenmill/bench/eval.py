@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.serve import free_port
-from tokenmill.bench.vllm_peer import REPO_ROOT, TORCH_CPU, model_dir_for, venv_python
+from tokenmill.bench.vllm_peer import REPO_ROOT, ensure_venv, model_dir_for
 
 LMEVAL_PACKAGE = "lm_eval[api,hf]==0.4.13"
 STAMP_NAME = ".tokenmill-lmeval-stamp"
@@ -54,24 +54,7 @@ def _run(cmd: list[str], what: str, **kwargs: Any) -> None:
 
 def ensure_lmeval_env(venv: Path = DEFAULT_VENV) -> Path:
     """Create and fill the lm_eval venv unless its stamp says it is done; returns its python."""
-    venv = Path(venv).resolve()
-    python = venv_python(venv)
-    stamp = venv / STAMP_NAME
-    if python.exists() and stamp.exists() and stamp.read_text().strip() == LMEVAL_PACKAGE:
-        return python
-    print(f"== installing {LMEVAL_PACKAGE} into {venv} (once; tokenmill's venv is untouched)",
-          file=sys.stderr, flush=True)
-    if not python.exists():
-        base = getattr(sys, "_base_executable", sys.executable)
-        _run([base, "-m", "venv", str(venv)], "creating the lm_eval venv")
-    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
-    # torch first, pinned to the CPU wheel: lm_eval[hf] would otherwise pull a CUDA build.
-    _run([*pip, TORCH_CPU], f"installing {TORCH_CPU}")
-    _run([*pip, LMEVAL_PACKAGE], f"installing {LMEVAL_PACKAGE}")
-    _run([str(python), "-c", "import lm_eval; print('lm_eval', lm_eval.__version__)"],
-         "importing lm_eval")
-    stamp.write_text(LMEVAL_PACKAGE + "\n")
-    return python
+    return ensure_venv(venv, LMEVAL_PACKAGE, STAMP_NAME, "lm_eval")
 
 
 # ---- the two lm_eval runs -----------------------------------------------------------------

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -289,6 +288,36 @@ def main_serve(args: argparse.Namespace) -> int:
     return 0 if all(r.num_ok == r.num_requests for r in reports) else 1
 
 
+def spawn_server(cmd: list[str], env: dict[str, str], log_path: Path | None) -> subprocess.Popen[bytes]:
+    """Start a server process, its output to `log_path` (or nowhere)."""
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    finally:
+        if log_path:
+            log.close()  # type: ignore[union-attr]
+
+
+def wait_healthy(server: subprocess.Popen[bytes], base_url: str, timeout_s: float, what: str,
+                 where: str) -> None:
+    """Return once GET /health is a 200; RuntimeError if `server` exits or
+    `timeout_s` passes first (`where` says where its log is)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.returncode}{where}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} was not healthy in {timeout_s:.0f} s{where}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -303,30 +332,12 @@ def run_against_server(
     """Start a server (`cmd`), wait until its /health answers, run serve-B at
     args.rates against it (out/serve-LABEL.json), stop it."""
     extras.require("httpx", "matplotlib")
-    import httpx
 
     out.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    try:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, **(env or {})})
-    finally:
-        if log_path:
-            log.close()  # type: ignore[union-attr]
+    server = spawn_server(cmd, {**os.environ, **(env or {})}, log_path)
     where = f"; see {log_path}" if log_path else ""
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"`{shlex.join(cmd)}` exited with {server.returncode}{where}")
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError(f"{label}'s server was not healthy in {startup_timeout_s:.0f} s{where}")
+        wait_healthy(server, base_url, startup_timeout_s, f"{label}'s server", where)
         main_serve(argparse.Namespace(
             base_url=base_url, model=model, rates=args.rates, num_requests=args.num_requests,
             workload="serve-B", slo_ttft_ms=None, slo_tpot_ms=None, api_key=None,

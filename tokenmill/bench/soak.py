@@ -33,7 +33,6 @@ import os
 import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench import extras
+from tokenmill.bench.serve import free_port, spawn_server, wait_healthy
 
 HOST = "127.0.0.1"
 MAX_TOKENS = 300
@@ -126,12 +126,6 @@ class SoakReport:
 
 
 # ---- the server and the busy processes ----------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -397,34 +391,16 @@ def tally(report: SoakReport, records: list[RequestRecord], stall_s: float) -> N
 
 def run_soak(args: argparse.Namespace) -> SoakReport:
     extras.require("httpx")
-    import httpx
 
     port = free_port()
     base_url = f"http://{HOST}:{port}"
     log_path = Path(args.server_log) if args.server_log else None
-    log = log_path.open("w") if log_path else subprocess.DEVNULL
     env = {**os.environ, **dict(kv.split("=", 1) for kv in args.server_env)}
-    try:
-        server = subprocess.Popen(server_command(args, port), stdout=log,
-                                  stderr=subprocess.STDOUT, env=env)
-    finally:
-        if log_path:
-            log.close()  # type: ignore[union-attr]
+    server = spawn_server(server_command(args, port), env, log_path)
     busy: list[subprocess.Popen[bytes]] = []
     where = f"; see {log_path}" if log_path else " (--server-log FILE keeps its output)"
     try:
-        deadline = time.monotonic() + args.startup_timeout_s
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode}{where}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not healthy in {args.startup_timeout_s:.0f} s{where}")
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(server, base_url, args.startup_timeout_s, "the server", where)
         busy = start_busy(args.busy_cores)
         report = asyncio.run(run_traffic(args, base_url, server.pid))
         if server.poll() is not None:

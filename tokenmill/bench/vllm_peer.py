@@ -89,33 +89,42 @@ def _run(cmd: list[str], what: str) -> None:
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
     if proc.returncode != 0:
         raise RuntimeError(
-            f"{what} failed (exit {proc.returncode}): `{shlex.join(cmd)}`. The vLLM venv is "
+            f"{what} failed (exit {proc.returncode}): `{shlex.join(cmd)}`. The venv is "
             "left as it is; fix the cause (network to PyPI, disk space) and run again, or "
             "delete the venv folder to start over.")
 
 
-def ensure_vllm_env(venv: Path = DEFAULT_VENV) -> Path:
-    """Create and fill the vLLM venv unless its stamp says it is done; returns its python."""
+def ensure_venv(venv: Path, package: str, stamp_name: str, module: str,
+                cleanup: tuple[str, ...] = ()) -> Path:
+    """A venv of its own for a third-party tool: created and filled unless its
+    stamp names `package`; `cleanup` packages are uninstalled after. Returns its python."""
     venv = Path(venv).resolve()
     python = venv_python(venv)
-    stamp = venv / STAMP_NAME
-    if python.exists() and stamp.exists() and stamp.read_text().strip() == VLLM_PACKAGE:
+    stamp = venv / stamp_name
+    if python.exists() and stamp.exists() and stamp.read_text().strip() == package:
         return python
-    print(f"== installing {VLLM_PACKAGE} into {venv} (once; tokenmill's venv is untouched)",
+    print(f"== installing {package} into {venv} (once; tokenmill's venv is untouched)",
           file=sys.stderr, flush=True)
     if not python.exists():
         # The base interpreter of this one: the local CPU torch wheel is built for it.
         base = getattr(sys, "_base_executable", sys.executable)
-        _run([base, "-m", "venv", str(venv)], "creating the vLLM venv")
+        _run([base, "-m", "venv", str(venv)], f"creating the {module} venv")
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
-    # torch first, pinned to the CPU wheel, so pip does not fetch a CUDA build for vllm.
+    # torch first, pinned to the CPU wheel, so pip does not fetch a CUDA build for the tool.
     _run([*pip, TORCH_CPU], f"installing {TORCH_CPU}")
-    _run([*pip, VLLM_PACKAGE], f"installing {VLLM_PACKAGE}")
-    _run([str(python), "-m", "pip", "uninstall", "-y", *UNWANTED],
-         "removing the CUDA builds pip pulled in")
-    _run([str(python), "-c", "import vllm; print('vllm', vllm.__version__)"], "importing vllm")
-    stamp.write_text(VLLM_PACKAGE + "\n")
+    _run([*pip, package], f"installing {package}")
+    if cleanup:
+        _run([str(python), "-m", "pip", "uninstall", "-y", *cleanup],
+             "removing the CUDA builds pip pulled in")
+    _run([str(python), "-c", f"import {module}; print('{module}', {module}.__version__)"],
+         f"importing {module}")
+    stamp.write_text(package + "\n")
     return python
+
+
+def ensure_vllm_env(venv: Path = DEFAULT_VENV) -> Path:
+    """Create and fill the vLLM venv unless its stamp says it is done; returns its python."""
+    return ensure_venv(venv, VLLM_PACKAGE, STAMP_NAME, "vllm", UNWANTED)
 
 
 # ---- the model ----------------------------------------------------------------------------
