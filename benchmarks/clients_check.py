@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -28,6 +29,9 @@ from typing import Annotated, Any, Literal
 
 import openai
 from pydantic import BaseModel, Field
+
+# LiteLLM fetches a price list from the internet at import unless told to use its own copy.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 class City(BaseModel):
