@@ -28,6 +28,7 @@ import transformers
 from tests.hf_models import COMMON, TEST_DEVICE
 from tests.server_harness import ServerThread
 from tokenmill import LLM, SamplingParams
+from tokenmill.backends.cpu import kernels
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.structured import GrammarCompiler
@@ -361,6 +362,8 @@ def test_masks_split_over_threads_match_the_bits() -> None:
     generator = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31 - 1, (num_rows, -(-vocab // 32)), dtype=torch.int32,
                           generator=generator)
+    words[::3, ::2] = 0  # whole words masked and whole words allowed, as most masks are
+    words[1::3, 1::2] = -1
     rows = sorted({*range(0, num_rows, 2), 63})  # 33 rows: 4 chunks of 8 or more
     logits = torch.randn(num_rows, vocab, generator=generator)
     bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, words, 32]
@@ -368,9 +371,16 @@ def test_masks_split_over_threads_match_the_bits() -> None:
     masked = bits.reshape(num_rows, -1)[:, :vocab] == 0
     for r in rows:
         expected[r, masked[r]] = float("-inf")
-    for num_threads in (1, 4):
-        mask = GrammarMask(vocab, num_threads)
-        mask._bitmask = words.clone()
-        got = logits.clone()
-        mask.apply_filled(got, rows)
-        assert torch.equal(got, expected), num_threads
+    # xgrammar's kernel (split over threads), and the C++ kernel where it is built.
+    for cpp, num_threads in ((False, 1), (False, 4), (True, 2)):
+        if cpp and kernels.load() is None:
+            continue
+        kernels.set_enabled(cpp)
+        try:
+            mask = GrammarMask(vocab, num_threads)
+            mask._bitmask = words.clone()
+            got = logits.clone()
+            mask.apply_filled(got, rows)
+        finally:
+            kernels.set_enabled(True)
+        assert torch.equal(got, expected), (cpp, num_threads)

@@ -88,6 +88,9 @@ class CpuOps(Protocol):
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                            rows: torch.Tensor) -> None: ...
+
     def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor,
                     float32_out: bool) -> torch.Tensor: ...
 

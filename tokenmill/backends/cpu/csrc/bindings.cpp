@@ -59,6 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 py::arg("slot_mapping"));
   TOKENMILL_DEF(silu_and_mul, py::arg("gate_up"));
   TOKENMILL_DEF(argmax_rows, py::arg("logits"));
+  TOKENMILL_DEF(apply_token_bitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
   TOKENMILL_DEF(packed_gemm, py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias"),
                 py::arg("float32_out"));
   TOKENMILL_DEF(packed_gemm_silu, py::arg("x"), py::arg("packed"), py::arg("inter"));

@@ -14,6 +14,10 @@
 //   argmax_rows(logits)                    -> each row's first index of its largest value
 //                                             (a NaN counts as largest), as torch.argmax;
 //                                             parallel over rows
+//   apply_token_bitmask(logits, bitmask, rows)   logits[r, t] = -inf where bit t of
+//                                             bitmask[r] is 0 (xgrammar's layout: int32
+//                                             words, bit t % 32 of word t / 32), for the
+//                                             given rows, in place; parallel over rows
 #include <torch/extension.h>
 
 #include "no_gil.h"
@@ -272,6 +276,44 @@ at::Tensor argmax_rows(at::Tensor logits) {
 #pragma omp parallel for if (worth_threads(rows * n))
   for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(x + r * n, n);
   return out;
+}
+
+// Structured outputs' masks (worker/grammar.py): the same result as xgrammar's
+// apply_token_bitmask_inplace, a word at a time (all allowed: skip; none: fill),
+// which is what makes it a memory pass rather than a bit loop.
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
+  NoGil no_gil;
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.is_contiguous(),
+              "apply_token_bitmask takes contiguous float32 logits [rows, vocab] on the CPU");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  bitmask.size(0) >= logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "apply_token_bitmask: bitmask must be contiguous int32 [>= rows, >= vocab / 32]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "apply_token_bitmask: rows int64 [n]");
+  rows = rows.contiguous();
+  const int64_t n = rows.size(0), vocab = logits.size(1), words = bitmask.size(1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < logits.size(0), "apply_token_bitmask: row out of range");
+  float* x = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for if (worth_threads(n * vocab))
+  for (int64_t i = 0; i < n; ++i) {
+    float* xr = x + row[i] * vocab;
+    const uint32_t* br = bits + row[i] * words;
+    for (int64_t w = 0; w * 32 < vocab; ++w) {
+      const uint32_t word = br[w];
+      if (word == 0xffffffffu) continue;
+      const int64_t base = w * 32, len = std::min<int64_t>(32, vocab - base);
+      if (word == 0) {
+        for (int64_t t = 0; t < len; ++t) xr[base + t] = neg_inf;
+        continue;
+      }
+      for (int64_t t = 0; t < len; ++t)
+        if (!((word >> t) & 1u)) xr[base + t] = neg_inf;
+    }
+  }
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
