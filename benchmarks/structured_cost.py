@@ -98,6 +98,15 @@ def main() -> None:
     mask = runner.grammar_mask
     mask_thread = ThreadPoolExecutor(max_workers=1)
 
+    def advance() -> None:
+        """Each matcher advanced by its walk's next token (as append_output does)."""
+        for i, g in enumerate(grammars):
+            g.accept(walks[i][position[i]])
+            position[i] += 1
+            if position[i] == len(walks[i]):
+                g.matcher.reset()
+                position[i] = 0
+
     def step(mode: str) -> float:
         """mode: "plain" (no grammar), "serial" (fill after the forward), "overlap"
         (fill on a thread during the forward, as ModelRunner.execute does)."""
@@ -110,13 +119,8 @@ def main() -> None:
         elif constrained:
             mask.apply(logits, list(grammars))
         runner.sampler(logits, states, engine.eos_token_ids)
-        if constrained:  # each matcher advanced by its walk's next token (as append_output)
-            for i, g in enumerate(grammars):
-                g.accept(walks[i][position[i]])
-                position[i] += 1
-                if position[i] == len(walks[i]):
-                    g.matcher.reset()
-                    position[i] = 0
+        if constrained:
+            advance()
         return time.perf_counter() - t
 
     modes = ("plain", "serial", "overlap")
@@ -152,12 +156,7 @@ def main() -> None:
         mask.apply_filled(logits, rows)
         apply.append(time.perf_counter() - t)
         t = time.perf_counter()
-        for i, g in enumerate(grammars):
-            g.accept(walks[i][position[i]])
-            position[i] += 1
-            if position[i] == len(walks[i]):
-                g.matcher.reset()
-                position[i] = 0
+        advance()
         accept.append(time.perf_counter() - t)
     print(f"  alone: mask fill {statistics.median(fill) * 1e3:.2f} ms, apply "
           f"{statistics.median(apply) * 1e3:.2f} ms, accepts {statistics.median(accept) * 1e3:.2f} ms")

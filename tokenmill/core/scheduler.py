@@ -186,7 +186,10 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
-            self.queue.remove(request)
+            if request is self.queue.peek():
+                self.queue.pop()
+            else:  # (passed over a head whose grammar is compiling)
+                self.queue.remove(request)
             self._admit(request, num_hit_tokens, num_new, num_new_by_req)
             budget -= num_new
         return budget

@@ -64,10 +64,10 @@ MIN_ROWS_PER_THREAD = 8
 class GrammarMask:
     """Fills the constrained rows' bitmasks and applies them to the logits.
 
-    The apply (a -inf pass over [rows, vocab]) is most of the cost (docs/perf-notes),
-    and it runs after the forward, when the forward's threads are idle: so the rows
-    are split over up to `num_threads` threads (xgrammar's kernel releases the GIL),
-    and the fill uses as many."""
+    On the CPU the C++ extension applies them (a word at a time, over the cores);
+    without it, xgrammar's kernel (a bit at a time, most of the cost: perf-notes)
+    runs with the rows split over up to `num_threads` threads (it releases the
+    GIL), as the forward's threads are idle then. The fill uses as many threads."""
 
     def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
         self.vocab_size = vocab_size
