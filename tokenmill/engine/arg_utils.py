@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.config import (
     CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
@@ -18,6 +20,7 @@ from tokenmill.config import (
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from tokenmill.engine.generation_config import check_generation_config
 
@@ -41,6 +44,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
+    # vLLM's speculative_config dict (config.SpeculativeConfig's fields); None: off.
+    speculative_config: dict[str, Any] | None = None
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -65,6 +70,15 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
         )
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding config, or None (ValueError naming a bad field)."""
+        if self.speculative_config is None:
+            return None
+        if self.scheduling_policy == "static":
+            raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
+                             "(the static-batching baseline); use 'fcfs' or 'priority'")
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def with_serve_defaults(self) -> EngineArgs:
         """These options with the server's defaults where none was given: on the CPU
@@ -104,12 +118,26 @@ class EngineArgs:
             "--generation-config", default="auto",
             help="sampling defaults for what a request leaves unset: 'auto' (the model's "
                  "generation config), 'vllm' (none) or a folder with a generation_config.json")
+        parser.add_argument(
+            "--speculative-config", type=_json_object, default=None,
+            help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                 '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
+                 '"model": PATH, "num_speculative_tokens": 4}; "disable_by_batch_size": N turns '
+                 'it off above N running requests')
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options parsed by a parser that add_cli_args filled."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag's value (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:

@@ -16,8 +16,8 @@ from typing import Any, TypeAlias
 
 import torch
 
-from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig
-from tokenmill.core.contracts import SchedulerOutput
+from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig, SpeculativeConfig
+from tokenmill.core.contracts import DRAFT_PLACEHOLDER, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
@@ -30,6 +30,7 @@ from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams, is_integer
+from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
 from tokenmill.worker.model_runner import ModelRunner
@@ -72,7 +73,8 @@ class ScheduledStep:
 class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, check_integrity: bool = False) -> LLMEngine:
-        return cls(*engine_args.create_engine_configs(), check_integrity=check_integrity)
+        return cls(*engine_args.create_engine_configs(), check_integrity=check_integrity,
+                   speculative_config=engine_args.create_speculative_config())
 
     def __init__(
         self,
@@ -80,8 +82,10 @@ class LLMEngine:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         check_integrity: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.speculative_config = speculative_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.check_integrity = check_integrity
@@ -118,7 +122,14 @@ class LLMEngine:
             model, spec, num_blocks, cache_config.block_size, self.dtype, self.device,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids,
         )
-        self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len)
+        num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
+                                        num_spec_tokens)
+        self.ngram: NgramProposer | None = None
+        if speculative_config is not None and speculative_config.method == "ngram":
+            assert speculative_config.prompt_lookup_min and speculative_config.prompt_lookup_max
+            self.ngram = NgramProposer(speculative_config.prompt_lookup_min,
+                                       speculative_config.prompt_lookup_max)
         self.max_model_len = self.scheduler.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -313,6 +324,8 @@ class LLMEngine:
         # (`tokenmill bench throughput --profile` reports both).
         with self.runner.timer.phase(StepPhase.SCHEDULE):
             self._collect_grammars()
+            if self.speculative_config is not None:
+                self._propose_drafts(self.speculative_config)
             scheduler_output = self.scheduler.schedule()
             now = time.monotonic()
             first_scheduled = []
@@ -323,6 +336,25 @@ class LLMEngine:
                         first_scheduled.append(request_id)
         self._scheduled_step = ScheduledStep(scheduler_output, tuple(first_scheduled))
         return self._scheduled_step
+
+    def _propose_drafts(self, spec: SpeculativeConfig) -> None:
+        """Drafts for the running requests that decode next, unless more than
+        disable_by_batch_size requests run (a big step gains nothing from them).
+        Requests whose sampling looks at counts of its own output (penalties) or
+        a grammar's state decode one token at a time."""
+        running = self.scheduler.running
+        if len(running) > spec.disable_by_batch_size:
+            return
+        k = spec.num_speculative_tokens
+        for request in running:
+            params = request.sampling_params
+            if (request.num_tokens - request.num_computed_tokens != 1 or params.has_penalties
+                    or params.structured_outputs is not None):
+                continue
+            if self.ngram is not None:
+                request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
+            else:
+                request.spec_token_ids = [DRAFT_PLACEHOLDER] * k
 
     def execute(self, step: ScheduledStep) -> StepResult:
         assert step is self._scheduled_step, "execute() runs what the last schedule() returned"
