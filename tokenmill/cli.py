@@ -199,6 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eval_bench.add_args(eval_parser)
     eval_parser.set_defaults(func=eval_bench.main_eval)
+    from tokenmill.bench import editing, interactive
+
+    interactive_parser = bench_sub.add_parser(
+        "interactive", help="interactive-1: 1 and 4 streams, a long prompt, one core busy; "
+                            "beside vLLM-CPU and llama.cpp"
+    )
+    interactive.add_args(interactive_parser)
+    interactive_parser.set_defaults(func=interactive.main_interactive)
+    editing_parser = bench_sub.add_parser(
+        "editing", help="copy / lightly correct passages, streamed, with and without speculation"
+    )
+    editing.add_args(editing_parser)
+    editing_parser.set_defaults(func=editing.main_editing)
     return parser
 
 
