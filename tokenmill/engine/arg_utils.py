@@ -17,6 +17,7 @@ from tokenmill.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from tokenmill.engine.generation_config import check_generation_config
@@ -41,6 +42,12 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
+    # Tensor parallelism (config.ParallelConfig; vLLM's names).
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -64,6 +71,12 @@ class EngineArgs:
                 max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget,
                 policy=self.scheduling_policy,
             ),
+        )
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, master_addr=self.master_addr,
+            master_port=self.master_port, nnodes=self.nnodes, node_rank=self.node_rank,
         )
 
     def with_serve_defaults(self) -> EngineArgs:
@@ -104,12 +117,28 @@ class EngineArgs:
             "--generation-config", default="auto",
             help="sampling defaults for what a request leaves unset: 'auto' (the model's "
                  "generation config), 'vllm' (none) or a folder with a generation_config.json")
+        add_parallel_args(parser)
+        parser.add_argument("--node-rank", type=int, default=0,
+                            help="this machine's place among --nnodes (0: the one that schedules)")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options parsed by a parser that add_cli_args filled."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism's flags (vLLM's; the rendezvous ones as torchrun's)."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many processes (ranks; gloo on the CPU)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="address of node 0, where the ranks meet")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port on node 0 where the ranks meet (default: a free one; "
+                             "needed with --nnodes > 1)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="machines the ranks run on (each other one runs `tokenmill worker`)")
 
 
 def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
