@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        dashboard=args.dashboard,
     )
     from tokenmill.server.tools import check_tool_call_parser
 
@@ -116,6 +117,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="how the model writes tool calls: hermes or llama3_json")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="serve a live view of the batch, the queue and the KV cache at /dashboard")
     EngineArgs.add_cli_args(serve)
     add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)
