@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES
-from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
+from tokenmill.engine.arg_utils import EngineArgs, add_parallel_args  # (light: no torch)
 from tokenmill.engine.openmp_wait import POLICIES, apply_openmp_wait_policy
 
 
@@ -129,6 +129,30 @@ def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tokenmill.config import ParallelConfig
+    from tokenmill.distributed.launch import run_node
+
+    config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, master_addr=args.master_addr,
+                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank)
+    if config.node_rank == 0:
+        raise ValueError("--node-rank 0 is the engine's node: run `tokenmill serve` there")
+    assert config.master_port is not None  # (nnodes > 1 requires it)
+    return run_node(config.tensor_parallel_size, config.nnodes, config.node_rank,
+                    config.master_addr, config.master_port)
+
+
+def add_worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tokenmill worker`: another machine's tensor-parallel ranks (node 0 runs
+    `tokenmill serve` with the same --tensor-parallel-size/--nnodes/--master-*)."""
+    worker = sub.add_parser("worker", help="run this machine's tensor-parallel ranks for a "
+                                           "`tokenmill serve` on another machine (node 0)")
+    add_parallel_args(worker)
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's place (1..nnodes-1)")
+    add_openmp_wait_arg(worker)
+    worker.set_defaults(func=cmd_worker)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
+    add_worker_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
