@@ -66,6 +66,7 @@ class ModeResult:
     phases: dict[str, PhaseReport] = field(default_factory=dict)
     texts: dict[str, list[str]] = field(default_factory=dict)  # per phase, in passage order
     spec_metrics: list[str] = field(default_factory=list)  # /metrics lines naming spec_decode
+    passage_ids: list[str] = field(default_factory=list)
     error: str = ""
 
 
@@ -90,7 +91,7 @@ def spec_metric_lines(base_url: str) -> list[str]:
 
 def run_mode(spec: ServerSpec, speculative: str | None, args: argparse.Namespace, out: Path,
              passages: list[dict[str, Any]]) -> ModeResult:
-    result = ModeResult(spec.label, speculative)
+    result = ModeResult(spec.label, speculative, passage_ids=[p["id"] for p in passages])
     suffix = "spec" if speculative else "plain"
     chat = [chat_body(spec.model, p, args.max_tokens) for p in passages]
     with RunningServer(spec, out / f"editing-{spec.label}-{suffix}.log"):
@@ -167,11 +168,35 @@ def format_table(modes: list[ModeResult]) -> str:
             lines.append(f"| {label} | {name} | {_f(p.per_stream_tok_s)} | {_f(s.per_stream_tok_s)} | "
                          f"{s.per_stream_tok_s / p.per_stream_tok_s:.2f}x | {_f(p.total_tok_s)} | "
                          f"{_f(s.total_tok_s)} | {same} |")
+    lines += divergences(by_label)
     for m in modes:
         if m.speculative:
             lines += ["", f"{m.label} speculative config: `{m.speculative}`"]
             lines += [f"    {ln}" for ln in m.spec_metrics]
     return "\n".join(lines)
+
+
+def first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def divergences(by_label: dict[str, list[ModeResult]]) -> list[str]:
+    """Where each speculative text first differs from the plain one (greedy: it must not)."""
+    lines: list[str] = []
+    for label, ms in by_label.items():
+        plain = next((m for m in ms if m.speculative is None and not m.error), None)
+        spec = next((m for m in ms if m.speculative is not None and not m.error), None)
+        if plain is None or spec is None:
+            continue
+        for name, texts in plain.texts.items():
+            for i, (a, b) in enumerate(zip(texts, spec.texts.get(name, []), strict=False)):
+                if a != b:
+                    at = first_difference(a, b)
+                    pid = plain.passage_ids[i] if i < len(plain.passage_ids) else str(i)
+                    lines.append(f"- {label}, {name}, passage {pid}: differs from character {at} "
+                                 f"(plain {len(a)}, speculative {len(b)} characters): "
+                                 f"{a[at:at + 40]!r} vs {b[at:at + 40]!r}")
+    return ["", "Texts that differ with speculation:", *lines] if lines else []
 
 
 def load_mode(d: dict[str, Any]) -> ModeResult:

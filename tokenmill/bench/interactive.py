@@ -159,7 +159,10 @@ def vllm_spec(args: argparse.Namespace) -> ServerSpec:
     from tokenmill.bench import vllm_peer
 
     venv = Path(args.vllm_venv)
-    python = vllm_peer.ensure_vllm_env(venv)
+    # A venv made elsewhere (no stamp of ours) is used as it is, never reinstalled into.
+    python = vllm_peer.venv_python(venv)
+    if not python.exists():
+        python = vllm_peer.ensure_vllm_env(venv)
     model_dir = vllm_peer.model_dir_for(args.model, venv)
     port = free_port()
     cmd = vllm_peer.server_command(python, model_dir, port, args.dtype, None,
