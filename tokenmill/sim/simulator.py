@@ -1,0 +1,195 @@
+"""A discrete-event simulation of one engine: the real scheduler, a modelled step.
+
+The loop is the engine's own (engine/llm_engine.py, AsyncEngine): at each step
+boundary the requests that have arrived are added, `Scheduler.schedule()`
+(core's, the same object the engine builds through `make_scheduler`) chooses
+the step, and `update_from_output()` takes its sampled tokens. What the model
+runner would do is replaced by two things: the clock advances by the cost
+model's price of the step's shape, and each sampling row gets a stand-in token
+(EOS at the request's drawn output length when EOS counts, else a filler id),
+so every stop, finish, preemption and KV allocation is the real code's. When
+nothing is left to run the clock jumps to the next arrival, as the engine
+thread sleeps until its inbox has a request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.contracts import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.static_scheduler import make_scheduler
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.sim.cost_model import CostModel, StepShape
+
+FILLER_TOKEN_ID = 1
+EOS_TOKEN_ID = 0
+
+SchedulerFactory = Callable[[SchedulerConfig, CacheConfig, int, int], Scheduler]
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    prompt_token_ids: list[int]
+    output_len: int  # tokens the request generates (its EOS comes last unless ignore_eos)
+    ignore_eos: bool = True  # True: max_tokens = output_len, as the bench workloads send
+    max_tokens: int | None = None  # with ignore_eos False: the request's cap (None: none)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine options the simulation honours, named as EngineArgs names them."""
+
+    scheduling_policy: str = "fcfs"  # fcfs, priority or static
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 4 << 30  # the CPU engine's default cap (worker/cache_sizing.py)
+
+    def configs(self) -> tuple[SchedulerConfig, CacheConfig]:
+        return (SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                max_num_batched_tokens=self.max_num_batched_tokens,
+                                policy=self.scheduling_policy),
+                CacheConfig(block_size=self.block_size,
+                            enable_prefix_caching=self.enable_prefix_caching))
+
+    def blocks(self, kv_bytes_per_token: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        num = self.kv_cache_memory_bytes // (kv_bytes_per_token * self.block_size)
+        if num < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV block")
+        return int(num)
+
+
+@dataclass
+class StepRecord:
+    end_s: float  # simulated time at the step's end
+    step_s: float
+    num_tokens: int
+    num_rows: int
+    num_running: int  # after the step
+    num_waiting: int
+    kv_cache_usage: float
+    num_preempted: int
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    token_times_s: list[float] = field(default_factory=list)  # when each output token came out
+    finish_s: float = math.nan
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class SimResult:
+    requests: list[RequestTrace]
+    steps: list[StepRecord]
+    num_preemptions: int
+    num_computed_tokens: int  # static padding and recomputes included
+    num_blocks: int
+
+    @property
+    def wall_s(self) -> float:
+        """First arrival to last completion."""
+        if not self.requests:
+            return 0.0
+        return max(r.finish_s for r in self.requests) - min(r.arrival_s for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(r.token_times_s) for r in self.requests)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return sum(s.num_rows for s in self.steps) / max(len(self.steps), 1)
+
+
+def simulate(requests: Sequence[SimRequest], settings: EngineSettings, cost: CostModel,
+             scheduler_factory: SchedulerFactory = make_scheduler,
+             check_integrity: bool = False) -> SimResult:
+    """Run `requests` through a fresh scheduler on a simulated clock."""
+    scheduler_config, cache_config = settings.configs()
+    num_blocks = settings.blocks(cost.model.kv_bytes_per_token)
+    sched = scheduler_factory(scheduler_config, cache_config, num_blocks, cost.model.max_model_len)
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
+    traces: dict[str, RequestTrace] = {}
+    targets: dict[str, SimRequest] = {}
+    steps: list[StepRecord] = []
+    computed = 0
+    now = requests[order[0]].arrival_s if order else 0.0
+    nxt = 0
+    while nxt < len(order) or sched.has_unfinished_requests():
+        while nxt < len(order) and requests[order[nxt]].arrival_s <= now:
+            k = order[nxt]
+            _add(sched, f"r{k}", requests[k], traces, targets)
+            nxt += 1
+        if not sched.has_unfinished_requests():
+            now = requests[order[nxt]].arrival_s  # idle until the next arrival
+            continue
+        out = sched.schedule()
+        if out.is_empty:
+            if nxt < len(order):  # (only a grammar or the pool can hold everyone up)
+                now = requests[order[nxt]].arrival_s
+                continue
+            raise RuntimeError("the scheduler scheduled nothing with no arrival left to wait for")
+        shape = StepShape.of(out)
+        step_s = cost.step_s(shape)
+        now += step_s
+        computed += shape.num_tokens
+        for output in sched.update_from_output(out, _stand_in(sched, out, targets)):
+            trace = traces[output.request_id]
+            trace.token_times_s.extend(now for _ in output.new_token_ids)
+            if output.finished:
+                trace.finish_s, trace.finish_reason = now, output.finish_reason
+                trace.num_preemptions = output.num_preemptions
+        if check_integrity:
+            sched.check_integrity()
+        stats = sched.stats()
+        steps.append(StepRecord(end_s=now, step_s=step_s, num_tokens=shape.num_tokens,
+                                num_rows=shape.num_rows, num_running=stats.num_running,
+                                num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
+                                num_preempted=len(out.preempted_req_ids)))
+    return SimResult(requests=[traces[f"r{k}"] for k in range(len(requests))], steps=steps,
+                     num_preemptions=sched.num_preemptions, num_computed_tokens=computed,
+                     num_blocks=num_blocks)
+
+
+def _add(sched: Scheduler, request_id: str, req: SimRequest, traces: dict[str, RequestTrace],
+         targets: dict[str, SimRequest]) -> None:
+    if req.output_len < 1:
+        raise ValueError(f"request {request_id}: output_len must be >= 1, got {req.output_len}")
+    max_tokens = req.output_len if req.ignore_eos else req.max_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+    sched.add_request(Request(request_id=request_id, prompt_token_ids=list(req.prompt_token_ids),
+                              sampling_params=params, eos_token_ids=(EOS_TOKEN_ID,),
+                              arrival_time=req.arrival_s))
+    traces[request_id] = RequestTrace(request_id, req.arrival_s, len(req.prompt_token_ids))
+    targets[request_id] = req
+
+
+def _stand_in(sched: Scheduler, out: SchedulerOutput,
+              targets: dict[str, SimRequest]) -> ModelRunnerOutput:
+    """The runner's output for `out`: one token per sampling row, EOS as the
+    request's `output_len`-th token (ignored where the request ignores EOS)."""
+    req_ids, tokens = [], []
+    for s in out.scheduled:
+        if not s.do_sample:
+            continue
+        request = sched.requests[s.request_id]
+        last = request.num_output_tokens + 1 == targets[s.request_id].output_len
+        req_ids.append(s.request_id)
+        tokens.append(EOS_TOKEN_ID if last else FILLER_TOKEN_ID)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
+                             logprobs=[math.nan] * len(req_ids))
