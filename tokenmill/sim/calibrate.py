@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,12 @@ def run_scenarios(llm: Any, scenarios: tuple[tuple[int, int, int, int], ...],
     from tokenmill import SamplingParams
 
     engine = llm.engine
+    vocab = llm.model_info()["vocab_size"]
     shapes: list[StepShape] = []
     seconds: list[float] = []
     for r in range(rounds):
         for k, (num, prompt_len, out_len, per_step) in enumerate(scenarios):
-            prompts = [[100 + (r * 7919 + k * 104729 + i * 131 + j * 17) % 48000
+            prompts = [[3 + (r * 7919 + k * 104729 + i * 131 + j * 17) % (vocab - 3)
                         for j in range(prompt_len)] for i in range(num)]
             params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
             pending = list(prompts)
@@ -70,6 +72,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--rounds", type=int, default=2, help="times each scenario runs")
     p.add_argument("--output", default="sim-cost-model.json")
+    p.add_argument("--from-samples", default=None,
+                   help="refit from the timed steps a calibration saved (OUTPUT.samples.json)")
     p.add_argument("--from-roofline", action="store_true",
                    help="derive the model from ceilings instead of timing steps")
     p.add_argument("--bandwidth-gb-s", type=float, default=None, help="read bandwidth (roofline)")
@@ -110,6 +114,11 @@ def main_calibrate(args: argparse.Namespace) -> int:
                              "(or --roofline-json)")
         shape, _ = _model_shape(args)
         cm = from_roofline(shape, bandwidth, rate, args.step_overhead_ms / 1e3, provenance)
+    elif args.from_samples:
+        data = json.loads(Path(args.from_samples).read_text())
+        shapes = [StepShape(**s) for s in data["shapes"]]
+        provenance = {**data["provenance"], "refit": provenance["command"]}
+        cm = fit(shapes, data["seconds"], ModelShape(**data["model"]), provenance=provenance)
     else:
         shape, llm = _model_shape(args)
         if llm is None:
@@ -117,6 +126,10 @@ def main_calibrate(args: argparse.Namespace) -> int:
         run_scenarios(llm, SCENARIOS[:3] + SCENARIOS[8:10], 1)  # warm-up, not kept
         shapes, seconds = run_scenarios(llm, SCENARIOS, args.rounds)
         provenance["dtype"] = args.dtype
+        samples = Path(args.output).with_suffix(".samples.json")
+        samples.write_text(json.dumps({"model": asdict(shape), "provenance": provenance,
+                                       "shapes": [asdict(s) for s in shapes],
+                                       "seconds": seconds}) + "\n")
         cm = fit(shapes, seconds, shape, provenance=provenance)
     cm.save(args.output)
     print(json.dumps(cm.to_json(), indent=2))

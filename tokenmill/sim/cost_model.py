@@ -6,7 +6,8 @@ model turn a shape into seconds:
 
 - "fitted" (calibrate.py, timed on this machine through the real engine):
       t = PWL(num_tokens) + per_sampled_row_s * num_sampled_rows
-                          + per_kv_byte_s * kv_bytes_read
+          + per_kv_byte_s * K/V bytes the decode rows read
+          + per_prefill_pair_s * (query, key) pairs of the prefill chunks' attention
   PWL is piecewise linear between values at fixed knots (a CPU step costs
   about the same per token once the matmuls are wide enough, much more per
   token below that), extrapolated from its last segment; every value and
@@ -37,17 +38,24 @@ class StepShape:
     num_tokens: int  # tokens computed (prefill chunks + decodes)
     num_rows: int  # requests in the step
     num_sampled_rows: int  # rows whose last token's logits are sampled (the LM head runs on them)
-    num_kv_reads: int  # over every computed token, the context it attends to (tokens)
+    num_kv_reads: int  # context tokens the decode (one-token) rows attend to
+    # Prefill chunks (rows of more than one token): over their tokens, the
+    # positions each attends to. Their attention is arithmetic on K/V read once
+    # per chunk; a decode row's is a read of its whole context per token.
+    num_prefill_pairs: int = 0
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
-        reads = 0
+        reads = pairs = 0
         for s in out.scheduled:
             n, c = s.num_tokens, s.num_computed_tokens
-            reads += n * c + n * (n + 1) // 2  # token i (1-based) attends to c + i positions
+            if n == 1:
+                reads += c + 1
+            else:
+                pairs += n * c + n * (n + 1) // 2  # token i (1-based) attends to c + i positions
         return cls(num_tokens=out.num_scheduled_tokens, num_rows=len(out.scheduled),
                    num_sampled_rows=sum(1 for s in out.scheduled if s.do_sample),
-                   num_kv_reads=reads)
+                   num_kv_reads=reads, num_prefill_pairs=pairs)
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class CostModel:
     knot_values_s: list[float] = field(default_factory=list)  # PWL(num_tokens) at each knot
     per_sampled_row_s: float = 0.0
     per_kv_byte_s: float = 0.0
+    per_prefill_pair_s: float = 0.0
     # roofline
     bandwidth_gb_s: float = 0.0
     matmul_gflop_s: float = 0.0
@@ -106,7 +115,8 @@ class CostModel:
         if self.kind == "fitted":
             return (pwl(shape.num_tokens, self.knots, self.knot_values_s)
                     + self.per_sampled_row_s * shape.num_sampled_rows
-                    + self.per_kv_byte_s * shape.num_kv_reads * self.model.kv_bytes_per_token)
+                    + self.per_kv_byte_s * shape.num_kv_reads * self.model.kv_bytes_per_token
+                    + self.per_prefill_pair_s * shape.num_prefill_pairs)
         return self._roofline_s(shape)
 
     def _roofline_s(self, shape: StepShape) -> float:
@@ -115,8 +125,10 @@ class CostModel:
         head_params = m.vocab_size * m.hidden_size
         body_params = max(m.num_params - head_params, 0)  # (the embedding is a lookup)
         proj = max(body_params * m.element_bytes / bw, 2.0 * body_params * shape.num_tokens / rate)
+        # (a prefill chunk reads its K/V once, small beside its arithmetic: left out)
         kv_bytes = shape.num_kv_reads * m.kv_bytes_per_token
-        attn_flop = 4.0 * shape.num_kv_reads * m.num_heads * m.head_dim * m.num_layers
+        attn_flop = (4.0 * (shape.num_kv_reads + shape.num_prefill_pairs)
+                     * m.num_heads * m.head_dim * m.num_layers)
         attn = max(kv_bytes / bw, attn_flop / rate)
         head = 0.0
         if shape.num_sampled_rows:
@@ -164,9 +176,9 @@ def pwl_basis(x: float, knots: Sequence[int]) -> list[float]:
 
 
 def features(shape: StepShape, model: ModelShape, knots: Sequence[int]) -> list[float]:
-    """One row of the fit: the PWL basis, sampled rows, K/V bytes read."""
+    """One row of the fit: the PWL basis, sampled rows, K/V bytes read, prefill pairs."""
     return [*pwl_basis(shape.num_tokens, knots), float(shape.num_sampled_rows),
-            float(shape.num_kv_reads * model.kv_bytes_per_token)]
+            float(shape.num_kv_reads * model.kv_bytes_per_token), float(shape.num_prefill_pairs)]
 
 
 def fit(shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape,
@@ -187,6 +199,7 @@ def fit(shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape
     cm = CostModel(kind="fitted", model=model, knots=list(knots),
                    knot_values_s=[float(v) for v in coef[:k]],
                    per_sampled_row_s=float(coef[k]), per_kv_byte_s=float(coef[k + 1]),
+                   per_prefill_pair_s=float(coef[k + 2]),
                    provenance=dict(provenance or {}))
     errors = np.abs(np.array([cm.step_s(s) for s in shapes]) / t - 1.0)
     cm.provenance.update(num_steps=len(shapes), median_rel_error=float(np.median(errors)),
