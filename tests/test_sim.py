@@ -190,6 +190,16 @@ def test_cli_simulate_and_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
                  "--cost-model", str(cost), "--output-dir", str(tmp_path)]) == 0
     assert "Cheapest: 1 replica(s)" in capsys.readouterr().out
     assert main(["simulate", "--cost-model", str(tmp_path / "none.json")]) == 2
+    # Predictions beside a bench JSON: here the simulation's own rows, so every error is 0.
+    assert main(["simulate", "--caps", "32", "--cost-model", str(cost),
+                 "--output-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sim-throughput-bfloat16.json").read_text())["rows"]
+    (tmp_path / "measured.json").write_text(json.dumps(rows))
+    capsys.readouterr()
+    assert main(["simulate", "--caps", "32", "--cost-model", str(cost), "--output-dir",
+                 str(tmp_path), "--compare", str(tmp_path / "measured.json")]) == 0
+    table = capsys.readouterr().out.split("| policy | cap | measured")[1]
+    assert "| static | 32 |" in table and "+0.0%" in table and "1.00x / 1.00x" in table
 
 
 def test_the_simulator_needs_no_torch() -> None:

@@ -58,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "continuous otherwise")
     p.add_argument("--rates", default="1,2,4", help="serve-B: request rates (req/s)")
     p.add_argument("--label", default="sim", help="name in the output files")
+    p.add_argument("--compare", default=None, metavar="BENCH_JSON",
+                   help="a `tokenmill bench throughput` or `bench serve` JSON of the same "
+                        "workload: print the predictions beside those measurements")
     add_engine_args(p)
     sub = p.add_subparsers(dest="simulate_command")
     from tokenmill.sim import calibrate
@@ -134,6 +137,9 @@ def main_simulate(args: argparse.Namespace) -> int:
             {"rows": [asdict(r) for r in rows], "timelines": timelines}, indent=2))
         throughput_bench.plot(rows, out / f"{stem}.png")
         print(throughput_bench.format_table(rows))
+        if args.compare:
+            measured = [ThroughputRow(**d) for d in json.loads(Path(args.compare).read_text())]
+            print("\n" + compare_throughput(rows, measured))
     else:
         reports = []
         policy = _policies(args, "continuous")[0]
@@ -154,8 +160,49 @@ def main_simulate(args: argparse.Namespace) -> int:
             {"reports": [asdict(r) for r in reports], "timelines": timelines}, indent=2))
         serve_bench.plot(reports, out / f"{stem}.png", f"simulated {args.workload}")
         print(serve_bench.format_table(reports))
+        if args.compare:
+            measured_reports = [serve_bench.RateReport(**d)
+                                for d in json.loads(Path(args.compare).read_text())]
+            print("\n" + compare_serve(reports, measured_reports))
     print(f"\nwrote {out / stem}.json and .png, and a timeline per run ({args.label}-timeline-*.png)")
     return 0
+
+
+def _err(predicted: float, measured: float) -> str:
+    return f"{100 * (predicted / measured - 1):+.1f}%"
+
+
+def compare_throughput(predicted: list[ThroughputRow], measured: list[ThroughputRow]) -> str:
+    """Generated tok/s, predicted beside measured, per (policy, CAP) both have."""
+    lines = ["| policy | cap | measured gen tok/s | predicted gen tok/s | error | "
+             "measured / predicted vs static |", "|---|---|---|---|---|---|"]
+    for p in predicted:
+        m = next((r for r in measured if r.policy == p.policy and r.cap == p.cap), None)
+        if m is None:
+            continue
+        m_static = next((r for r in measured if r.policy == "static" and r.cap == p.cap), None)
+        ratios = (f"{m.generated_tok_s / m_static.generated_tok_s:.2f}x / {p.ratio_vs_static:.2f}x"
+                  if m_static is not None and p.ratio_vs_static else "-")
+        lines.append(f"| {p.policy} | {p.cap} | {m.generated_tok_s:.1f} | {p.generated_tok_s:.1f} | "
+                     f"{_err(p.generated_tok_s, m.generated_tok_s)} | {ratios} |")
+    return "\n".join(lines)
+
+
+def compare_serve(predicted: list[Any], measured: list[Any]) -> str:
+    """TTFT and TPOT p50 / p99 (ms), predicted beside measured, per rate both have."""
+    lines = ["| rate req/s | metric | measured p50 / p99 ms | predicted p50 / p99 ms | "
+             "error p50 / p99 |", "|---|---|---|---|---|"]
+    for p in predicted:
+        m = next((r for r in measured if r.rate == p.rate), None)
+        if m is None:
+            continue
+        for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
+                          ("E2E", "e2e_ms")):
+            mp, pp = getattr(m, key), getattr(p, key)
+            lines.append(f"| {p.rate:g} | {name} | {mp['p50']:.1f} / {mp['p99']:.1f} | "
+                         f"{pp['p50']:.1f} / {pp['p99']:.1f} | {_err(pp['p50'], mp['p50'])} / "
+                         f"{_err(pp['p99'], mp['p99'])} |")
+    return "\n".join(lines)
 
 
 def main_plan(args: argparse.Namespace) -> int:
