@@ -52,8 +52,9 @@ class Recording(Scheduler):
 def test_the_simulator_drives_the_real_scheduler() -> None:
     made: list[Recording] = []
 
-    def factory(sc: SchedulerConfig, cc: CacheConfig, num_blocks: int, max_len: int) -> Scheduler:
-        made.append(Recording(sc, cc, num_blocks, max_len))
+    def factory(sc: SchedulerConfig, cc: CacheConfig, num_blocks: int, max_len: int,
+                num_spec: int) -> Scheduler:
+        made.append(Recording(sc, cc, num_blocks, max_len, num_spec))
         return made[-1]
 
     requests = serve_b_requests(4.0, num_requests=16)
@@ -78,7 +79,7 @@ def test_static_and_continuous_compute_what_the_real_engine_computes() -> None:
     """Tokens computed and mean batch are the scheduler's alone: these are the
     numbers `tokenmill bench throughput` measured (BENCHMARKS.md, throughput-A)."""
     static = simulate(throughput_a_requests(512), EngineSettings("static", max_num_seqs=32), COST,
-                      scheduler_factory=lambda *a: StaticBatchScheduler(*a))
+                      scheduler_factory=lambda *a: StaticBatchScheduler(*a[:4]))
     continuous = simulate(throughput_a_requests(512), EngineSettings("fcfs", max_num_seqs=32), COST)
     assert static.num_computed_tokens == 73564 and continuous.num_computed_tokens == 32973
     assert round(static.mean_batch_size, 1) == 32.0 and round(continuous.mean_batch_size, 1) == 22.2
@@ -116,6 +117,22 @@ def test_eos_ends_a_request_where_it_does_not_ignore_eos() -> None:
     result = simulate(requests, EngineSettings(), COST)
     assert [len(r.token_times_s) for r in result.requests] == [7, 9]
     assert [r.finish_reason for r in result.requests] == ["stop", "length"]
+
+
+def test_speculative_decoding_goes_through_the_scheduler() -> None:
+    requests = serve_b_requests(1.0, num_requests=6)
+    plain = simulate(requests, EngineSettings(), COST)
+    runs = {rate: simulate(requests, EngineSettings(num_speculative_tokens=3,
+                                                    draft_acceptance_rate=rate), COST,
+                           check_integrity=True) for rate in (0.0, 0.7, 1.0)}
+    for result in runs.values():
+        assert [len(r.token_times_s) for r in result.requests] == [r.output_len for r in requests]
+    # Every draft accepted: up to 4 tokens a step; none: as many steps (give or take
+    # how arrivals fall), each computing 3 rejected drafts per request.
+    assert len(runs[1.0].steps) < 0.4 * len(plain.steps)
+    assert abs(len(runs[0.0].steps) - len(plain.steps)) < 0.05 * len(plain.steps)
+    assert runs[0.0].num_computed_tokens > 2.5 * plain.num_computed_tokens - 6 * 128 * 2.5
+    assert len(runs[1.0].steps) < len(runs[0.7].steps) < len(runs[0.0].steps)
 
 
 def test_fit_recovers_a_known_cost_model() -> None:

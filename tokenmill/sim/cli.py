@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30,
                    help="KV cache size when --num-kv-blocks is not given (default 4 GiB, the "
                         "CPU engine's)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding: drafts per decoding request and step")
+    p.add_argument("--draft-acceptance-rate", type=float, default=0.5,
+                   help="each draft's chance to be accepted (given the one before it was)")
     p.add_argument("--num-requests", type=int, default=64, help="serve-B: requests per rate")
     p.add_argument("--output-dir", default="bench-results")
 
@@ -94,7 +98,9 @@ def settings_for(args: argparse.Namespace, throughput: bool, policy: str = "cont
                           max_num_batched_tokens=budget, block_size=args.block_size,
                           enable_prefix_caching=opts["enable_prefix_caching"],
                           num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          num_speculative_tokens=args.num_speculative_tokens,
+                          draft_acceptance_rate=args.draft_acceptance_rate)
 
 
 def _policies(args: argparse.Namespace, default: str) -> list[str]:

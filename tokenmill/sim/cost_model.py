@@ -54,7 +54,9 @@ class StepShape:
             else:
                 pairs += n * c + n * (n + 1) // 2  # token i (1-based) attends to c + i positions
         return cls(num_tokens=out.num_scheduled_tokens, num_rows=len(out.scheduled),
-                   num_sampled_rows=sum(1 for s in out.scheduled if s.do_sample),
+                   # (a request verifying drafts samples each draft's row too)
+                   num_sampled_rows=sum(1 + s.num_draft_tokens
+                                        for s in out.scheduled if s.do_sample),
                    num_kv_reads=reads, num_prefill_pairs=pairs)
 
 

@@ -10,16 +10,24 @@ model's price of the step's shape, and each sampling row gets a stand-in token
 so every stop, finish, preemption and KV allocation is the real code's. When
 nothing is left to run the clock jumps to the next arrival, as the engine
 thread sleeps until its inbox has a request.
+
+Speculative decoding (`num_speculative_tokens` > 0) is the engine's too: before
+each step every decoding request gets k draft tokens (as LLMEngine proposes
+them, unless more than `spec_disable_by_batch_size` requests run), the
+scheduler fits them into the step and rolls back the rejected ones; the
+stand-in accepts each draft with probability `draft_acceptance_rate` until the
+first rejection (a seeded generator, so a run repeats exactly).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.contracts import ModelRunnerOutput, SchedulerOutput
+from tokenmill.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE, CacheConfig, SchedulerConfig
+from tokenmill.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.static_scheduler import make_scheduler
@@ -29,7 +37,7 @@ from tokenmill.sim.cost_model import CostModel, StepShape
 FILLER_TOKEN_ID = 1
 EOS_TOKEN_ID = 0
 
-SchedulerFactory = Callable[[SchedulerConfig, CacheConfig, int, int], Scheduler]
+SchedulerFactory = Callable[[SchedulerConfig, CacheConfig, int, int, int], Scheduler]
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,10 @@ class EngineSettings:
     enable_prefix_caching: bool = False
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 4 << 30  # the CPU engine's default cap (worker/cache_sizing.py)
+    num_speculative_tokens: int = 0  # drafts per decoding request and step (0: no speculation)
+    draft_acceptance_rate: float = 0.5  # each draft's chance to be accepted, given the last was
+    spec_disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    seed: int = 0  # the acceptance draws
 
     def configs(self) -> tuple[SchedulerConfig, CacheConfig]:
         return (SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -122,7 +134,12 @@ def simulate(requests: Sequence[SimRequest], settings: EngineSettings, cost: Cos
     """Run `requests` through a fresh scheduler on a simulated clock."""
     scheduler_config, cache_config = settings.configs()
     num_blocks = settings.blocks(cost.model.kv_bytes_per_token)
-    sched = scheduler_factory(scheduler_config, cache_config, num_blocks, cost.model.max_model_len)
+    if not 0.0 <= settings.draft_acceptance_rate <= 1.0:
+        raise ValueError("draft_acceptance_rate must be in [0, 1], got "
+                         f"{settings.draft_acceptance_rate}")
+    sched = scheduler_factory(scheduler_config, cache_config, num_blocks, cost.model.max_model_len,
+                              settings.num_speculative_tokens)
+    rng = random.Random(settings.seed)
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
     traces: dict[str, RequestTrace] = {}
     targets: dict[str, SimRequest] = {}
@@ -138,6 +155,7 @@ def simulate(requests: Sequence[SimRequest], settings: EngineSettings, cost: Cos
         if not sched.has_unfinished_requests():
             now = requests[order[nxt]].arrival_s  # idle until the next arrival
             continue
+        _propose_drafts(sched, settings)
         out = sched.schedule()
         if out.is_empty:
             if nxt < len(order):  # (only a grammar or the pool can hold everyone up)
@@ -148,7 +166,8 @@ def simulate(requests: Sequence[SimRequest], settings: EngineSettings, cost: Cos
         step_s = cost.step_s(shape)
         now += step_s
         computed += shape.num_tokens
-        for output in sched.update_from_output(out, _stand_in(sched, out, targets)):
+        runner_output = _stand_in(sched, out, targets, rng, settings.draft_acceptance_rate)
+        for output in sched.update_from_output(out, runner_output):
             trace = traces[output.request_id]
             trace.token_times_s.extend(now for _ in output.new_token_ids)
             if output.finished:
@@ -179,17 +198,42 @@ def _add(sched: Scheduler, request_id: str, req: SimRequest, traces: dict[str, R
     targets[request_id] = req
 
 
-def _stand_in(sched: Scheduler, out: SchedulerOutput,
-              targets: dict[str, SimRequest]) -> ModelRunnerOutput:
-    """The runner's output for `out`: one token per sampling row, EOS as the
-    request's `output_len`-th token (ignored where the request ignores EOS)."""
-    req_ids, tokens = [], []
+def _propose_drafts(sched: Scheduler, settings: EngineSettings) -> None:
+    """LLMEngine._propose_drafts: k drafts for each request that decodes next."""
+    k = settings.num_speculative_tokens
+    if not k or len(sched.running) > settings.spec_disable_by_batch_size:
+        return
+    for request in sched.running:
+        if request.num_tokens - request.num_computed_tokens == 1:
+            request.spec_token_ids = [FILLER_TOKEN_ID] * k
+
+
+def _stand_in(sched: Scheduler, out: SchedulerOutput, targets: dict[str, SimRequest],
+              rng: random.Random, acceptance_rate: float) -> ModelRunnerOutput:
+    """The runner's output for `out`: per sampling row its accepted drafts (each
+    with probability `acceptance_rate`, up to the first rejection) and one
+    sampled token; EOS as the request's `output_len`-th token (ignored where the
+    request ignores EOS)."""
+    req_ids, tokens, accepted = [], [], []
     for s in out.scheduled:
         if not s.do_sample:
             continue
         request = sched.requests[s.request_id]
-        last = request.num_output_tokens + 1 == targets[s.request_id].output_len
+        num_accepted = 0
+        while num_accepted < s.num_draft_tokens and rng.random() < acceptance_rate:
+            num_accepted += 1
+        position = request.num_output_tokens + num_accepted + 1  # of the sampled token
         req_ids.append(s.request_id)
-        tokens.append(EOS_TOKEN_ID if last else FILLER_TOKEN_ID)
+        tokens.append(_token(position, targets[s.request_id]))
+        accepted.append([TokenLogprobs(_token(request.num_output_tokens + i + 1,
+                                              targets[s.request_id]), math.nan, 1, {})
+                         for i in range(num_accepted)])
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
-                             logprobs=[math.nan] * len(req_ids))
+                             logprobs=[math.nan] * len(req_ids),
+                             accepted=accepted if any(s.num_draft_tokens for s in out.scheduled)
+                             else [])
+
+
+def _token(position: int, target: SimRequest) -> int:
+    """The stand-in for a request's `position`-th output token (1-based)."""
+    return EOS_TOKEN_ID if position == target.output_len else FILLER_TOKEN_ID
