@@ -14,7 +14,7 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.contracts import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.static_scheduler import StaticBatchScheduler
 from tokenmill.sim.cost_model import CostModel, ModelShape, StepShape, fit, from_roofline
@@ -44,7 +44,7 @@ class Recording(Scheduler):
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list:  # type: ignore[type-arg]
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.calls.append(("update", len(runner_output.req_ids)))
         return super().update_from_output(scheduler_output, runner_output)
 

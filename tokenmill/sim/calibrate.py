@@ -2,11 +2,21 @@
 
 The real engine (LLM's LLMEngine, the default model unless --model) runs small
 synthetic scenarios, none of them a bench workload: prefills of 16 to 2048
-tokens, decode batches of 1 to 128 rows at short and long contexts, and a
-staggered one where prefills join running decodes (mixed steps). Each
+tokens, decode batches of 1 to 128 rows at a short context and of 4 to 32 at
+512 to 1024 tokens (attention's cost per K/V byte depends on the rows), and a
+staggered one where prefills join running decodes (mixed steps), and static
+batches of uneven lengths on a second engine (rows that sample without giving
+out a token: what a token's detokenizing and output cost apart). Each
 `step()` (schedule, forward, sampling, the scheduler's update, detokenizing:
 what a step costs the engine loop) is timed with its shape read off the
 SchedulerOutput, and cost_model.fit() fits the piecewise-linear model to them.
+
+`--serve` then measures what the server adds (cost_model.py's serve_* terms):
+it starts `tokenmill serve`, sends B concurrent streaming requests at once for
+a few B (none of them a bench workload), and compares the client's median
+inter-token latency and first-token time with the simulator's for the same
+requests offline; the differences are fitted as a per-step overhead plus a
+per-row one, and a fixed delay before a request reaches the engine.
 
 `--from-roofline` instead derives a model for another machine from its read
 bandwidth and matmul rate (the ceilings `tokenmill bench roofline` measures).
@@ -32,14 +42,17 @@ SCENARIOS: tuple[tuple[int, int, int, int], ...] = (
     (4, 128, 1, 0), (12, 128, 1, 0), (3, 200, 1, 0),
     (1, 64, 24, 0), (2, 64, 24, 0), (4, 64, 24, 0), (8, 64, 24, 0), (16, 64, 24, 0),
     (32, 64, 24, 0), (64, 64, 24, 0), (128, 64, 16, 0),
-    (4, 768, 16, 0), (16, 768, 16, 0), (48, 512, 12, 0),
+    (4, 768, 16, 0), (16, 768, 16, 0), (32, 512, 16, 0), (8, 1024, 16, 0),
     (40, 96, 40, 1), (24, 300, 30, 2),
 )
+# On a static-batching engine (max_num_seqs 16), output lengths 1 + (37 i) % N.
+STATIC_SCENARIOS: tuple[tuple[int, int, int, int], ...] = ((16, 64, 48, 0), (16, 256, 32, 0))
 
 
 def run_scenarios(llm: Any, scenarios: tuple[tuple[int, int, int, int], ...],
-                  rounds: int) -> tuple[list[StepShape], list[float]]:
-    """Time every step of every scenario, `rounds` times over."""
+                  rounds: int, uneven: bool = False) -> tuple[list[StepShape], list[float]]:
+    """Time every step of every scenario, `rounds` times over (`uneven`: request i
+    of a scenario of N output tokens asks for 1 + (37 i) % N)."""
     from tokenmill import SamplingParams
 
     engine = llm.engine
@@ -50,21 +63,91 @@ def run_scenarios(llm: Any, scenarios: tuple[tuple[int, int, int, int], ...],
         for k, (num, prompt_len, out_len, per_step) in enumerate(scenarios):
             prompts = [[3 + (r * 7919 + k * 104729 + i * 131 + j * 17) % (vocab - 3)
                         for j in range(prompt_len)] for i in range(num)]
-            params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-            pending = list(prompts)
+            lens = [1 + (37 * i) % out_len if uneven else out_len for i in range(num)]
+            pending = list(zip(prompts, lens, strict=True))
             while pending or engine.has_unfinished_requests():
                 for _ in range(per_step or len(pending)):
                     if pending:
+                        prompt, n = pending.pop(0)
+                        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                         engine.add_request(engine.new_request_id(),
-                                           {"prompt_token_ids": pending.pop(0)}, params)
+                                           {"prompt_token_ids": prompt}, params)
                 start = time.perf_counter()
                 step = engine.schedule()
-                engine.execute(step)
+                result = engine.execute(step)
                 elapsed = time.perf_counter() - start
                 if step.scheduler_output.scheduled:
-                    shapes.append(StepShape.of(step.scheduler_output))
+                    num_outputs = sum(1 for o in result.outputs
+                                      if o.outputs and o.outputs[0].token_ids)
+                    shapes.append(StepShape.of(step.scheduler_output, num_outputs))
                     seconds.append(elapsed)
     return shapes, seconds
+
+
+SERVE_BATCHES = (1, 4, 16, 48)  # concurrent requests of the --serve probe
+SERVE_PROMPT_TOKENS, SERVE_OUTPUT_TOKENS = 64, 48
+
+
+def serve_probe(args: argparse.Namespace, cm: CostModel) -> CostModel:
+    """Add the serve_* terms to a fitted model, measured against `tokenmill serve`."""
+    import asyncio
+    import statistics
+
+    import numpy as np
+
+    from tokenmill.bench import serve as serve_bench
+    from tokenmill.sim.cost_model import nnls
+    from tokenmill.sim.report import request_results
+    from tokenmill.sim.simulator import EngineSettings, SimRequest, simulate
+
+    port = serve_bench.free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port",
+           str(port), "--dtype", args.dtype, "--no-enable-prefix-caching"]
+    if args.model:
+        cmd += ["--model", args.model]
+    measured: dict[int, list[Any]] = {}
+    server = serve_bench.spawn_server(cmd, dict(os.environ), None)
+    try:
+        serve_bench.wait_healthy(server, base_url, 180.0, "tokenmill serve", "")
+        model = serve_bench._first_model(base_url, None)
+        for num in (1, *SERVE_BATCHES):  # (the first: a warm-up)
+            prompts = [[3 + (num * 7919 + i * 131 + j * 17) % 40000
+                        for j in range(SERVE_PROMPT_TOKENS)] for i in range(num)]
+            results, _ = asyncio.run(serve_bench.run_rate(
+                base_url, model, prompts, [SERVE_OUTPUT_TOKENS] * num, float("inf")))
+            if not all(r.ok for r in results):
+                raise RuntimeError(f"the --serve probe's requests failed: {results[0].error}")
+            measured[num] = results
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    def offline(num: int, model_: CostModel, serving: bool) -> list[Any]:
+        prompts = [[3 + (num * 7919 + i * 131 + j * 17) % 40000
+                    for j in range(SERVE_PROMPT_TOKENS)] for i in range(num)]
+        reqs = [SimRequest(0.0, p, SERVE_OUTPUT_TOKENS) for p in prompts]
+        settings = EngineSettings(max_num_seqs=128, max_num_batched_tokens=160, serving=serving)
+        return request_results(simulate(reqs, settings, model_))
+
+    def itl(results: list[Any]) -> float:
+        return statistics.median(x for r in results for x in r.itl_s)
+
+    gaps = {n: itl(measured[n]) - itl(offline(n, cm, False)) for n in SERVE_BATCHES}
+    a = np.array([[1.0, float(n)] for n in SERVE_BATCHES])
+    coef = nnls(a, np.array([gaps[n] for n in SERVE_BATCHES]))
+    cm.serve_step_overhead_s, cm.serve_per_row_s = float(coef[0]), float(coef[1])
+    ttft = statistics.median(r.ttft_s for r in measured[1])
+    predicted = offline(1, cm, True)[0].ttft_s
+    cm.serve_arrival_delay_s = max(ttft - predicted, 0.0)
+    cm.provenance["serve"] = {
+        "command": "tokenmill simulate calibrate --serve " + " ".join(sys.argv[3:]),
+        "batches": list(SERVE_BATCHES),
+        "measured_itl_ms": {n: itl(measured[n]) * 1e3 for n in SERVE_BATCHES},
+        "offline_itl_ms": {n: (itl(measured[n]) - gaps[n]) * 1e3 for n in SERVE_BATCHES},
+        "measured_ttft_ms_b1": ttft * 1e3,
+    }
+    return cm
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +155,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--rounds", type=int, default=2, help="times each scenario runs")
     p.add_argument("--output", default="sim-cost-model.json")
+    p.add_argument("--serve", action="store_true",
+                   help="measure what `tokenmill serve` adds to the fitted model at --output "
+                        "(run after calibrating)")
     p.add_argument("--from-samples", default=None,
                    help="refit from the timed steps a calibration saved (OUTPUT.samples.json)")
     p.add_argument("--from-roofline", action="store_true",
@@ -103,7 +189,9 @@ def main_calibrate(args: argparse.Namespace) -> int:
         "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    if args.from_roofline:
+    if args.serve:
+        cm = serve_probe(args, CostModel.load(args.output))
+    elif args.from_roofline:
         bandwidth, rate = args.bandwidth_gb_s, args.matmul_gflop_s
         if args.roofline_json:
             ceilings = json.loads(Path(args.roofline_json).read_text())["ceilings"]
@@ -125,6 +213,15 @@ def main_calibrate(args: argparse.Namespace) -> int:
             raise ValueError("--base is for --from-roofline; calibrating loads the model itself")
         run_scenarios(llm, SCENARIOS[:3] + SCENARIOS[8:10], 1)  # warm-up, not kept
         shapes, seconds = run_scenarios(llm, SCENARIOS, args.rounds)
+        del llm
+        from tokenmill import LLM
+
+        static = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_num_batched_tokens=2048,
+                     enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30,
+                     scheduling_policy="static")
+        run_scenarios(static, STATIC_SCENARIOS[:1], 1, uneven=True)  # warm-up, not kept
+        more = run_scenarios(static, STATIC_SCENARIOS, args.rounds, uneven=True)
+        shapes, seconds = shapes + more[0], seconds + more[1]
         provenance["dtype"] = args.dtype
         samples = Path(args.output).with_suffix(".samples.json")
         samples.write_text(json.dumps({"model": asdict(shape), "provenance": provenance,

@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-acceptance-rate", type=float, default=0.5,
                    help="each draft's chance to be accepted (given the one before it was)")
     p.add_argument("--num-requests", type=int, default=64, help="serve-B: requests per rate")
+    p.add_argument("--offline", action="store_true",
+                   help="serve-B / a JSON workload as LLM.generate would run it: without the "
+                        "server's costs (calibrate --serve)")
     p.add_argument("--output-dir", default="bench-results")
 
 
@@ -100,7 +103,8 @@ def settings_for(args: argparse.Namespace, throughput: bool, policy: str = "cont
                           num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           num_speculative_tokens=args.num_speculative_tokens,
-                          draft_acceptance_rate=args.draft_acceptance_rate)
+                          draft_acceptance_rate=args.draft_acceptance_rate,
+                          serving=not throughput and not getattr(args, "offline", False))
 
 
 def _policies(args: argparse.Namespace, default: str) -> list[str]:

@@ -6,6 +6,7 @@ model turn a shape into seconds:
 
 - "fitted" (calibrate.py, timed on this machine through the real engine):
       t = PWL(num_tokens) + per_sampled_row_s * num_sampled_rows
+          + per_output_row_s * rows that give out a token (detokenized, output built)
           + per_kv_byte_s * K/V bytes the decode rows read
           + per_prefill_pair_s * (query, key) pairs of the prefill chunks' attention
   PWL is piecewise linear between values at fixed knots (a CPU step costs
@@ -16,6 +17,12 @@ model turn a shape into seconds:
   ceilings): projections then attention, each at max(bytes / bandwidth,
   FLOPs / matmul rate), plus the sampled rows' LM head, plus a fixed per-step
   overhead (the Python around the forward, taken from a fitted model if given).
+
+Serving adds to that (`calibrate --serve`, measured against `tokenmill serve`):
+the engine thread shares the cores and the GIL with the server's event loop,
+which streams every token, so a served step costs `serve_step_overhead_s +
+serve_per_row_s * rows` more than an offline one, and a request reaches the
+engine `serve_arrival_delay_s` after it was sent (HTTP, parsing, the inbox).
 
 No torch here, and numpy only to fit: the simulator runs where torch is not.
 """
@@ -43,9 +50,14 @@ class StepShape:
     # positions each attends to. Their attention is arithmetic on K/V read once
     # per chunk; a decode row's is a read of its whole context per token.
     num_prefill_pairs: int = 0
+    # Rows whose request gave out tokens: the engine detokenizes them and builds
+    # their outputs (a static batch's padding members sample but give out nothing).
+    num_output_rows: int = 0
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> StepShape:
+    def of(cls, out: SchedulerOutput, num_output_rows: int | None = None) -> StepShape:
+        """The shape of `out`; `num_output_rows` (known after the step) defaults to
+        the rows that sample."""
         reads = pairs = 0
         for s in out.scheduled:
             n, c = s.num_tokens, s.num_computed_tokens
@@ -57,7 +69,9 @@ class StepShape:
                    # (a request verifying drafts samples each draft's row too)
                    num_sampled_rows=sum(1 + s.num_draft_tokens
                                         for s in out.scheduled if s.do_sample),
-                   num_kv_reads=reads, num_prefill_pairs=pairs)
+                   num_kv_reads=reads, num_prefill_pairs=pairs,
+                   num_output_rows=(sum(1 for s in out.scheduled if s.do_sample)
+                                    if num_output_rows is None else num_output_rows))
 
 
 @dataclass(frozen=True)
@@ -96,12 +110,17 @@ class CostModel:
     knots: list[int] = field(default_factory=lambda: list(DEFAULT_KNOTS))
     knot_values_s: list[float] = field(default_factory=list)  # PWL(num_tokens) at each knot
     per_sampled_row_s: float = 0.0
+    per_output_row_s: float = 0.0
     per_kv_byte_s: float = 0.0
     per_prefill_pair_s: float = 0.0
     # roofline
     bandwidth_gb_s: float = 0.0
     matmul_gflop_s: float = 0.0
     overhead_s: float = 0.0  # per step, outside the forward
+    # serving (calibrate --serve; zero until measured)
+    serve_step_overhead_s: float = 0.0
+    serve_per_row_s: float = 0.0
+    serve_arrival_delay_s: float = 0.0
     # how it was made: machine, command, fit error over the calibration steps
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -117,9 +136,14 @@ class CostModel:
         if self.kind == "fitted":
             return (pwl(shape.num_tokens, self.knots, self.knot_values_s)
                     + self.per_sampled_row_s * shape.num_sampled_rows
+                    + self.per_output_row_s * shape.num_output_rows
                     + self.per_kv_byte_s * shape.num_kv_reads * self.model.kv_bytes_per_token
                     + self.per_prefill_pair_s * shape.num_prefill_pairs)
         return self._roofline_s(shape)
+
+    def serve_extra_s(self, shape: StepShape) -> float:
+        """What serving adds to a step of this shape (module docstring)."""
+        return self.serve_step_overhead_s + self.serve_per_row_s * shape.num_rows
 
     def _roofline_s(self, shape: StepShape) -> float:
         m = self.model
@@ -178,9 +202,11 @@ def pwl_basis(x: float, knots: Sequence[int]) -> list[float]:
 
 
 def features(shape: StepShape, model: ModelShape, knots: Sequence[int]) -> list[float]:
-    """One row of the fit: the PWL basis, sampled rows, K/V bytes read, prefill pairs."""
+    """One row of the fit: the PWL basis, sampled rows, K/V bytes read, prefill
+    pairs, output rows."""
     return [*pwl_basis(shape.num_tokens, knots), float(shape.num_sampled_rows),
-            float(shape.num_kv_reads * model.kv_bytes_per_token), float(shape.num_prefill_pairs)]
+            float(shape.num_kv_reads * model.kv_bytes_per_token), float(shape.num_prefill_pairs),
+            float(shape.num_output_rows)]
 
 
 def fit(shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape,
@@ -201,7 +227,7 @@ def fit(shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape
     cm = CostModel(kind="fitted", model=model, knots=list(knots),
                    knot_values_s=[float(v) for v in coef[:k]],
                    per_sampled_row_s=float(coef[k]), per_kv_byte_s=float(coef[k + 1]),
-                   per_prefill_pair_s=float(coef[k + 2]),
+                   per_prefill_pair_s=float(coef[k + 2]), per_output_row_s=float(coef[k + 3]),
                    provenance=dict(provenance or {}))
     errors = np.abs(np.array([cm.step_s(s) for s in shapes]) / t - 1.0)
     cm.provenance.update(num_steps=len(shapes), median_rel_error=float(np.median(errors)),

@@ -64,6 +64,9 @@ class EngineSettings:
     draft_acceptance_rate: float = 0.5  # each draft's chance to be accepted, given the last was
     spec_disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
     seed: int = 0  # the acceptance draws
+    # Behind `tokenmill serve` (True) or offline (LLM.generate): serving adds the
+    # cost model's serve_* terms to each step and to each request's arrival.
+    serving: bool = False
 
     def configs(self) -> tuple[SchedulerConfig, CacheConfig]:
         return (SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -140,34 +143,36 @@ def simulate(requests: Sequence[SimRequest], settings: EngineSettings, cost: Cos
     sched = scheduler_factory(scheduler_config, cache_config, num_blocks, cost.model.max_model_len,
                               settings.num_speculative_tokens)
     rng = random.Random(settings.seed)
+    delay_s = cost.serve_arrival_delay_s if settings.serving else 0.0
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
     traces: dict[str, RequestTrace] = {}
     targets: dict[str, SimRequest] = {}
     steps: list[StepRecord] = []
     computed = 0
-    now = requests[order[0]].arrival_s if order else 0.0
+    now = requests[order[0]].arrival_s + delay_s if order else 0.0
     nxt = 0
     while nxt < len(order) or sched.has_unfinished_requests():
-        while nxt < len(order) and requests[order[nxt]].arrival_s <= now:
+        while nxt < len(order) and requests[order[nxt]].arrival_s + delay_s <= now:
             k = order[nxt]
             _add(sched, f"r{k}", requests[k], traces, targets)
             nxt += 1
         if not sched.has_unfinished_requests():
-            now = requests[order[nxt]].arrival_s  # idle until the next arrival
+            now = requests[order[nxt]].arrival_s + delay_s  # idle until the next arrival
             continue
         _propose_drafts(sched, settings)
         out = sched.schedule()
         if out.is_empty:
             if nxt < len(order):  # (only a grammar or the pool can hold everyone up)
-                now = requests[order[nxt]].arrival_s
+                now = requests[order[nxt]].arrival_s + delay_s
                 continue
             raise RuntimeError("the scheduler scheduled nothing with no arrival left to wait for")
-        shape = StepShape.of(out)
-        step_s = cost.step_s(shape)
+        runner_output = _stand_in(sched, out, targets, rng, settings.draft_acceptance_rate)
+        outputs = sched.update_from_output(out, runner_output)  # (its cost needs their number)
+        shape = StepShape.of(out, sum(1 for o in outputs if o.new_token_ids))
+        step_s = cost.step_s(shape) + (cost.serve_extra_s(shape) if settings.serving else 0.0)
         now += step_s
         computed += shape.num_tokens
-        runner_output = _stand_in(sched, out, targets, rng, settings.draft_acceptance_rate)
-        for output in sched.update_from_output(out, runner_output):
+        for output in outputs:
             trace = traces[output.request_id]
             trace.token_times_s.extend(now for _ in output.new_token_ids)
             if output.finished:
