@@ -293,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     editing.add_args(editing_parser)
     editing_parser.set_defaults(func=editing.main_editing)
+    # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
+    from tokenmill.sim import cli as sim_cli
+
+    sim_parser = sub.add_parser(
+        "simulate", help="predict throughput and latency: the real scheduler, a step-cost model")
+    sim_cli.add_args(sim_parser)
+    sim_parser.set_defaults(func=sim_cli.dispatch)
     return parser
 
 
