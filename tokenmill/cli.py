@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
-from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
+from tokenmill.engine.arg_utils import EngineArgs, add_parallel_args  # (light: no torch)
 from tokenmill.engine.openmp_wait import POLICIES, apply_openmp_wait_policy
 
 
@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        dashboard=args.dashboard,
     )
     from tokenmill.server.tools import check_tool_call_parser
 
@@ -121,6 +122,8 @@ def add_serve_parser(
                        help="how the model writes tool calls: hermes or llama3_json")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="serve a live view of the batch, the queue and the KV cache at /dashboard")
     EngineArgs.add_cli_args(serve)
     add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)
@@ -163,6 +166,9 @@ def cmd_serve_ray(args: argparse.Namespace, engine_args: EngineArgs, config: Ser
         print(f"tokenmill serve-ray needs Ray Serve: pip install 'tokenmill[ray]' ({e})",
               file=sys.stderr)
         return 2
+    if engine_args.tensor_parallel_size != 1:
+        raise ValueError("serve-ray runs replicas of one engine process each; "
+                         "--tensor-parallel-size inside a replica is not supported")
     extra = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
     options = RayServeOptions(
         num_replicas=args.num_replicas, min_replicas=args.min_replicas,
@@ -179,6 +185,30 @@ def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
         help="what OpenMP threads do between parallel regions (engine/openmp_wait.py); "
         "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else short-spin (GOMP_SPINCOUNT=1000)",
     )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tokenmill.config import ParallelConfig
+    from tokenmill.distributed.launch import run_node
+
+    config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, master_addr=args.master_addr,
+                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank)
+    if config.node_rank == 0:
+        raise ValueError("--node-rank 0 is the engine's node: run `tokenmill serve` there")
+    assert config.master_port is not None  # (nnodes > 1 requires it)
+    return run_node(config.tensor_parallel_size, config.nnodes, config.node_rank,
+                    config.master_addr, config.master_port)
+
+
+def add_worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tokenmill worker`: another machine's tensor-parallel ranks (node 0 runs
+    `tokenmill serve` with the same --tensor-parallel-size/--nnodes/--master-*)."""
+    worker = sub.add_parser("worker", help="run this machine's tensor-parallel ranks for a "
+                                           "`tokenmill serve` on another machine (node 0)")
+    add_parallel_args(worker)
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's place (1..nnodes-1)")
+    add_openmp_wait_arg(worker)
+    worker.set_defaults(func=cmd_worker)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_serve_ray_parser(sub)
+    add_worker_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -252,6 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eval_bench.add_args(eval_parser)
     eval_parser.set_defaults(func=eval_bench.main_eval)
+    from tokenmill.bench import editing, interactive
+
+    interactive_parser = bench_sub.add_parser(
+        "interactive", help="interactive-1: 1 and 4 streams, a long prompt, one core busy; "
+                            "beside vLLM-CPU and llama.cpp"
+    )
+    interactive.add_args(interactive_parser)
+    interactive_parser.set_defaults(func=interactive.main_interactive)
+    editing_parser = bench_sub.add_parser(
+        "editing", help="copy / lightly correct passages, streamed, with and without speculation"
+    )
+    editing.add_args(editing_parser)
+    editing_parser.set_defaults(func=editing.main_editing)
     return parser
 
 

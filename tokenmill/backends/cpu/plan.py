@@ -19,6 +19,10 @@ through the layers, the same bits each (every kernel computes a row alone):
 The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu),
 and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
+
+A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
+runs the Python loop, with the all-reduce after each of those two GEMMs: the
+one-call paths have no place between their kernels for it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tokenmill.backends.cpu.kernels import CpuOps
 from tokenmill.backends.cpu.memory import pack_weight
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.model.parallel import AllReduce, RowParallelLinear
 
 _NO_BIAS = torch.empty(0)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
@@ -113,6 +118,7 @@ class CpuPlan:
         self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self.layers: list[_Layer] = []
+        self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
         self._pack()
 
     @classmethod
@@ -132,6 +138,8 @@ class CpuPlan:
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
+            if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
+                self.all_reduce = a.o_proj.all_reduce
             self.layers.append(_Layer(
                 layer.input_layernorm.weight.detach(), _proj(a.qkv_proj), _proj(a.o_proj),
                 layer.post_attention_layernorm.weight.detach(), _proj(mlp.gate_up_proj),
@@ -191,6 +199,9 @@ class CpuPlan:
             self._pack()
         hidden = self.model.model.embed_tokens(input_ids)
         n = hidden.shape[0]
+        if self.all_reduce is not None:  # a shard: the loop that can all-reduce between kernels
+            return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
+                                     torch.autograd._profiler_enabled())
         if output_rows is None and n <= self.max_rows:  # (all rows where it samples all: decodes)
             split = self._split_call(hidden, positions, kv_caches, meta)
             if split is not None:
@@ -273,6 +284,7 @@ class CpuPlan:
             return ops.silu_and_mul(matmul(x, p))
 
         gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
+        all_reduce = self.all_reduce
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         eps = self.eps
         residual = hidden
@@ -303,8 +315,12 @@ class CpuPlan:
                 else:
                     out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
             hidden = gemm(out.reshape(n, self.q_size), layer.o)
+            if all_reduce is not None:  # each rank's heads' share of o_proj, summed
+                all_reduce(hidden)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
             hidden = gemm(gemm_act(hidden, layer.gate_up), layer.down)
+            if all_reduce is not None:
+                all_reduce(hidden)
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:
