@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_tool_call_parser(config)
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
+    engine_args.create_speculative_config()
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
     engine = AsyncEngine(lambda: LLMEngine.from_engine_args(engine_args))
     return run_server(engine, config, args.graceful_shutdown_timeout)
