@@ -195,6 +195,8 @@ class ServerConfig:
     # by this parser (vLLM's --enable-auto-tool-choice --tool-call-parser NAME).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # `serve --dashboard`: the live view at /dashboard (server/dashboard.py).
+    dashboard: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
