@@ -166,9 +166,6 @@ def cmd_serve_ray(args: argparse.Namespace, engine_args: EngineArgs, config: Ser
         print(f"tokenmill serve-ray needs Ray Serve: pip install 'tokenmill[ray]' ({e})",
               file=sys.stderr)
         return 2
-    if engine_args.tensor_parallel_size != 1:
-        raise ValueError("serve-ray runs replicas of one engine process each; "
-                         "--tensor-parallel-size inside a replica is not supported")
     extra = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
     options = RayServeOptions(
         num_replicas=args.num_replicas, min_replicas=args.min_replicas,
@@ -228,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
-    add_serve_ray_parser(sub)
     add_worker_parser(sub)
+    add_serve_ray_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -296,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     editing.add_args(editing_parser)
     editing_parser.set_defaults(func=editing.main_editing)
+    # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
+    from tokenmill.sim import cli as sim_cli
+
+    sim_parser = sub.add_parser(
+        "simulate", help="predict throughput and latency: the real scheduler, a step-cost model")
+    sim_cli.add_args(sim_parser)
+    sim_parser.set_defaults(func=sim_cli.dispatch)
     return parser
 
 
