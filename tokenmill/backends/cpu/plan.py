@@ -164,6 +164,13 @@ class CpuPlan:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             cos=self.rotary.cos_cache, sin=self.rotary.sin_cache,
         )
+        # small_decode's conditions that hold for the whole model (csrc/small_decode.cpp).
+        first_layer = self.layers[0] if self.layers else None
+        self._small_ok = (
+            first_layer is not None and self.dtype == torch.bfloat16
+            and bool(self.ops.small_decode_supported())
+            and all(lay.qkv.n == first_layer.qkv.n and lay.gate_up.n == first_layer.gate_up.n
+                    and lay.gate_up.n % 32 == 0 for lay in self.layers))
         # A query row through a layer's projections (2 FLOPs a parameter at ~200
         # GFLOP/s a thread) against attention reading one context token's K and
         # V (at ~10 GB/s a thread): what split_bounds weighs a row against its context.
@@ -202,6 +209,10 @@ class CpuPlan:
         if self.all_reduce is not None:  # a shard: the loop that can all-reduce between kernels
             return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
                                      torch.autograd._profiler_enabled())
+        if output_rows is None and n <= SMALL_DECODE_MAX_ROWS:
+            small = self._small_call(hidden, positions, kv_caches, meta)
+            if small is not None:
+                return small
         if output_rows is None and n <= self.max_rows:  # (all rows where it samples all: decodes)
             split = self._split_call(hidden, positions, kv_caches, meta)
             if split is not None:
@@ -225,6 +236,22 @@ class CpuPlan:
     def _kernel_call(self, q: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata) -> KernelCall | None:
         return self.attention.kernel_call(q, kv_caches[0], meta) if self.layers else None
+
+    def _small_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode-only step of a few requests in one C++ parallel region, each
+        weight read once by one thread (csrc/small_decode.cpp); else None."""
+        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs
+                or meta.num_decodes != hidden.shape[0] or not self._small_ok
+                or torch.autograd._profiler_enabled()):
+            return None
+        call = self._kernel_call(hidden, kv_caches, meta)
+        if call is None:
+            return None
+        return self.ops.small_decode(
+            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+            query_req=call.query_req, threads=threads())
 
     def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor | None:
@@ -339,6 +366,9 @@ def threads() -> int:
 # of the weights for itself, which pays only once each weight serves enough
 # rows (docs/perf-notes.md).
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
+# Decode-only steps of up to this many requests run csrc/small_decode.cpp: there
+# a step is bound by reading the weights once (docs/perf-notes/i34b.md).
+SMALL_DECODE_MAX_ROWS = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
 
