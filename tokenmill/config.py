@@ -138,6 +138,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (vLLM's names): the model split over
+    `tensor_parallel_size` ranks, processes on `nnodes` machines that meet at
+    `master_addr:master_port` (torchrun's rendezvous flags). This process is
+    node 0 and rank 0 (the scheduler's); each other node runs `tokenmill worker`
+    with its `node_rank`. `master_port` None: a free port (one machine only)."""
+
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (each node runs as many ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs --master-port (the other nodes' workers meet there)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -185,3 +217,72 @@ class ServerConfig:
                              f"'_' and ':'; e.g. 'vllm:'), got {self.metrics_prefix!r}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Speculation turns itself off once this many requests run (vLLM's
+# disable_by_batch_size): a bigger step is compute-bound, and verifying drafts
+# then costs more than it saves (docs/perf-notes: the measurement behind it).
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, named as vLLM's `speculative_config`: `method`
+    "ngram" (prompt lookup: the last n tokens, prompt_lookup_min <= n <=
+    prompt_lookup_max, matched earlier in the prompt and output) or
+    "draft_model" (`model`: a smaller model with the target's vocabulary, in
+    any format tokenmill loads); `num_speculative_tokens` drafts per step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported; use "
+                             f"one of {SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, "
+                             f"got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model is for method 'draft_model'; "
+                                 "'ngram' needs no model")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's defaults: both 5 when neither is given, else the one given for both.
+            lo, hi = (lo or hi or 5), (hi or lo or 5)
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config.model is required for method 'draft_model' "
+                             "(a smaller model with the same tokenizer)")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
+        """From vLLM's dict / `--speculative-config` JSON (an unknown key is an error naming it)."""
+        if not isinstance(options, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(options).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        options = dict(options)
+        if options.get("method") is None:
+            options["method"] = "draft_model" if options.get("model") else "ngram"
+        return cls(**options)

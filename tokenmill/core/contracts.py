@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
 
+# A draft token the runner's drafter (a draft model) fills in before the forward.
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass
 class TokenLogprobs:
@@ -37,6 +40,9 @@ class ScheduledRequest:
     # hits included); None on later steps.
     prompt_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words
+    # Speculative decoding: the last num_draft_tokens of token_ids are drafts to
+    # verify (do_sample is then True: every one of their rows is sampled).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +77,10 @@ class ModelRunnerOutput:
     # Per sampled request, when it asked for prompt_logprobs and this step ends its
     # prefill: one entry per prompt token after the first.
     prompt_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # Speculative decoding, per sampled request (empty when no request verified
+    # drafts this step): the drafts it accepted, in order, each with the target's
+    # logprobs; they come before its sampled token (the last of the run).
+    accepted: list[list[TokenLogprobs]] = field(default_factory=list)
 
 
 @dataclass

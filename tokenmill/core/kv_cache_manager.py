@@ -92,12 +92,36 @@ class KVCacheManager:
         self.req_to_blocks[request.request_id] = blocks
 
         if self.enable_caching:
-            # Register the blocks that will be full of computed tokens after this step.
-            update_block_hashes(request, self.block_size)
-            num_full = min((num_computed + num_new_tokens) // self.block_size, len(blocks))
-            for i in range(num_full):
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+            # Register the blocks that will be full of computed tokens after this step;
+            # draft tokens (past num_tokens) are not the request's yet: never registered.
+            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first `num_tokens` tokens."""
+        update_block_hashes(request, self.block_size)
+        blocks = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(blocks), len(request.block_hashes))
+        for i in range(num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+
+    def rollback(self, request: Request) -> None:
+        """Speculative decoding: the scheduler has lowered `num_computed_tokens`
+        past rejected drafts. Blocks that held only rejected slots go back to the
+        pool (tail first). (Registered blocks never hold drafts, see
+        allocate_slots, so none is freed with a hash.)"""
+        blocks = self.req_to_blocks[request.request_id]
+        num_keep = self.blocks_needed(request.num_computed_tokens)
+        if len(blocks) > num_keep:
+            self.pool.free_blocks(reversed(blocks[num_keep:]))
+            del blocks[num_keep:]
+
+    def cache_accepted(self, request: Request) -> None:
+        """Speculative decoding: accepted drafts were appended to the request's
+        tokens; full blocks of them become prefix-cache entries, as if they had
+        been decoded one at a time."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so that its tail is evicted

@@ -12,12 +12,21 @@ When the KV pool runs short, the running request the queue's order puts last
 is preempted: its blocks are freed and it goes back to the waiting queue, to be
 recomputed later (its full blocks usually come back as prefix-cache hits).
 
+Speculative decoding goes through the same rule: a decoding request with k
+draft tokens (`Request.spec_token_ids`, proposed by the engine between steps)
+asks for 1 + k tokens, its KV slots cover them, and the runner verifies them
+in the same forward as everything else. After the step the rejected drafts are
+rolled back (num_computed_tokens lowered, their blocks freed). Drafts are
+dropped before anything is preempted for them: speculation is an option, a
+running request's next token is not.
+
 Static batching, the classic baseline, is a subclass (static_scheduler.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.contracts import (
@@ -41,6 +50,29 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int  # of those, tokens found (cumulative)
     num_preemptions: int  # cumulative
+    spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counters (cumulative), as vLLM's spec_decode_* metrics."""
+
+    num_spec_tokens: int  # drafts per step at most (num_speculative_tokens)
+    num_drafts: int = 0  # verifications: (request, step) pairs that had drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
 
 
 class Scheduler:
@@ -50,6 +82,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -63,6 +96,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Speculative decoding (num_spec_tokens > 0): what was drafted and accepted.
+        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
 
     @property
     def waiting(self) -> list[Request]:
@@ -112,6 +147,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_new_by_req: dict[str, int] = {}
+        drafts_by_req: dict[str, list[int]] = {}  # speculative decoding
         preempted: list[str] = []
 
         # 1. Running requests, in admission order.
@@ -121,9 +157,17 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget)
+            request.spec_token_ids = []  # used now or never: the engine proposes anew
+            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)) is not None:
+                num_new_by_req[request.request_id] = 1 + len(drafts)
+                drafts_by_req[request.request_id] = drafts
+                budget -= 1 + len(drafts)
+                continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 budget += num_new_by_req.pop(victim.request_id, 0)
+                drafts_by_req.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -144,16 +188,19 @@ class Scheduler:
             if request.request_id not in num_new_by_req:
                 continue
             num_new = num_new_by_req[request.request_id]
+            drafts = drafts_by_req.get(request.request_id, [])
             start = request.num_computed_tokens
+            num_real = num_new - len(drafts)
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + num_new],
+                    token_ids=request.all_token_ids[start : start + num_real] + drafts,
                     num_computed_tokens=start,
                     block_ids=self.kv.block_ids(request.request_id),
                     sampling_params=request.sampling_params,
                     bad_words_token_ids=request.bad_words_token_ids,
-                    do_sample=start + num_new == request.num_tokens,
+                    num_draft_tokens=len(drafts),
+                    do_sample=start + num_real == request.num_tokens,
                     prompt_token_ids=(
                         request.prompt_token_ids if request.request_id in admitted else None
                     ),
@@ -168,6 +215,19 @@ class Scheduler:
         )
         self.finished_req_ids = []
         return out
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: its proposed ones, as
+        many as the budget leaves room for beside its own token, and none that
+        could only run past max_tokens or the context (a run ends there anyway)."""
+        drafts = request.spec_token_ids
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(budget, self.max_model_len - request.num_tokens) - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
 
     def _running_to_schedule(self) -> list[Request]:
         """The running requests to give budget to, in admission order (a copy:
@@ -234,22 +294,37 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stop conditions, free finished requests."""
         outputs: list[EngineCoreOutput] = []
+        num_drafts_by_req = {
+            r.request_id: r.num_draft_tokens for r in scheduler_output.scheduled if r.num_draft_tokens
+        }
         for k, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            num_drafts = num_drafts_by_req.get(request_id, 0)
+            if num_drafts:
+                self._roll_back(request, num_drafts, len(runner_output.accepted[k]))
             out = self._append_sampled(request, runner_output, k)
             if out is not None:
                 outputs.append(out)
         return outputs
 
+    def _roll_back(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Drafts past the accepted ones were computed for nothing: their slots
+        are not the request's any more (the next step writes its new token where
+        the first rejected draft was)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.kv.rollback(request)
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_drafts, num_accepted)
+
     def _append_sampled(
         self, request: Request, runner_output: ModelRunnerOutput, k: int
     ) -> EngineCoreOutput | None:
-        """Append the request's sampled token (runner_output's k-th); its output,
-        if it has one to give out now."""
+        """Append the request's sampled token (runner_output's k-th), after the
+        drafts it accepted; its output, if it has one to give out now. A stop
+        (EOS, a stop token, max_tokens) inside an accepted run cuts the run there."""
         token_id = runner_output.sampled_token_ids[k]
-        request.append_token(token_id)
         top = runner_output.top_logprobs[k] if runner_output.top_logprobs else None
         ranks = runner_output.sampled_token_ranks
         out = EngineCoreOutput(
@@ -264,6 +339,30 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
         )
+        if runner_output.accepted and runner_output.accepted[k]:
+            run = [*runner_output.accepted[k], None]  # None: the sampled token
+            out.new_token_ids, out.new_logprobs, out.new_top_logprobs = [], [], []
+            out.new_token_ranks = []
+            for entry in run:
+                if entry is None:
+                    out.new_token_ids.append(token_id)
+                    out.new_logprobs.append(runner_output.logprobs[k])
+                    out.new_top_logprobs.append(top)
+                    if ranks:
+                        out.new_token_ranks.append(ranks[k])
+                else:
+                    out.new_token_ids.append(entry.token_id)
+                    out.new_logprobs.append(entry.logprob)
+                    out.new_top_logprobs.append(entry.top if top is not None else None)
+                    if ranks:
+                        out.new_token_ranks.append(entry.rank)
+                request.append_token(out.new_token_ids[-1])
+                status = request.check_stop(self.max_model_len)
+                if status is not None:
+                    break
+            self.kv.cache_accepted(request)
+            return out if status is None else self._stop(request, status, out)
+        request.append_token(token_id)
         status = request.check_stop(self.max_model_len)
         if status is None:
             return out
@@ -290,6 +389,10 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=dataclasses.replace(
+                self.spec_stats,
+                num_accepted_tokens_per_pos=list(self.spec_stats.num_accepted_tokens_per_pos),
+            ) if self.spec_stats is not None else None,
         )
 
     def check_integrity(self) -> None:

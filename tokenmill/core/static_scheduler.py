@@ -157,8 +157,14 @@ def make_scheduler(
     cache_config: CacheConfig,
     num_blocks: int,
     max_model_len: int,
+    num_spec_tokens: int = 0,
 ) -> Scheduler:
-    """The scheduler for `scheduler_config.policy`: static batching is its own class;
-    FCFS and priority differ only in the Scheduler's request queue."""
-    cls = StaticBatchScheduler if scheduler_config.policy == "static" else Scheduler
-    return cls(scheduler_config, cache_config, num_blocks, max_model_len)
+    """The scheduler for `scheduler_config.policy`: static batching is its own class
+    (without speculative decoding: it is the baseline); FCFS and priority differ
+    only in the Scheduler's request queue."""
+    if scheduler_config.policy == "static":
+        if num_spec_tokens:
+            raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
+                             "(the static-batching baseline); use 'fcfs' or 'priority'")
+        return StaticBatchScheduler(scheduler_config, cache_config, num_blocks, max_model_len)
+    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, num_spec_tokens)

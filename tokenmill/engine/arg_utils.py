@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.config import (
     CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
@@ -17,7 +19,9 @@ from tokenmill.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from tokenmill.engine.generation_config import check_generation_config
 
@@ -41,6 +45,14 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
+    # vLLM's speculative_config dict (config.SpeculativeConfig's fields); None: off.
+    speculative_config: dict[str, Any] | None = None
+    # Tensor parallelism (config.ParallelConfig; vLLM's names).
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -64,6 +76,20 @@ class EngineArgs:
                 max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget,
                 policy=self.scheduling_policy,
             ),
+        )
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding config, or None (ValueError naming a bad field)."""
+        if self.speculative_config is None:
+            return None
+        if self.scheduling_policy == "static":
+            raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
+                             "(the static-batching baseline); use 'fcfs' or 'priority'")
+        return SpeculativeConfig.from_dict(self.speculative_config)
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, master_addr=self.master_addr,
+            master_port=self.master_port, nnodes=self.nnodes, node_rank=self.node_rank,
         )
 
     def with_serve_defaults(self) -> EngineArgs:
@@ -104,12 +130,40 @@ class EngineArgs:
             "--generation-config", default="auto",
             help="sampling defaults for what a request leaves unset: 'auto' (the model's "
                  "generation config), 'vllm' (none) or a folder with a generation_config.json")
+        parser.add_argument(
+            "--speculative-config", type=_json_object, default=None,
+            help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                 '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
+                 '"model": PATH, "num_speculative_tokens": 4}; "disable_by_batch_size": N turns '
+                 'it off above N running requests')
+        add_parallel_args(parser)
+        parser.add_argument("--node-rank", type=int, default=0,
+                            help="this machine's place among --nnodes (0: the one that schedules)")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options parsed by a parser that add_cli_args filled."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag's value (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism's flags (vLLM's; the rendezvous ones as torchrun's)."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many processes (ranks; gloo on the CPU)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="address of node 0, where the ranks meet")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port on node 0 where the ranks meet (default: a free one; "
+                             "needed with --nnodes > 1)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="machines the ranks run on (each other one runs `tokenmill worker`)")
 
 
 def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:

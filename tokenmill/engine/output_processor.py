@@ -20,6 +20,7 @@ map between a parent and its children: everyone else asks it
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -166,7 +167,7 @@ class OutputProcessor:
             state = self.states.get(core.request_id)
             if state is None:
                 continue
-            if state.finish_reason is None and self._apply(state, core, now):
+            if state.finish_reason is None and self._apply_each(state, core, now):
                 stopped_by_string.append(core.request_id)
             if core.finished:
                 # A stop string may have finished it earlier (static batching reports later).
@@ -194,6 +195,28 @@ class OutputProcessor:
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
         return results, stopped_by_string
+
+    def _apply_each(self, state: RequestState, core: EngineCoreOutput, now: float) -> bool:
+        """_apply, a token at a time where stop strings apply to several new tokens
+        (speculative decoding's accepted runs), so a stop string cuts the run at the
+        token that completes it, as decoding one at a time would."""
+        n = len(core.new_token_ids)
+        if n <= 1 or not state.params.stop or state.detokenizer is None:
+            return self._apply(state, core, now)
+        for i in range(n):
+            part = dataclasses.replace(
+                core,
+                new_token_ids=core.new_token_ids[i : i + 1],
+                new_logprobs=core.new_logprobs[i : i + 1],
+                new_top_logprobs=core.new_top_logprobs[i : i + 1],
+                new_token_ranks=core.new_token_ranks[i : i + 1],
+                prompt_logprobs=core.prompt_logprobs if i == 0 else None,
+                finish_reason=core.finish_reason if i == n - 1 else None,
+                stop_reason=core.stop_reason if i == n - 1 else None,
+            )
+            if self._apply(state, part, now):
+                return True
+        return False
 
     def _apply(self, state: RequestState, core: EngineCoreOutput, now: float) -> bool:
         """Fold in new tokens; True when a stop string finished the request."""

@@ -5,6 +5,12 @@ generator: see request_state.py), builds the ragged batch (decodes first,
 then prefill chunks; no padding), runs the model, computes logits only for
 the rows that sample (and the prompt rows of requests that asked for
 prompt_logprobs), and samples.
+
+Speculative decoding: a request with drafts is a short prefill-like chunk (its
+new token, then the drafts); each of its rows is sampled, and the drafts are
+accepted while they equal what the target sampled at the row before
+(verify_drafts). A draft model (`Drafter`, worker/drafter.py) fills its drafts
+in before the forward.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from tokenmill.backends.cpu.memory import mapped_zeros
 from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelSpec
 from tokenmill.core.contracts import (
+    DRAFT_PLACEHOLDER,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -28,6 +35,7 @@ from tokenmill.core.contracts import (
 )
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
 from tokenmill.worker.grammar import GrammarMask, RequestGrammar
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
@@ -88,8 +96,10 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
+        self.drafter = drafter  # speculative decoding with a draft model
         # Chosen once: the CPU plan or the reference model, for every step.
         self.forward, how = pick_forward(model, dtype, device)
         logger.info("forward: %s", how)
@@ -127,18 +137,30 @@ class ModelRunner:
         # Decodes first: the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1)
         states = [self._state(r) for r in reqs]
+        if self.drafter is not None:
+            for request_id in scheduler_output.preempted_req_ids:
+                self.drafter.forget(request_id)
+            for request_id in scheduler_output.finished_req_ids:
+                self.drafter.forget(request_id)
+            to_draft = [r for r in reqs
+                        if r.num_draft_tokens and r.token_ids[-1] == DRAFT_PLACEHOLDER]
+            if to_draft:
+                with self.timer.phase(StepPhase.FORWARD):
+                    self.drafter.propose(to_draft)
         with self.timer.phase(StepPhase.PREPARE_INPUTS):
             input_ids, positions, meta = self._prepare_inputs(reqs)
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
-        rows = torch.tensor([meta.query_start_loc[j + 1] - 1 for j in sample], dtype=torch.int64,
-                            device=self.device)
+        # A request's sampled rows: its last, and one before each of its drafts.
+        row_list = [row for j in sample for row in range(
+            meta.query_start_loc[j + 1] - 1 - reqs[j].num_draft_tokens, meta.query_start_loc[j + 1])]
+        rows = torch.tensor(row_list, dtype=torch.int64, device=self.device)
         # Only the sampled rows' last hidden states are used, unless a request
         # wants its prompt's logprobs (every row of its chunk): then all rows.
         wants_prompt_logprobs = [
             j for j, (r, state) in enumerate(zip(reqs, states, strict=True))
             if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
         ]
-        all_rows = bool(wants_prompt_logprobs) or len(sample) == input_ids.shape[0]  # (decodes)
+        all_rows = bool(wants_prompt_logprobs) or len(row_list) == input_ids.shape[0]  # (decodes)
         with self.timer.phase(StepPhase.FORWARD):
             hidden = self.forward(input_ids, positions, self.kv_caches, meta,
                                 output_rows=None if all_rows else rows)
@@ -150,17 +172,37 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
         if wants_prompt_logprobs:
             hidden = hidden[rows]
-        # (Else with all rows, every request is sampled and has one row: rows is 0..n-1,
-        # and the hidden states are already the sampled ones, in order.)
+        # (Else with all rows, every row is sampled: rows is 0..n-1, and the hidden
+        # states are already the sampled ones, in order.)
         with self.timer.phase(StepPhase.HEAD, label=False):  # (compute_logits labels itself)
             logits = self.forward.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
+        num_drafts = [reqs[j].num_draft_tokens for j in sample]
+        row_states = sample_states
+        if any(num_drafts):
+            row_states = [row for j in sample for row in speculative_row_states(
+                states[j], reqs[j].token_ids[len(reqs[j].token_ids) - reqs[j].num_draft_tokens :])]
+            # A seeded request's generator goes back to here and on by one draw per token
+            # it keeps, so its tokens are those of decoding one at a time.
+            rewind = {k: g.get_state() for k, state in enumerate(sample_states)
+                      if num_drafts[k] and (g := state.generator) is not None
+                      and not state.params.greedy}
         with self.timer.phase(StepPhase.SAMPLE):
             # Grammar masks first: everything the sampler does sees the masked logits.
-            self.grammar_mask.apply(logits, [s.grammar for s in sample_states])
-            out = self.sampler(logits, sample_states, self.eos_token_ids)
+            self.grammar_mask.apply(logits, [s.grammar for s in row_states])
+            out = self.sampler(logits, row_states, self.eos_token_ids)
+        accepted: list[list[TokenLogprobs]] = []
+        if any(num_drafts):
+            out, accepted = verify_drafts(out, [reqs[j] for j in sample])
+            for k, saved in rewind.items():
+                generator = sample_states[k].generator
+                assert generator is not None
+                generator.set_state(saved)
+                torch.rand(len(accepted[k]) + 1, device=self.device, generator=generator)
         prompt_logprobs: list[list[TokenLogprobs] | None] = []
-        for state, token_id in zip(sample_states, out.token_ids, strict=True):
+        for k, (state, token_id) in enumerate(zip(sample_states, out.token_ids, strict=True)):
+            for entry in accepted[k] if accepted else ():
+                state.append_output(entry.token_id)
             state.append_output(token_id)
             entries = None
             if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
@@ -174,6 +216,7 @@ class ModelRunner:
             top_logprobs=out.top_logprobs,
             sampled_token_ranks=out.ranks,
             prompt_logprobs=prompt_logprobs,
+            accepted=accepted,
         )
 
     def _state(self, r: ScheduledRequest) -> CachedRequestState:
