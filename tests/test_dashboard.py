@@ -127,6 +127,7 @@ def test_snapshots_report_every_step_event(engine: AsyncEngine) -> None:
             kinds.add(r["kind"])
             assert r["kind"] in ("prefill", "decode")
             assert r["computed"] + r["tokens"] <= r["total"]
+            assert r["max_tokens"] == 40 and 0 <= r["output"] < 40
             if r["kind"] == "decode":
                 assert r["tokens"] == 1 and r["computed"] >= r["prompt"]
     assert kinds == {"prefill", "decode"}
