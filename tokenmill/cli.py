@@ -8,8 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES
-from tokenmill.engine.arg_utils import EngineArgs  # (light: no torch)
+from tokenmill.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from tokenmill.engine.arg_utils import EngineArgs, add_parallel_args  # (light: no torch)
 from tokenmill.engine.openmp_wait import POLICIES, apply_openmp_wait_policy
 
 
@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        dashboard=args.dashboard,
     )
     from tokenmill.server.tools import check_tool_call_parser
 
@@ -78,13 +79,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
     engine_args.create_speculative_config()
+    if args.command == "serve-ray":
+        return cmd_serve_ray(args, engine_args, config)
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
     engine = AsyncEngine(lambda: LLMEngine.from_engine_args(engine_args))
     return run_server(engine, config, args.graceful_shutdown_timeout)
 
 
-def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+def add_serve_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str = "serve",
+    help: str = "the OpenAI-compatible HTTP server",
+) -> argparse.ArgumentParser:
+    serve = sub.add_parser(name, help=help)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model (same as --model)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -117,9 +123,58 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="how the model writes tool calls: hermes or llama3_json")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="serve a live view of the batch, the queue and the KV cache at /dashboard")
     EngineArgs.add_cli_args(serve)
     add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)
+    return serve
+
+
+# ---- `tokenmill serve-ray`: the same server as replicas on Ray Serve (serve_ray/) -----
+
+def add_serve_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`serve`'s options (each replica's engine and app take them), and the replicas'."""
+    parser = add_serve_parser(
+        sub, "serve-ray", "`serve` as replicas on Ray Serve, with prefix-aware routing "
+        "(pip install 'tokenmill[ray]')")
+    ray_opts = parser.add_argument_group("Ray Serve")
+    ray_opts.add_argument("--num-replicas", type=int, default=1)
+    ray_opts.add_argument("--min-replicas", type=int, default=None,
+                          help="autoscaling: the fewest replicas (with --max-replicas)")
+    ray_opts.add_argument("--max-replicas", type=int, default=None,
+                          help="autoscaling: the most replicas (replaces --num-replicas)")
+    ray_opts.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                          help="autoscaling: requests in flight per replica to aim at")
+    ray_opts.add_argument("--num-cpus-per-replica", type=float, default=None,
+                          help="Ray CPUs (and engine threads) per replica (default: the "
+                               "cluster's CPUs / the (max) replicas)")
+    ray_opts.add_argument("--router", choices=["prefix", "round_robin"], default="prefix",
+                          help="prefix: requests sharing a prompt prefix go to one replica")
+    ray_opts.add_argument("--max-imbalance", type=int, default=None,
+                          help="prefix routing: requests in flight a replica may have above "
+                               "the least loaded one and still be chosen for its prefix")
+    ray_opts.add_argument("--ray-address", default=None,
+                          help="an existing Ray cluster ('auto' or HOST:PORT; default: "
+                               "start one on this machine)")
+
+
+def cmd_serve_ray(args: argparse.Namespace, engine_args: EngineArgs, config: ServerConfig) -> int:
+    try:
+        from tokenmill.serve_ray.app import RayServeOptions
+        from tokenmill.serve_ray.run import run_serve_ray
+    except ImportError as e:
+        print(f"tokenmill serve-ray needs Ray Serve: pip install 'tokenmill[ray]' ({e})",
+              file=sys.stderr)
+        return 2
+    extra = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
+    options = RayServeOptions(
+        num_replicas=args.num_replicas, min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+        num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout, **extra,
+    )
+    return run_serve_ray(engine_args, config, options, args.ray_address)
 
 
 def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +183,30 @@ def add_openmp_wait_arg(parser: argparse.ArgumentParser) -> None:
         help="what OpenMP threads do between parallel regions (engine/openmp_wait.py); "
         "default: OMP_WAIT_POLICY / GOMP_SPINCOUNT from the environment, else short-spin (GOMP_SPINCOUNT=1000)",
     )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tokenmill.config import ParallelConfig
+    from tokenmill.distributed.launch import run_node
+
+    config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, master_addr=args.master_addr,
+                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank)
+    if config.node_rank == 0:
+        raise ValueError("--node-rank 0 is the engine's node: run `tokenmill serve` there")
+    assert config.master_port is not None  # (nnodes > 1 requires it)
+    return run_node(config.tensor_parallel_size, config.nnodes, config.node_rank,
+                    config.master_addr, config.master_port)
+
+
+def add_worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tokenmill worker`: another machine's tensor-parallel ranks (node 0 runs
+    `tokenmill serve` with the same --tensor-parallel-size/--nnodes/--master-*)."""
+    worker = sub.add_parser("worker", help="run this machine's tensor-parallel ranks for a "
+                                           "`tokenmill serve` on another machine (node 0)")
+    add_parallel_args(worker)
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's place (1..nnodes-1)")
+    add_openmp_wait_arg(worker)
+    worker.set_defaults(func=cmd_worker)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
+    add_worker_parser(sub)
+    add_serve_ray_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -200,6 +281,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eval_bench.add_args(eval_parser)
     eval_parser.set_defaults(func=eval_bench.main_eval)
+    from tokenmill.bench import editing, interactive
+
+    interactive_parser = bench_sub.add_parser(
+        "interactive", help="interactive-1: 1 and 4 streams, a long prompt, one core busy; "
+                            "beside vLLM-CPU and llama.cpp"
+    )
+    interactive.add_args(interactive_parser)
+    interactive_parser.set_defaults(func=interactive.main_interactive)
+    editing_parser = bench_sub.add_parser(
+        "editing", help="copy / lightly correct passages, streamed, with and without speculation"
+    )
+    editing.add_args(editing_parser)
+    editing_parser.set_defaults(func=editing.main_editing)
+    # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
+    from tokenmill.sim import cli as sim_cli
+
+    sim_parser = sub.add_parser(
+        "simulate", help="predict throughput and latency: the real scheduler, a step-cost model")
+    sim_cli.add_args(sim_parser)
+    sim_parser.set_defaults(func=sim_cli.dispatch)
     return parser
 
 

@@ -138,6 +138,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (vLLM's names): the model split over
+    `tensor_parallel_size` ranks, processes on `nnodes` machines that meet at
+    `master_addr:master_port` (torchrun's rendezvous flags). This process is
+    node 0 and rank 0 (the scheduler's); each other node runs `tokenmill worker`
+    with its `node_rank`. `master_port` None: a free port (one machine only)."""
+
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (each node runs as many ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs --master-port (the other nodes' workers meet there)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -163,6 +195,8 @@ class ServerConfig:
     # by this parser (vLLM's --enable-auto-tool-choice --tool-call-parser NAME).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # `serve --dashboard`: the live view at /dashboard (server/dashboard.py).
+    dashboard: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

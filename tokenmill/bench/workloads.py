@@ -38,3 +38,29 @@ def chat_prefix(num_requests: int = 128, system_len: int = 512, unique_len: int 
     system = rng.integers(100, 49000, size=system_len).tolist()
     tails = rng.integers(100, 49000, size=(num_requests, unique_len)).tolist()
     return Workload("chat-prefix", [system + t for t in tails], [output_len] * num_requests)
+
+
+@dataclass(frozen=True)
+class Interactive1:
+    """interactive-1's prompts: each phase its own throughput-A prompts, so no
+    prompt is sent twice (a prefix cache never helps a later phase)."""
+
+    warmup: list[int]
+    one: list[list[int]]  # the 1-stream phase, in order
+    four: list[list[int]]  # the 4-stream phase, stream s sends four[s::4]
+    long: list[list[int]]  # 2,048-token prompts, each sent alone with max_tokens 1
+    busy: list[list[int]]  # the 4-stream phase with one core busy, one request a stream
+
+
+def interactive_1(requests_one: int = 3, requests_four: int = 2, long_len: int = 2048,
+                  num_long: int = 2) -> Interactive1:
+    """throughput-A's prompts in order: 1 stream, then 4 streams, then the busy
+    phase; the warm-up is the last prompt's first 16 tokens. Long prompts from
+    default_rng(4).integers(100, 49000, size=(num_long, long_len))."""
+    prompts = throughput_a(128).prompts
+    a, b = requests_one, requests_one + 4 * requests_four
+    if b + 4 >= len(prompts):
+        raise ValueError(f"interactive-1 has {len(prompts) - 1} prompts; asked for {b + 4}")
+    long = np.random.default_rng(4).integers(100, 49000, size=(num_long, long_len)).tolist()
+    return Interactive1(warmup=prompts[-1][:16], one=prompts[:a], four=prompts[a:b],
+                        long=long, busy=prompts[b:b + 4])

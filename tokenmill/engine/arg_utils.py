@@ -19,6 +19,7 @@ from tokenmill.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -46,6 +47,12 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
     # vLLM's speculative_config dict (config.SpeculativeConfig's fields); None: off.
     speculative_config: dict[str, Any] | None = None
+    # Tensor parallelism (config.ParallelConfig; vLLM's names).
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -79,6 +86,11 @@ class EngineArgs:
             raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
         return SpeculativeConfig.from_dict(self.speculative_config)
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, master_addr=self.master_addr,
+            master_port=self.master_port, nnodes=self.nnodes, node_rank=self.node_rank,
+        )
 
     def with_serve_defaults(self) -> EngineArgs:
         """These options with the server's defaults where none was given: on the CPU
@@ -124,6 +136,9 @@ class EngineArgs:
                  '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
                  '"model": PATH, "num_speculative_tokens": 4}; "disable_by_batch_size": N turns '
                  'it off above N running requests')
+        add_parallel_args(parser)
+        parser.add_argument("--node-rank", type=int, default=0,
+                            help="this machine's place among --nnodes (0: the one that schedules)")
         return parser
 
     @classmethod
@@ -138,6 +153,17 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {text!r}")
     return value
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism's flags (vLLM's; the rendezvous ones as torchrun's)."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many processes (ranks; gloo on the CPU)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="address of node 0, where the ranks meet")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port on node 0 where the ranks meet (default: a free one; "
+                             "needed with --nnodes > 1)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="machines the ranks run on (each other one runs `tokenmill worker`)")
 
 
 def serve_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:

@@ -33,8 +33,10 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.core.contracts import SchedulerOutput
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.engine.iteration_stats import FinishedRequestStats, IterationStats
+from tokenmill.engine.live_view import LiveView, take_snapshot
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -133,6 +135,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._num_pending = 0  # adds in the inbox, not yet in the scheduler
         self._stat_loggers: list[StatLogger] = []
+        # The dashboard's feed (engine/live_view.py): snapshots only while subscribed.
+        self.live_view = LiveView()
         self._dead_reason: str | None = None
         self._state = _Loop()  # engine thread only
         built = threading.Event()
@@ -339,6 +343,8 @@ class AsyncEngine:
             return False
         if self.engine.has_unfinished_requests():
             self._step(stats)
+        elif self.live_view.watched:
+            self._watch(None)  # idle: the view shows an empty batch
         stats.scheduler_stats = self._stats = self.engine.stats()
         self._log(stats)
         return True
@@ -387,6 +393,8 @@ class AsyncEngine:
             scheduled = self.engine.schedule()
             # Published before the model runs: a long step shows its requests as running.
             self._stats = self.engine.stats()
+            if self.live_view.watched:  # (unwatched, this read is all the view costs)
+                self._watch(scheduled.scheduler_output)
             result = self.engine.execute(scheduled)
         except Exception:
             logger.exception(
@@ -425,6 +433,25 @@ class AsyncEngine:
                 stats.finished.append(_finished(tracker, reason, now))
                 del state.streams[out.request_id], state.trackers[out.request_id]
             stream.put(out)
+        if self.live_view.watched:
+            self.live_view.note_step(
+                scheduled.scheduler_output, now - start, len(stats.finished),
+                stats.time_to_first_tokens_s, stats.inter_token_latencies_s,
+            )
+
+    def _watch(self, scheduler_output: SchedulerOutput | None) -> None:
+        """Feed the live view (only called while someone watches): preemptions
+        always, a snapshot of the step about to run when one is due. A fault here
+        is logged and never fails the step."""
+        live = self.live_view
+        now = time.monotonic()
+        try:
+            if scheduler_output is not None and scheduler_output.preempted_req_ids:
+                live.note_preemptions(scheduler_output.preempted_req_ids, now)
+            if live.due(now):
+                live.publish(take_snapshot(self.engine.scheduler, scheduler_output, now), now)
+        except Exception:
+            logger.exception("the live view's snapshot failed")
 
     def _fail_all(self, error: BaseException) -> None:
         state = self._state

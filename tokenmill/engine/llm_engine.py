@@ -12,11 +12,18 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from tokenmill.config import CacheConfig, ModelConfig, ModelSpec, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import (
+    CacheConfig,
+    ModelConfig,
+    ModelSpec,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenmill.core.contracts import DRAFT_PLACEHOLDER, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
@@ -26,6 +33,7 @@ from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
 from tokenmill.engine.structured import GrammarCompiler
+from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import RequestOutput
@@ -35,6 +43,9 @@ from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.step_timer import StepPhase
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("tokenmill")
 
@@ -74,7 +85,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, check_integrity: bool = False) -> LLMEngine:
         return cls(*engine_args.create_engine_configs(), check_integrity=check_integrity,
-                   speculative_config=engine_args.create_speculative_config())
+                   speculative_config=engine_args.create_speculative_config(),
+                   parallel_config=engine_args.create_parallel_config())
 
     def __init__(
         self,
@@ -83,6 +95,7 @@ class LLMEngine:
         scheduler_config: SchedulerConfig,
         check_integrity: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.speculative_config = speculative_config
@@ -95,7 +108,23 @@ class LLMEngine:
         torch.manual_seed(model_config.seed)
 
         self.source: ModelSource = resolve_model_source(model_config.model)
-        model, spec = load_model(model_config, self.source)
+        # Tensor parallelism: the other ranks start (and load) while this one loads.
+        self.parallel_config = parallel_config or ParallelConfig()
+        self.tp: TensorParallel | None = None
+        if self.parallel_config.tensor_parallel_size > 1:
+            from tokenmill.distributed.tensor_parallel import TensorParallel
+
+            self.tp = TensorParallel(self.parallel_config, model_config)
+        try:
+            model, spec = load_model(model_config, self.source)
+            self._init_rest(model, spec)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_rest(self, model: LlamaForCausalLM, spec: ModelSpec) -> None:
+        model_config, cache_config = self.model_config, self.cache_config
+        scheduler_config = self.scheduler_config
         self.spec: ModelSpec = spec
         self.dtype: torch.dtype = next(model.parameters()).dtype
         # What a request leaves unset takes these (vLLM's get_diff_sampling_param).
@@ -117,11 +146,20 @@ class LLMEngine:
                 f"max_model_len={max_model_len} is longer than the model's "
                 f"{spec.max_position_embeddings} positions; lower it"
             )
-        num_blocks = num_kv_blocks(spec, self.dtype, cache_config, self.device)
+        if self.tp is not None:  # this rank's shard: its heads, its share of the vocabulary
+            model = self.tp.shard(model)
+            cache_config = self.tp.cache_config(cache_config)
+        # (model.spec: the shard's heads, for the KV cache; the vocabulary whole.)
+        num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
+        if self.tp is not None:
+            self.tp.start(num_blocks, cache_config.block_size)
         self.runner = ModelRunner(
-            model, spec, num_blocks, cache_config.block_size, self.dtype, self.device,
+            model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids,
         )
+        if self.tp is not None:  # every forward goes to the other ranks too
+            self.runner.forward = self.tp.driver(self.runner.forward)
+        speculative_config = self.speculative_config
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
                                         num_spec_tokens)
@@ -384,3 +422,8 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (a no-op otherwise; idempotent)."""
+        if self.tp is not None:
+            self.tp.shutdown()

@@ -15,6 +15,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.chat import chat_prompt, create_chat_completion
 from tokenmill.server.completions import create_completion
+from tokenmill.server.dashboard import build_dashboard_router
 from tokenmill.server.errors import (
     APIError,
     describe_validation_error,
@@ -113,6 +114,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                                          max_model_len=engine.max_model_len)])
 
     app.include_router(v1)
+    if server_config.dashboard:  # `serve --dashboard`: /dashboard and its event feed
+        app.include_router(build_dashboard_router(engine, model_name))
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -28,7 +28,7 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp",
-                                      "layer_stack.cpp", "bindings.cpp")]
+                                      "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
@@ -119,6 +119,14 @@ class CpuOps(Protocol):
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_req: torch.Tensor,
                     bounds: list[int]) -> torch.Tensor: ...
+
+    def small_decode(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                     seq_lens: torch.Tensor, query_req: torch.Tensor, threads: int) -> torch.Tensor: ...
+
+    def small_decode_supported(self) -> bool: ...
+
+    def small_decode_spin(self, rounds: int) -> int: ...
 
     def kv_prefetch_rows(self, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                          query_req: torch.Tensor, window: int) -> torch.Tensor: ...

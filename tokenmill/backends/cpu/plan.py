@@ -19,6 +19,10 @@ through the layers, the same bits each (every kernel computes a row alone):
 The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu),
 and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
+
+A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
+runs the Python loop, with the all-reduce after each of those two GEMMs: the
+one-call paths have no place between their kernels for it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tokenmill.backends.cpu.kernels import CpuOps
 from tokenmill.backends.cpu.memory import pack_weight
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.model.parallel import AllReduce, RowParallelLinear
 
 _NO_BIAS = torch.empty(0)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
@@ -113,6 +118,7 @@ class CpuPlan:
         self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self.layers: list[_Layer] = []
+        self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
         self._pack()
 
     @classmethod
@@ -132,6 +138,8 @@ class CpuPlan:
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
+            if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
+                self.all_reduce = a.o_proj.all_reduce
             self.layers.append(_Layer(
                 layer.input_layernorm.weight.detach(), _proj(a.qkv_proj), _proj(a.o_proj),
                 layer.post_attention_layernorm.weight.detach(), _proj(mlp.gate_up_proj),
@@ -156,6 +164,13 @@ class CpuPlan:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             cos=self.rotary.cos_cache, sin=self.rotary.sin_cache,
         )
+        # small_decode's conditions that hold for the whole model (csrc/small_decode.cpp).
+        first_layer = self.layers[0] if self.layers else None
+        self._small_ok = (
+            first_layer is not None and self.dtype == torch.bfloat16
+            and bool(self.ops.small_decode_supported())
+            and all(lay.qkv.n == first_layer.qkv.n and lay.gate_up.n == first_layer.gate_up.n
+                    and lay.gate_up.n % 32 == 0 for lay in self.layers))
         # A query row through a layer's projections (2 FLOPs a parameter at ~200
         # GFLOP/s a thread) against attention reading one context token's K and
         # V (at ~10 GB/s a thread): what split_bounds weighs a row against its context.
@@ -191,6 +206,13 @@ class CpuPlan:
             self._pack()
         hidden = self.model.model.embed_tokens(input_ids)
         n = hidden.shape[0]
+        if self.all_reduce is not None:  # a shard: the loop that can all-reduce between kernels
+            return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
+                                     torch.autograd._profiler_enabled())
+        if output_rows is None and n <= SMALL_DECODE_MAX_ROWS:
+            small = self._small_call(hidden, positions, kv_caches, meta)
+            if small is not None:
+                return small
         if output_rows is None and n <= self.max_rows:  # (all rows where it samples all: decodes)
             split = self._split_call(hidden, positions, kv_caches, meta)
             if split is not None:
@@ -214,6 +236,22 @@ class CpuPlan:
     def _kernel_call(self, q: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata) -> KernelCall | None:
         return self.attention.kernel_call(q, kv_caches[0], meta) if self.layers else None
+
+    def _small_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode-only step of a few requests in one C++ parallel region, each
+        weight read once by one thread (csrc/small_decode.cpp); else None."""
+        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs
+                or meta.num_decodes != hidden.shape[0] or not self._small_ok
+                or torch.autograd._profiler_enabled()):
+            return None
+        call = self._kernel_call(hidden, kv_caches, meta)
+        if call is None:
+            return None
+        return self.ops.small_decode(
+            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+            query_req=call.query_req, threads=threads())
 
     def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor | None:
@@ -273,6 +311,7 @@ class CpuPlan:
             return ops.silu_and_mul(matmul(x, p))
 
         gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
+        all_reduce = self.all_reduce
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         eps = self.eps
         residual = hidden
@@ -303,8 +342,12 @@ class CpuPlan:
                 else:
                     out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
             hidden = gemm(out.reshape(n, self.q_size), layer.o)
+            if all_reduce is not None:  # each rank's heads' share of o_proj, summed
+                all_reduce(hidden)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
             hidden = gemm(gemm_act(hidden, layer.gate_up), layer.down)
+            if all_reduce is not None:
+                all_reduce(hidden)
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:
@@ -323,6 +366,9 @@ def threads() -> int:
 # of the weights for itself, which pays only once each weight serves enough
 # rows (docs/perf-notes.md).
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
+# Decode-only steps of up to this many requests run csrc/small_decode.cpp: there
+# a step is bound by reading the weights once (docs/perf-notes/i34b.md).
+SMALL_DECODE_MAX_ROWS = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server and llama-quantize (the interactive-1 peer) from the llama.cpp
+# source that llama-cpp-python's sdist vendors: llama.cpp itself is not packaged for Debian bookworm,
+# and PyPI is the one source this machine can reach.
+#
+#   benchmarks/build_llama_cpp.sh [DEST]        (DEST defaults to /work/llama.cpp-build)
+#
+# Then: tokenmill bench interactive --llama-server DEST/bin/llama-server
+# (or TOKENMILL_LLAMA_SERVER=DEST/bin/llama-server). On a shared machine run it under the heavy lock.
+set -euo pipefail
+DEST=${1:-/work/llama.cpp-build}
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+PY=${PYTHON:-python3}
+JOBS=${JOBS:-$(nproc)}
+SRC=$DEST/src
+mkdir -p "$SRC"
+if [ ! -d "$SRC/llama_cpp_python-$VERSION" ]; then
+    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$SRC"
+    tar -xzf "$SRC/llama_cpp_python-$VERSION.tar.gz" -C "$SRC"
+fi
+LLAMA=$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp
+# GGML_NATIVE: tuned for this CPU (AVX-512/BF16/VNNI where present), as a local llama.cpp user builds it.
+# The web UI is neither built nor fetched (no network for it; the benchmark uses the HTTP API only).
+cmake -S "$LLAMA" -B "$DEST/build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+cmake --build "$DEST/build" -j "$JOBS" --target llama-server llama-quantize
+mkdir -p "$DEST/bin"
+cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/bin/"
+"$DEST/bin/llama-server" --version

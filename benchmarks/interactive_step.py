@@ -1,0 +1,156 @@
+"""Interactive speed (issue 34), engine alone and through the server.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/interactive_step.py engine [--batches 1,4] [--busy 0]
+    PYTHONPATH=. .venv/bin/python benchmarks/interactive_step.py server [--streams 1,4] [--busy 0]
+
+engine: B requests of throughput-A's 128-token prompts, 256 output tokens,
+EOS ignored, greedy, stepped by `LLMEngine.step()`; prints the median decode
+step (B requests each decoding) and the median of each part of it
+(worker/step_timer.py), plus what no part covers.
+
+server: `tokenmill serve` on a free port; S streams at once, closed loop
+(each stream sends its next request when the last ends, `--rounds` each),
+streaming /v1/completions; per-stream decode speed = (tokens - 1) / (e2e -
+TTFT). Then one 2,048-token prompt with one output token (TTFT, 3 times).
+
+`--busy N` starts N processes that spin on a core each (bounded by the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.bench.serve import free_port, send_one, spawn_server, wait_healthy
+from tokenmill.bench.workloads import throughput_a
+
+
+def start_busy(num: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c",
+                              "import time\nt=time.time()+600\nwhile time.time()<t: pass"])
+            for _ in range(num)]
+
+
+def engine(args: argparse.Namespace) -> None:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(None, dtype="bfloat16")
+    eng = llm.engine
+    prompts = throughput_a(128).prompts
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for i in range(batch):
+            eng.add_request(str(time.monotonic_ns()) + f"-{i}", {"prompt_token_ids": prompts[i]}, params)
+        steps: list[tuple[float, dict[str, float]]] = []
+        while eng.has_unfinished_requests():
+            t = time.perf_counter()
+            result = eng.step()
+            dt = time.perf_counter() - t
+            if (result.stats.num_scheduled_tokens == batch
+                    and result.stats.num_scheduled_reqs == batch):
+                steps.append((dt, {str(k): v for k, v in result.stats.phase_s.items()}))
+        steps = steps[5:]
+        med = statistics.median(s for s, _ in steps)
+        parts = {k: statistics.median(p.get(k, 0.0) for _, p in steps) for k in steps[0][1]}
+        other = statistics.median(s - sum(p.values()) for s, p in steps)
+        line = " ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items())
+        print(f"engine B={batch}: decode step median {med * 1e3:.2f} ms "
+              f"({batch / med:.1f} tok/s, {1 / med:.1f} per stream), p90 "
+              f"{np.percentile([s for s, _ in steps], 90) * 1e3:.2f}; parts ms: {line}; "
+              f"uncovered {other * 1e3:.2f}", flush=True)
+
+
+async def streams(url: str, num: int, rounds: int, max_tokens: int) -> list[tuple[float, float]]:
+    import httpx
+
+    prompts = throughput_a(128).prompts
+    out: list[tuple[float, float]] = []
+
+    async def stream(i: int, client: httpx.AsyncClient) -> None:
+        for r in range(rounds):
+            res = await send_one(client, url, "default", prompts[(i * rounds + r) % 128],
+                                 max_tokens, {}, 600.0)
+            assert res.ok, res.error
+            out.append((res.ttft_s, (res.output_tokens - 1) / (res.e2e_s - res.ttft_s)))
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=600.0) as client:
+        await asyncio.gather(*(stream(i, client) for i in range(num)))
+    return out
+
+
+async def long_prompt(url: str, times: int) -> list[float]:
+    import httpx
+
+    rng = np.random.default_rng(7)
+    out = []
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        for _ in range(times):
+            prompt = rng.integers(100, 49000, size=2048).tolist()
+            res = await send_one(client, url, "default", prompt, 1, {}, 600.0)
+            assert res.ok, res.error
+            out.append(res.ttft_s)
+    return out
+
+
+def server(args: argparse.Namespace) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
+           "--dtype", "bfloat16", "--no-enable-prefix-caching", *args.serve_args.split()]
+    log = Path(os.environ.get("LOG", "/tmp/interactive_server.log"))
+    proc = spawn_server(cmd, dict(os.environ), log)
+    try:
+        wait_healthy(proc, base, 300, "server", f"; see {log}")
+        url = base + "/v1/completions"
+        asyncio.run(streams(url, 1, 1, 16))  # warm-up
+        for num in [int(s) for s in args.streams.split(",")]:
+            res = asyncio.run(streams(url, num, args.rounds, args.max_tokens))
+            ttft = statistics.median(t for t, _ in res)
+            speed = statistics.median(s for _, s in res)
+            print(f"server {num} stream(s): per-stream {speed:.1f} tok/s (all {speed * num:.0f}), "
+                  f"TTFT median {ttft * 1e3:.0f} ms, max {max(t for t, _ in res) * 1e3:.0f}",
+                  flush=True)
+        if args.long:
+            ttfts = asyncio.run(long_prompt(url, args.long))
+            print(f"server 2048-token prompt: TTFT {' '.join(f'{t * 1e3:.0f}' for t in ttfts)} ms",
+                  flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["engine", "server"])
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--streams", default="1,4")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--long", type=int, default=0, help="times to send the 2,048-token prompt")
+    p.add_argument("--busy", type=int, default=0)
+    p.add_argument("--serve-args", default="")
+    args = p.parse_args()
+    if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
+        from tokenmill.engine.openmp_wait import apply_openmp_wait_policy
+
+        print(apply_openmp_wait_policy(os.environ.get("POLICY")), flush=True)
+    busy = start_busy(args.busy)
+    try:
+        engine(args) if args.mode == "engine" else server(args)
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+
+
+if __name__ == "__main__":
+    main()

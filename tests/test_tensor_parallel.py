@@ -1,0 +1,146 @@
+"""Tensor parallelism over gloo: TP=2 gives TP=1's greedy tokens and logprobs
+(32 mixed prompts, chunked prefill and preemption forced) on a tiny Llama split
+unevenly (3 KV heads, an odd vocabulary: the CPU plan's path) and a tiny Qwen3
+(q/k norms: the reference model's path); a rank that dies stops the group with
+an error naming it, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.hf_models import COMMON, build_hf_model, save_hf_model
+from tests.test_correctness import MAX_TOKENS, PROMPTS
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ModelSpec, ParallelConfig
+from tokenmill.distributed.group import TensorParallelError
+from tokenmill.engine.arg_utils import EngineArgs
+from tokenmill.model.parallel import ShardLayout, split_range, vocab_widths
+
+# Chunked prefill (8 tokens a step) and a KV pool small enough to preempt.
+PRESSURE: dict[str, Any] = {"max_num_batched_tokens": 8, "num_kv_blocks": 24, "block_size": 4}
+
+
+def uneven_llama(directory: Path) -> str:
+    """A Llama whose split over 2 ranks is uneven everywhere: 3 KV heads (2 + 1),
+    an MLP of 9 tiles of 16 (4 + 5), a vocabulary of 255 (127 + 128)."""
+    config = transformers.LlamaConfig(**{
+        **COMMON, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+        "intermediate_size": 144, "vocab_size": 255,
+    })
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_hf_model(model, directory)
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {
+        "llama-uneven": uneven_llama(Path(tmp_path_factory.mktemp("llama"))),
+        "qwen3": save_hf_model(build_hf_model("qwen3"), Path(tmp_path_factory.mktemp("qwen3"))),
+    }
+
+
+def run(path: str, tp: int) -> tuple[list[Any], int]:
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, check_integrity=True,
+              apply_process_settings=False, tensor_parallel_size=tp, **PRESSURE)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+                  for n in MAX_TOKENS]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        scheduler = llm.engine.scheduler
+        assert scheduler.kv.pool.num_free_blocks == scheduler.kv.num_blocks
+        return outputs, scheduler.num_preemptions
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama-uneven", "qwen3"])
+def test_tp2_gives_tp1s_greedy_tokens_and_logprobs(model_paths: dict[str, str], arch: str) -> None:
+    single, single_preempted = run(model_paths[arch], 1)
+    split, split_preempted = run(model_paths[arch], 2)
+    assert single_preempted > 0 and split_preempted == single_preempted
+    for i, (one, two) in enumerate(zip(single, split, strict=True)):
+        a, b = one.outputs[0], two.outputs[0]
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        assert a.logprobs is not None and b.logprobs is not None
+        ours = [entry[t].logprob for entry, t in zip(b.logprobs, b.token_ids, strict=True)]
+        ref = [entry[t].logprob for entry, t in zip(a.logprobs, a.token_ids, strict=True)]
+        np.testing.assert_allclose(ours, ref, atol=1e-4, err_msg=f"prompt {i}")
+
+
+def test_a_dead_rank_stops_the_group_with_an_error_naming_it(model_paths: dict[str, str]) -> None:
+    llm = LLM(model_paths["llama-uneven"], dtype="float32", skip_tokenizer_init=True,
+              apply_process_settings=False, tensor_parallel_size=2, num_kv_blocks=64)
+    tp = llm.engine.tp
+    assert tp is not None
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)) == 1
+        pid = tp.ranks.procs[1].pid
+        os.kill(pid, signal.SIGKILL)
+        errors: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+            except BaseException as e:
+                errors.append(e)
+
+        start = time.monotonic()
+        thread = threading.Thread(target=generate, daemon=True)
+        thread.start()
+        thread.join(30.0)
+        assert not thread.is_alive(), "generate hung after a rank died"
+        assert time.monotonic() - start < 30.0
+        assert len(errors) == 1 and isinstance(errors[0], TensorParallelError), errors
+        assert f"rank 1 (pid {pid}) was killed by signal 9" in str(errors[0])
+        # The group stays stopped: the next step fails at once, with the same reason.
+        with pytest.raises(TensorParallelError, match="rank 1"):
+            llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert torch.get_num_threads() == tp._threads_before
+
+
+def test_the_split_keeps_kv_groups_whole_and_covers_everything() -> None:
+    spec = ModelSpec(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                     intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                     head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192)
+    layouts = [ShardLayout.of(spec, r, 2) for r in range(2)]  # the default model (SmolLM2-135M)
+    assert [lay.kv_heads for lay in layouts] == [(0, 1), (1, 3)]
+    assert [lay.heads for lay in layouts] == [(0, 3), (3, 9)]
+    assert [lay.intermediate for lay in layouts] == [(0, 768), (768, 1536)]
+    assert vocab_widths(spec, 2) == [24576, 24576]
+    assert split_range(10, 2, 3, unit=16) == (6, 10)  # (10 is no whole number of 16s: units of 1)
+    with pytest.raises(ValueError, match="at most 3"):
+        ShardLayout.of(spec, 0, 4)
+
+
+def test_parallel_options_are_checked_and_reach_the_config() -> None:
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--tensor-parallel-size", "4", "--nnodes", "2", "--master-addr", "10.0.0.1",
+         "--master-port", "29500"]))
+    config = args.create_parallel_config()
+    assert (config.tensor_parallel_size, config.nnodes, config.ranks_per_node) == (4, 2, 2)
+    assert (config.master_addr, config.master_port, config.node_rank) == ("10.0.0.1", 29500, 0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="divide"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=1)
+    with pytest.raises(ValueError, match="master-port"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1)

@@ -1,0 +1,103 @@
+"""A rank other than 0: its shard of the model, driven by rank 0's commands.
+
+`python -m tokenmill.distributed.worker --rank R ...` (launch.py starts it).
+It joins the group, loads the model rank 0 names and keeps its own shard
+(model/parallel.py), allocates a KV cache for its own heads with rank 0's
+block count, then serves commands until "stop":
+
+    ("forward", input_ids, positions, attention metadata, output_rows)
+    ("logits", hidden)  -> its share of the vocabulary, gathered on rank 0
+
+It never schedules nor samples. Any error ends the process with a line naming
+the rank; its closed sockets then stop the other ranks' next collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+import torch
+
+from tokenmill.distributed.group import RankGroup, TensorParallelError
+from tokenmill.distributed.tensor_parallel import meta_from_wire
+from tokenmill.model.loader import load_model
+from tokenmill.model.parallel import ShardLayout, shard_model, vocab_widths
+from tokenmill.model.source import resolve_model_source
+from tokenmill.worker.model_runner import ModelForward, pick_forward, zeros
+
+logger = logging.getLogger("tokenmill")
+
+
+def serve_rank(group: RankGroup, local_rank: int) -> None:
+    kind, model_config = group.receive()
+    assert kind == "load", kind
+    device = torch.device(model_config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        model_config = dataclasses.replace(model_config, device=str(device))
+    group.open_tensors(device)
+    whole, spec = load_model(model_config, resolve_model_source(model_config.model))
+    dtype = next(whole.parameters()).dtype
+    model = shard_model(whole, ShardLayout.of(spec, group.rank, group.size), group.all_reduce)
+    del whole
+    widths = vocab_widths(spec, group.size)
+    forward, how = pick_forward(model, dtype, device)
+    logger.info("rank %d: forward: %s", group.rank, how)
+    kind, num_blocks, block_size = group.receive()
+    assert kind == "cache", kind
+    local = model.spec
+    shape = (2, num_blocks, block_size, local.num_kv_heads, local.head_dim)
+    kv_caches = [zeros(shape, dtype, device) for _ in range(local.num_layers)]
+    group.barrier()
+    with torch.inference_mode():
+        serve_commands(group, forward, kv_caches, widths, device)
+
+
+def serve_commands(group: RankGroup, forward: ModelForward, kv_caches: list[torch.Tensor],
+                   widths: list[int], device: torch.device) -> None:
+    while True:
+        command = group.receive()
+        if command[0] == "forward":
+            _, input_ids, positions, meta, output_rows = command
+            forward(input_ids.to(device), positions.to(device), kv_caches,
+                    meta_from_wire(meta, device), None if output_rows is None else output_rows.to(device))
+        elif command[0] == "logits":
+            group.gather_columns(forward.compute_logits(command[1].to(device)), widths)
+        elif command[0] == "stop":
+            return
+        else:
+            raise ValueError(f"unknown command {command[0]!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.distributed.worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{args.rank}: %(message)s")
+    torch.set_num_threads(args.threads)
+    try:
+        group = RankGroup(args.rank, args.world_size, args.master_addr, args.master_port)
+        group.connect()
+        serve_rank(group, args.local_rank)
+    except TensorParallelError as e:
+        print(f"tokenmill tensor-parallel rank {args.rank}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        logger.exception("rank %d failed", args.rank)
+        print(f"tokenmill tensor-parallel rank {args.rank} failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Prefix-aware routing: a Ray Serve request router that sends a request to the
+replica whose prefix cache most likely holds its prompt's beginning.
+
+The ingress passes each request's routing text (its messages or prompt, flattened:
+ingress.routing_text) as the `routing_text` keyword. The router cuts that text into
+blocks of BLOCK_CHARS characters and chain-hashes them (hash i stands for the first
+i+1 blocks, as the engine's KV block hashes stand for token prefixes), and remembers,
+per replica, the hashes of the prompts it sent there (LRU, bounded). A request goes
+to the replica matching the most leading blocks; load (requests this router has in
+flight on each replica) breaks ties, and bounds the choice: a replica more than
+`max_imbalance` requests above the least loaded one is not chosen for its prefix.
+A request matching nothing goes to the least loaded replica, then the one holding
+the fewest blocks (so new prefixes spread out).
+
+Like Ray Serve LLM's PrefixCacheAffinityRouter this guesses the replicas' caches from
+what it routed rather than asking them (a cache lookup per request per replica would
+cost a round trip); unlike it, the state lives in the router itself, not in a shared
+actor: exact with one ingress replica; with several, each learns the same affinity
+from its own share of the traffic. PrefixIndex is the decision, kept apart from Ray
+so it is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+BLOCK_CHARS = 64  # about 16 tokens of English: one KV block at the default block size
+MAX_BLOCKS_PER_REPLICA = 100_000  # remembered hashes per replica (LRU): ~6 MB of text
+DEFAULT_MAX_IMBALANCE = 8  # requests in flight above the least loaded replica
+POLICIES = ("prefix", "round_robin")
+
+ROUTING_TEXT = "routing_text"  # the keyword the ingress passes the routing text as
+TARGET_REPLICA = "target_replica"  # keyword: a call for one replica (its stats)
+HTTP_METHOD = "http"  # the replica method that serves requests (counted as load)
+
+# Deployment name -> its live replicas' full ids, as this process's routers see
+# them: the ingress asks each replica for its stats by these (ingress.py).
+_live_replicas: dict[str, list[str]] = {}
+_live_lock = threading.Lock()
+
+
+def live_replicas(deployment: str) -> list[str]:
+    with _live_lock:
+        return list(_live_replicas.get(deployment, []))
+
+
+def record_live_replicas(deployment: str, replicas: list[str]) -> None:
+    # Through the module as imported: Ray may ship the router class by value, and
+    # the globals of a class shipped so are copies, which the ingress would not see.
+    from tokenmill.serve_ray import router
+
+    with router._live_lock:
+        router._live_replicas[deployment] = sorted(replicas)
+
+
+def prefix_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
+    """Chained hashes of the text's whole blocks: two texts share hash i exactly
+    when they share their first (i + 1) * block_chars characters (collisions aside).
+    A trailing partial block is left out, as the KV cache only shares whole blocks."""
+    hashes: list[int] = []
+    h = 0
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        h = hash((h, text[start:start + block_chars]))
+        hashes.append(h)
+    return hashes
+
+
+class PrefixIndex:
+    """Per replica, the block hashes of the prompts routed there (LRU)."""
+
+    def __init__(self, max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA) -> None:
+        if max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be at least 1")
+        self.max_blocks = max_blocks_per_replica
+        self.blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def set_replicas(self, replicas: Sequence[str]) -> None:
+        """Keep what is known of these replicas; forget the others."""
+        self.blocks = {r: self.blocks.get(r, OrderedDict()) for r in replicas}
+
+    def match(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the prompt this replica holds."""
+        held = self.blocks.get(replica)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def insert(self, replica: str, hashes: Sequence[int]) -> None:
+        held = self.blocks.setdefault(replica, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.max_blocks:
+            held.popitem(last=False)
+
+    def rank(self, loads: dict[str, int], hashes: Sequence[int], max_imbalance: int) -> list[str]:
+        """Replicas best first: among those within `max_imbalance` of the least
+        loaded, the longest prefix match, then the lower load, then the fewest
+        blocks held; the overloaded ones after them, least loaded first."""
+        if not loads:
+            return []
+        floor = min(loads.values())
+        within = [r for r in loads if loads[r] <= floor + max_imbalance]
+        beyond = sorted((r for r in loads if loads[r] > floor + max_imbalance), key=loads.__getitem__)
+        within.sort(key=lambda r: (-self.match(r, hashes), loads[r], len(self.blocks.get(r, ()))))
+        return within + beyond
+
+
+class PrefixAwareRouter(RequestRouter):
+    """The Ray Serve side of PrefixIndex (see the module docstring).
+    `policy="round_robin"` routes in turn instead (the benchmark's baseline)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        policy = kwargs.pop("policy", "prefix")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.block_chars = int(kwargs.pop("block_chars", BLOCK_CHARS))
+        self.max_imbalance = int(kwargs.pop("max_imbalance", DEFAULT_MAX_IMBALANCE))
+        self.index = PrefixIndex(int(kwargs.pop("max_blocks_per_replica", MAX_BLOCKS_PER_REPLICA)))
+        if kwargs:
+            raise ValueError(f"unknown request_router_kwargs: {sorted(kwargs)}")
+        self.in_flight: dict[str, int] = {}
+        self.counted: dict[str, str] = {}  # internal request id -> replica, for load
+        self.turn = itertools.count()
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        ids = [r.replica_id.to_full_id_str() for r in replicas]
+        self.index.set_replicas(ids)
+        self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
+        record_live_replicas(self._deployment_id.name, ids)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        dead = replica_id.to_full_id_str()
+        self.index.blocks.pop(dead, None)
+        self.in_flight.pop(dead, None)
+
+    def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
+        if pending_request is None:
+            return []
+        text = pending_request.kwargs.get(ROUTING_TEXT)
+        return prefix_hashes(text, self.block_chars) if isinstance(text, str) else []
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        target = pending_request.kwargs.get(TARGET_REPLICA) if pending_request else None
+        if target is not None:
+            return [[by_id[target]]] if target in by_id else []
+        if not by_id:
+            return []
+        if self.policy == "round_robin":
+            ids = sorted(by_id)
+            start = next(self.turn) % len(ids)
+            return [[by_id[r]] for r in ids[start:] + ids[:start]]
+        loads = {r: self.in_flight.get(r, 0) for r in by_id}
+        ranked = self.index.rank(loads, self._hashes(pending_request), self.max_imbalance)
+        return [[by_id[r]] for r in ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        if pending_request.metadata.call_method != HTTP_METHOD:
+            return
+        replica = replica_id.to_full_id_str()
+        self.counted[pending_request.metadata.internal_request_id] = replica
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        hashes = self._hashes(pending_request)
+        if hashes:
+            self.index.insert(replica, hashes)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        replica = self.counted.pop(internal_request_id, None)
+        if replica is not None and replica in self.in_flight:
+            self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
