@@ -344,3 +344,50 @@ def test_a_stop_string_inside_an_accepted_run_cuts_it_at_its_token(
     for a, b in zip(plain, spec, strict=True):
         assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
             (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+
+
+# ---- the server: --speculative-config and the spec_decode_* metrics ---------------------
+
+
+def test_serve_with_speculative_config_exports_vllms_metrics(tmp_path: Path) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_harness import start_server
+    from tests.test_server_limits import stop_server
+
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    server = start_server(tmp_path, "--speculative-config", config)
+    try:
+        text = "The quick brown fox jumps over the lazy dog near the quiet river bank."
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "prompt": f"Repeat the sentence.\nSentence: {text}\nRepeated: {text}\nSentence: {text}"
+                      "\nRepeated:", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(server.url + "/metrics", timeout=30).text)}
+        values = {name: sum(s.value for s in families[f"tokenmill:{name}"].samples)
+                  for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                               "spec_decode_num_accepted_tokens",
+                               "spec_decode_num_accepted_tokens_per_pos")}
+        assert values["spec_decode_num_drafts"] > 0
+        assert 0 < values["spec_decode_num_accepted_tokens"] <= values["spec_decode_num_draft_tokens"]
+        assert values["spec_decode_num_accepted_tokens_per_pos"] == \
+            values["spec_decode_num_accepted_tokens"]
+    finally:
+        stop_server(server)
+
+
+def test_serve_refuses_a_bad_speculative_config_naming_the_field() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.server_harness import REPO_ROOT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 0}'], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT)
+    assert result.returncode != 0
+    assert "num_speculative_tokens" in result.stderr
