@@ -391,3 +391,41 @@ def test_serve_refuses_a_bad_speculative_config_naming_the_field() -> None:
         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT)
     assert result.returncode != 0
     assert "num_speculative_tokens" in result.stderr
+
+
+# ---- the draft-model proposer -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A different tiny random model (another seed, one layer) with the same vocabulary."""
+    import transformers
+
+    from tests.hf_models import COMMON
+
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
+    import torch
+
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_hf_model(model, Path(tmp_path_factory.mktemp("draft")))
+
+
+def test_draft_model_greedy_matches_transformers(target: dict[str, Any], other_draft: str) -> None:
+    spec = {"method": "draft_model", "model": other_draft, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    llm, outputs = run_greedy(target["path"], spec, **SCENARIOS["budget8-preempt"])
+    assert_matches_oracle(llm, outputs, target["refs"])
+    stats = llm.engine.scheduler.stats().spec_decoding
+    assert stats is not None and stats.num_draft_tokens > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_draft_model_equal_to_the_target_accepts_every_draft(target: dict[str, Any]) -> None:
+    spec = {"method": "draft_model", "model": target["path"], "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    llm, outputs = run_greedy(target["path"], spec, num_kv_blocks=512, block_size=4)
+    assert_matches_oracle(llm, outputs, target["refs"])
+    stats = llm.engine.scheduler.stats().spec_decoding
+    assert stats is not None and stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens  # acceptance rate 1.0

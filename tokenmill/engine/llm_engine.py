@@ -38,6 +38,7 @@ from tokenmill.model.loader import load_model
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams, is_integer
+from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
@@ -164,6 +165,11 @@ class LLMEngine:
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
                                         num_spec_tokens)
         self.ngram: NgramProposer | None = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            assert speculative_config.model is not None
+            self.runner.drafter = DraftModelProposer(
+                speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
+                self.device)
         if speculative_config is not None and speculative_config.method == "ngram":
             assert speculative_config.prompt_lookup_min and speculative_config.prompt_lookup_max
             self.ngram = NgramProposer(speculative_config.prompt_lookup_min,

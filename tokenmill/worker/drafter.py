@@ -33,9 +33,10 @@ class Drafter(Protocol):
     model; an EAGLE-style head would take the target's hidden states from the
     last step as well)."""
 
-    def propose(self, reqs: list[ScheduledRequest]) -> None:
+    def propose(self, reqs: list[ScheduledRequest], histories: list[list[int]]) -> None:
         """Replace each request's last `num_draft_tokens` token ids (placeholders)
-        with drafts. Its KV writes must stay in the request's scheduled slots."""
+        with drafts; `histories`: each request's tokens (prompt + output, its new
+        token last). Its KV writes must stay in the request's scheduled slots."""
         ...
 
     def forget(self, request_id: str) -> None:

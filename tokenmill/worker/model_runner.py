@@ -142,11 +142,13 @@ class ModelRunner:
                 self.drafter.forget(request_id)
             for request_id in scheduler_output.finished_req_ids:
                 self.drafter.forget(request_id)
-            to_draft = [r for r in reqs
+            to_draft = [(r, s) for r, s in zip(reqs, states, strict=True)
                         if r.num_draft_tokens and r.token_ids[-1] == DRAFT_PLACEHOLDER]
             if to_draft:
                 with self.timer.phase(StepPhase.FORWARD):
-                    self.drafter.propose(to_draft)
+                    self.drafter.propose([r for r, _ in to_draft],
+                                         [[*s.prompt_token_ids, *s.output_token_ids]
+                                          for _, s in to_draft])
         with self.timer.phase(StepPhase.PREPARE_INPUTS):
             input_ids, positions, meta = self._prepare_inputs(reqs)
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
