@@ -444,7 +444,7 @@ def test_small_decode_gives_the_same_bits(
         assert not calls
         monkeypatch.setattr(plan, "SMALL_DECODE_MAX_ROWS", 8)
         decode_steps = [step for step in schedule if all(n == 1 for _, n in step)]
-        spin = ops.small_decode_spin(0)  # (waiters yield at once: the barrier's other way)
+        spin = ops.small_decode_spin(0)  # (waiters sleep at once: the barrier's other way)
         try:
             for mode in (1, 0):  # the K/V prefetch on whatever the CPU, and off
                 before = ops.kv_prefetch_mode(mode)

@@ -7,8 +7,8 @@
 // projection's output groups split between the threads (each weight read
 // once a step, by one thread, at both cores' bandwidth), the small ops (norms,
 // RoPE and the K/V write, attention) on the rows each thread owns, and a
-// barrier of its own between the phases that spins briefly and then yields
-// the core (a shared machine: never burn the slice the other thread needs).
+// barrier of its own between the phases that spins briefly and then sleeps
+// (a shared machine: never burn the slice the other thread needs).
 //
 // Every kernel computes a row (or an output) the same way whatever else is in
 // the call, so the result is the same bits as layer_loop's
@@ -31,8 +31,12 @@
 #include <exception>
 #include <vector>
 
+#include <climits>
+
+#include <linux/futex.h>
 #include <omp.h>
-#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -52,9 +56,12 @@ void packed_gemm_part(const void* x, const void* packed, const float* bias32, vo
 namespace {
 
 // Rounds a waiting thread spins (a pause each, ~20-40 ns on x86) before it
-// yields its core at every round instead: a phase of the step is 5-100 us, so
-// on a quiet machine the wait ends while spinning, and where another job
-// holds a core the waiter hands its slice to whoever needs it.
+// sleeps on a futex until the last thread arrives: a phase of the step is
+// 5-100 us, so on a quiet machine the wait ends while spinning, and where
+// another job holds a core the waiter gives its core up. (Yielding the core
+// at every round instead, sched_yield, was slower beside a busy process: the
+// yielder loses its core to that process for a whole time slice, where a
+// woken sleeper preempts it: docs/perf-notes/i34b.md.)
 std::atomic<int64_t> g_spin_rounds{4000};
 
 class Barrier {
@@ -65,25 +72,29 @@ class Barrier {
     const int gen = gen_.load(std::memory_order_acquire);
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       count_.store(0, std::memory_order_relaxed);
-      gen_.store(gen + 1, std::memory_order_release);
+      gen_.store(gen + 1, std::memory_order_seq_cst);  // (ordered before the sleepers_ read)
+      if (sleepers_.load(std::memory_order_seq_cst) > 0)
+        syscall(SYS_futex, reinterpret_cast<int*>(&gen_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
       return;
     }
     const int64_t spin = g_spin_rounds.load(std::memory_order_relaxed);
-    for (int64_t i = 0; gen_.load(std::memory_order_acquire) == gen; ++i) {
-      if (i < spin) {
+    for (int64_t i = 0; i < spin; ++i) {
+      if (gen_.load(std::memory_order_acquire) != gen) return;
 #if defined(__x86_64__)
-        _mm_pause();
+      _mm_pause();
 #endif
-      } else {
-        sched_yield();
-      }
     }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (gen_.load(std::memory_order_seq_cst) == gen)  // (the kernel rechecks gen_ == gen before sleeping)
+      syscall(SYS_futex, reinterpret_cast<int*>(&gen_), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0);
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
 
  private:
   const int n_;
   alignas(64) std::atomic<int> count_{0};
   alignas(64) std::atomic<int> gen_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
 };
 
 // A projection for packed_gemm_part: its packed weights and (padded float32) bias.
