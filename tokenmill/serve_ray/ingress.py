@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
 from ray import serve
@@ -89,8 +89,10 @@ class Ingress:
         self, engine: DeploymentHandle, max_request_body_bytes: int,
         api_key: str | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ) -> None:
-        self.engine = engine
+        self.deployment = engine.deployment_name
         self.expected_auth = None if api_key is None else f"Bearer {api_key}".encode()
+        # Every call goes through this one handle: one router, one view of the replicas
+        # (a handle made by options() before its parent routed anything gets its own).
         self.stream = engine.options(stream=True)
         self.max_request_body_bytes = max_request_body_bytes
         self.max_attempts = max_attempts
@@ -104,17 +106,23 @@ class Ingress:
                 request.headers.get("authorization", "").encode(), self.expected_auth):
             return error_json(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
-        ids = live_replicas(self.engine.deployment_name)
+        ids = live_replicas(self.deployment)
 
         async def one(replica: str) -> dict[str, Any] | None:
+            call = cast(DeploymentResponseGenerator,
+                        self.stream.stats.remote(**{TARGET_REPLICA: replica}))
             try:
-                stats: dict[str, Any] = await asyncio.wait_for(
-                    self.engine.stats.remote(**{TARGET_REPLICA: replica}), STATS_TIMEOUT_S)
-                return stats
-            except (TimeoutError, *REPLICA_GONE):
+                stats: dict[str, Any] = await asyncio.wait_for(call.__anext__(), STATS_TIMEOUT_S)
+                return stats if stats["replica_id"] == replica else None  # (it went away)
+            except (TimeoutError, StopAsyncIteration, *REPLICA_GONE):
                 return None
+            finally:
+                call.cancel()
 
-        found = [s for s in await asyncio.gather(*(one(r) for r in ids)) if s is not None]
+        # One at a time: calls made within one request share Ray Serve's internal
+        # request id, and the router fulfils pending calls by that id, so two at once
+        # could each be handed the other's replica.
+        found = [s for r in ids if (s := await one(r)) is not None]
         return Response(json.dumps({"replicas": found}), media_type="application/json")
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"])

@@ -99,11 +99,12 @@ class EngineReplica:
                 with contextlib.suppress(BaseException):
                     await task
 
-    def stats(self, target_replica: str | None = None) -> dict[str, Any]:
-        """This replica's engine counters (the router sends a call naming
-        `target_replica` to that replica only)."""
+    async def stats(self, target_replica: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
+        """This replica's engine counters, as a stream of one item: the ingress calls
+        it through the same streaming handle (so the same router) as `http`; the
+        router sends a call naming `target_replica` to that replica only."""
         stats = self.engine.stats()
-        return {
+        yield {
             "replica_id": self.replica_id, "pid": os.getpid(),
             "num_running": stats.num_running, "num_waiting": self.engine.num_waiting_requests(),
             "kv_cache_usage": stats.kv_cache_usage,

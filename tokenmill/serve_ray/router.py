@@ -7,7 +7,7 @@ blocks of BLOCK_CHARS characters and chain-hashes them (hash i stands for the fi
 i+1 blocks, as the engine's KV block hashes stand for token prefixes), and remembers,
 per replica, the hashes of the prompts it sent there (LRU, bounded). A request goes
 to the replica matching the most leading blocks; load (requests this router has in
-flight on each replica) breaks ties, and bounds the choice: a replica more than
+flight on each replica, counting those chosen but not yet sent) breaks ties, and bounds the choice: a replica more than
 `max_imbalance` requests above the least loaded one is not chosen for its prefix.
 A request matching nothing goes to the least loaded replica, then the one holding
 the fewest blocks (so new prefixes spread out).
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,7 @@ BLOCK_CHARS = 64  # about 16 tokens of English: one KV block at the default bloc
 MAX_BLOCKS_PER_REPLICA = 100_000  # remembered hashes per replica (LRU): ~6 MB of text
 DEFAULT_MAX_IMBALANCE = 8  # requests in flight above the least loaded replica
 POLICIES = ("prefix", "round_robin")
+TENTATIVE_S = 10.0  # a choice not routed by then (cancelled, say) stops counting as load
 
 ROUTING_TEXT = "routing_text"  # the keyword the ingress passes the routing text as
 TARGET_REPLICA = "target_replica"  # keyword: a call for one replica (its stats)
@@ -139,6 +141,9 @@ class PrefixAwareRouter(RequestRouter):
             raise ValueError(f"unknown request_router_kwargs: {sorted(kwargs)}")
         self.in_flight: dict[str, int] = {}
         self.counted: dict[str, str] = {}  # internal request id -> replica, for load
+        # Chosen but not yet routed (internal request id -> (replica, when)): counted
+        # as load, so a burst of requests ranked before any is routed spreads out.
+        self.tentative: dict[str, tuple[str, float]] = {}
         self.turn = itertools.count()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -168,15 +173,29 @@ class PrefixAwareRouter(RequestRouter):
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         target = pending_request.kwargs.get(TARGET_REPLICA) if pending_request else None
         if target is not None:
-            return [[by_id[target]]] if target in by_id else []
+            # A replica gone meanwhile: any other answers (the ingress drops that
+            # answer by its replica id) rather than the call waiting for it forever.
+            return [[by_id[target]]] if target in by_id else [list(by_id.values())]
         if not by_id:
             return []
         if self.policy == "round_robin":
             ids = sorted(by_id)
             start = next(self.turn) % len(ids)
             return [[by_id[r]] for r in ids[start:] + ids[:start]]
+        now = time.monotonic()
+        self.tentative = {k: v for k, v in self.tentative.items() if now - v[1] < TENTATIVE_S}
+        counts = pending_request is not None and pending_request.metadata.call_method == HTTP_METHOD
+        request_id = pending_request.metadata.internal_request_id if pending_request else ""
         loads = {r: self.in_flight.get(r, 0) for r in by_id}
-        ranked = self.index.rank(loads, self._hashes(pending_request), self.max_imbalance)
+        for other, (replica, _) in self.tentative.items():
+            if replica in loads and other != request_id:  # (chosen again: the last choice is void)
+                loads[replica] += 1
+        hashes = self._hashes(pending_request)
+        ranked = self.index.rank(loads, hashes, self.max_imbalance)
+        if counts:
+            self.tentative[request_id] = (ranked[0], now)
+            # Held from now on: the next request of a burst sharing it follows it.
+            self.index.insert(ranked[0], hashes)
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(
@@ -185,6 +204,7 @@ class PrefixAwareRouter(RequestRouter):
         if pending_request.metadata.call_method != HTTP_METHOD:
             return
         replica = replica_id.to_full_id_str()
+        self.tentative.pop(pending_request.metadata.internal_request_id, None)
         self.counted[pending_request.metadata.internal_request_id] = replica
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         hashes = self._hashes(pending_request)
