@@ -24,6 +24,12 @@ $(STAMP): pyproject.toml Makefile
 	# Build the C++ CPU kernels now (about 30 s) rather than on first use; where
 	# they cannot be built, tokenmill says so and uses its torch code.
 	$(PY) -c "from tokenmill.backends.cpu import kernels; kernels.load()"
+	# The dashboard's browser test runs Debian's headless Chromium: installed here when
+	# root and missing; where it cannot be, tests/test_dashboard_browser.py says so.
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
+		|| echo "chromium could not be installed: the dashboard's browser test will say so"; \
+	fi
 	touch $(STAMP)
 
 run: setup

@@ -106,7 +106,7 @@ class Chromium:
             raise FileNotFoundError("no Chromium found (apt-get install -y chromium)")
         self.profile = tempfile.TemporaryDirectory(prefix="tokenmill-chromium-")
         self.process: subprocess.Popen[bytes] | None = None
-        self.sockets: list[ClientConnection] = []
+        self.sockets = contextlib.ExitStack()
 
     def __enter__(self) -> Chromium:
         assert self.executable is not None
@@ -138,14 +138,13 @@ class Chromium:
     def page(self) -> Page:
         targets = httpx.get(f"http://127.0.0.1:{self.port}/json/list", timeout=10).json()
         target = next(t for t in targets if t["type"] == "page")
-        ws = connect(target["webSocketDebuggerUrl"], max_size=64 << 20, open_timeout=10)
-        self.sockets.append(ws)
+        ws = self.sockets.enter_context(
+            connect(target["webSocketDebuggerUrl"], max_size=64 << 20, open_timeout=10))
         return Page(ws)
 
     def __exit__(self, *_: object) -> None:
-        for ws in self.sockets:
-            with contextlib.suppress(Exception):
-                ws.close()
+        with contextlib.suppress(Exception):
+            self.sockets.close()
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:

@@ -156,3 +156,238 @@ def test_speculative_config_defaults_as_vllm() -> None:
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
     assert SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 3}).method == \
         "draft_model"
+
+
+# ---- sampled requests ---------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(target: dict[str, Any]) -> None:
+    """Each kept token is the one decoding alone draws with the same uniform, and a
+    seeded request's generator moves one draw per kept token: so its tokens, their
+    target logprobs and where stop tokens / min_tokens / max_tokens cut it are
+    those of plain decoding, under a budget of 8 and preemption."""
+    rng = np.random.default_rng(7)
+    params = []
+    for i, n in enumerate(MAX_TOKENS):
+        stop = [int(t) for t in rng.integers(3, VOCAB_SIZE, size=3)] if i % 3 == 0 else []
+        params.append(SamplingParams(
+            temperature=0.3 + 0.2 * (i % 4), top_p=0.9 if i % 2 else 1.0, top_k=40 if i % 5 else 0,
+            seed=1000 + i, max_tokens=n, min_tokens=3 if i % 4 == 1 else 0, stop_token_ids=stop,
+            ignore_eos=i % 2 == 0, logprobs=1))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:16]]
+    params = params[:16]
+    runs = []
+    for spec in (None, NGRAM):
+        llm = LLM(target["path"], dtype="float32", device=TEST_DEVICE, skip_tokenizer_init=True,
+                  check_integrity=True, apply_process_settings=False, speculative_config=spec,
+                  **SCENARIOS["budget8-preempt"])
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+    stats = llm.engine.scheduler.stats().spec_decoding
+    assert stats is not None and stats.num_accepted_tokens > 0
+    num_stopped = 0
+    for i, (plain, spec_out) in enumerate(zip(*runs, strict=True)):
+        a, b = plain.outputs[0], spec_out.outputs[0]
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason), f"prompt {i}"
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose([v.logprob for v in y.values()],
+                                       [v.logprob for v in x.values()], atol=1e-4)
+        num_stopped += a.finish_reason == "stop"
+    assert num_stopped > 0  # (a stop token cut some run)
+
+
+# The rejection-sampling check: a target distribution p_0, p_1 over a vocabulary
+# of 6 at two positions, drafts d_1 = 1, d_2 = 3. The first token must follow p_0,
+# and the second, given the first was d_1, p_1. Pearson's chi-square with a fixed
+# seed; the critical value for 5 degrees of freedom at 0.001 is 20.515.
+CHI2_CRITICAL_DF5 = 20.515
+TARGET_LOGITS = [[0.5, 1.2, 0.1, -0.4, 0.9, 0.0], [0.2, -0.3, 0.8, 1.1, 0.0, 0.4],
+                 [0.0, 0.3, -0.2, 0.6, 0.1, 0.2]]
+DRAFTS = [1, 3]
+NUM_TRIALS = 20000
+
+# A verifier: (target logits [k + 1, vocab], drafts, trials, seed) -> each trial's kept run.
+Verifier = Any
+
+
+def engine_verifier(logits: Any, drafts: list[int], trials: int, seed: int) -> list[list[int]]:
+    """The runner's own verification: the Sampler over each trial's rows (the
+    per-row states), then verify_drafts."""
+    import torch
+
+    from tokenmill.core.contracts import ScheduledRequest
+    from tokenmill.worker.drafter import speculative_row_states, verify_drafts
+    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.worker.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"), seed=seed)
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for _ in range(trials // 1000):
+        reqs, rows = [], []
+        for t in range(1000):
+            state = CachedRequestState.create(str(t), [0], params, len(logits[0]),
+                                              torch.device("cpu"))
+            reqs.append(ScheduledRequest(str(t), [7, *drafts], 1, [0], params, do_sample=True,
+                                         num_draft_tokens=len(drafts)))
+            rows.extend(speculative_row_states(state, drafts))
+        batch = torch.tensor(logits, dtype=torch.float32).repeat(1000, 1)
+        out, accepted = verify_drafts(sampler(batch, rows), reqs)
+        runs.extend([*(e.token_id for e in acc), tok]
+                    for acc, tok in zip(accepted, out.token_ids, strict=True))
+    return runs
+
+
+def residual_keeps_the_draft(logits: Any, drafts: list[int], trials: int,
+                             seed: int) -> list[list[int]]:
+    """Wrong: accepts d with probability p(d) but, rejected, draws from all of p."""
+    rng = np.random.default_rng(seed)
+    probs = [np.exp(row) / np.exp(row).sum() for row in np.array(logits)]
+    runs = []
+    for _ in range(trials):
+        run = []
+        for i, d in enumerate([*drafts, None]):
+            if d is not None and rng.random() < probs[i][d]:
+                run.append(d)
+                continue
+            run.append(int(rng.choice(len(probs[i]), p=probs[i])))
+            break
+        runs.append(run)
+    return runs
+
+
+def accept_the_most_likely(logits: Any, drafts: list[int], trials: int,
+                           seed: int) -> list[list[int]]:
+    """Wrong: greedy verification of a sampled request (keep d when it is p's argmax)."""
+    rng = np.random.default_rng(seed)
+    probs = [np.exp(row) / np.exp(row).sum() for row in np.array(logits)]
+    runs = []
+    for _ in range(trials):
+        run = []
+        for i, d in enumerate([*drafts, None]):
+            if d is not None and int(np.argmax(probs[i])) == d:
+                run.append(d)
+                continue
+            run.append(int(rng.choice(len(probs[i]), p=probs[i])))
+            break
+        runs.append(run)
+    return runs
+
+
+def chi_square(observed: list[int], probs: np.ndarray) -> float:
+    counts = np.bincount(observed, minlength=len(probs))
+    expected = probs * len(observed)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def keeps_the_target_distribution(verify: Verifier) -> bool:
+    runs = verify(TARGET_LOGITS, DRAFTS, NUM_TRIALS, 12345)
+    probs = [np.exp(row) / np.exp(row).sum() for row in np.array(TARGET_LOGITS)]
+    first = [run[0] for run in runs]
+    second = [run[1] for run in runs if run[0] == DRAFTS[0] and len(run) > 1]
+    return (chi_square(first, probs[0]) < CHI2_CRITICAL_DF5
+            and chi_square(second, probs[1]) < CHI2_CRITICAL_DF5)
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    assert keeps_the_target_distribution(engine_verifier)
+
+
+@pytest.mark.parametrize("wrong", [residual_keeps_the_draft, accept_the_most_likely])
+def test_the_chi_square_check_fails_a_wrong_acceptance_rule(wrong: Verifier) -> None:
+    assert not keeps_the_target_distribution(wrong)
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_it_at_its_token(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Stop strings are matched in the text a token at a time, so a run of several
+    accepted tokens is cut at the token that completes the string: text, token ids
+    and reasons are those of plain decoding."""
+    import torch
+    import transformers
+
+    from tests.hf_models import COMMON
+    from tests.test_structured_outputs import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("stop")
+    vocab_size = build_tokenizer(directory)
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": vocab_size})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        directory, safe_serialization=True)
+    prompts = [f"copy: the {w} and the {w} and the {w} and the" for w in
+               ("cat", "dog", "abc", "true", "null", "fish", "false", "tree")]
+
+    accepted = []
+
+    def run(spec: dict[str, Any] | None, stops: list[list[str]]) -> list[Any]:
+        llm = LLM(str(directory), dtype="float32", device=TEST_DEVICE, check_integrity=True,
+                  apply_process_settings=False, speculative_config=spec, num_kv_blocks=512)
+        params = [SamplingParams(temperature=0.0, max_tokens=24, stop=s, ignore_eos=True)
+                  for s in stops]
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.scheduler.stats().spec_decoding
+        accepted.append(stats.num_accepted_tokens if stats else 0)
+        return outputs
+
+    free = run(None, [[] for _ in prompts])
+    # A stop string from the middle of each plain output (3 characters at its middle).
+    stops = [[o.text[len(o.text) // 2 : len(o.text) // 2 + 3]] if len(o.text) > 6 else []
+             for o in free]
+    plain = run(None, stops)
+    spec = run(NGRAM, stops)
+    assert any(o.finish_reason == "stop" for o in plain)
+    assert accepted[-1] > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
+            (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+
+
+# ---- the server: --speculative-config and the spec_decode_* metrics ---------------------
+
+
+def test_serve_with_speculative_config_exports_vllms_metrics(tmp_path: Path) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_harness import start_server
+    from tests.test_server_limits import stop_server
+
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    server = start_server(tmp_path, "--speculative-config", config)
+    try:
+        text = "The quick brown fox jumps over the lazy dog near the quiet river bank."
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "prompt": f"Repeat the sentence.\nSentence: {text}\nRepeated: {text}\nSentence: {text}"
+                      "\nRepeated:", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(server.url + "/metrics", timeout=30).text)}
+        values = {name: sum(s.value for s in families[f"tokenmill:{name}"].samples)
+                  for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                               "spec_decode_num_accepted_tokens",
+                               "spec_decode_num_accepted_tokens_per_pos")}
+        assert values["spec_decode_num_drafts"] > 0
+        assert 0 < values["spec_decode_num_accepted_tokens"] <= values["spec_decode_num_draft_tokens"]
+        assert values["spec_decode_num_accepted_tokens_per_pos"] == \
+            values["spec_decode_num_accepted_tokens"]
+    finally:
+        stop_server(server)
+
+
+def test_serve_refuses_a_bad_speculative_config_naming_the_field() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.server_harness import REPO_ROOT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 0}'], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT)
+    assert result.returncode != 0
+    assert "num_speculative_tokens" in result.stderr

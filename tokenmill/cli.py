@@ -78,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_tool_call_parser(config)
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
+    engine_args.create_speculative_config()
     if args.command == "serve-ray":
         return cmd_serve_ray(args, engine_args, config)
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).

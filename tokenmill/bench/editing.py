@@ -14,7 +14,8 @@ against one started with `--speculative-config JSON` (vLLM's flag); the report
 gives generated tok/s per stream of both, the speed-up, and whether every
 passage's text came out identical (greedy: speculation must not change it). A
 tokenmill whose `serve` has no --speculative-config gets a failed column, never
-a copy of the plain one. `--vllm` adds vLLM-CPU with its n-gram proposer.
+a copy of the plain one. `--servers tokenmill,vllm-cpu` adds vLLM-CPU with its n-gram proposer;
+each server's results go to editing-SERVER.json, and `--report-only` tables them all.
 """
 
 from __future__ import annotations
@@ -204,16 +205,23 @@ def load_mode(d: dict[str, Any]) -> ModeResult:
     return ModeResult(**d)
 
 
+def save(out: Path, modes: list[ModeResult]) -> None:
+    for label in {m.label for m in modes}:
+        (out / f"editing-{label}.json").write_text(
+            json.dumps([asdict(m) for m in modes if m.label == label], indent=2) + "\n")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--num-passages", type=int, default=None, help="the first N passages (default: all)")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--speculative-config", default=DEFAULT_SPEC,
                    help="JSON passed to the speculative server as --speculative-config")
     p.add_argument("--throughput-streams", type=int, default=64,
                    help="throughput-A through /v1/completions at this many streams (0: skip)")
-    p.add_argument("--vllm", action="store_true", help="vLLM-CPU too, plain and with n-gram speculation")
+    p.add_argument("--servers", default="tokenmill",
+                   help="comma-separated, of tokenmill, vllm-cpu (plain and with n-gram speculation)")
     p.add_argument("--vllm-speculative-config", default=None, help="(default: --speculative-config)")
     p.add_argument("--vllm-venv", default="/work/venv-vllm" if Path("/work/venv-vllm").exists()
                    else ".venv-vllm")
@@ -226,9 +234,12 @@ def main_editing(args: argparse.Namespace) -> int:
     extras.require("httpx")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    saved = out / "editing.json"
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    if not names or any(n not in ("tokenmill", "vllm-cpu") for n in names):
+        raise ValueError(f"--servers {args.servers!r}: choose from tokenmill, vllm-cpu")
     if args.report_only:
-        loaded = [load_mode(d) for d in json.loads(saved.read_text())]
+        loaded = [load_mode(d) for n in names if (out / f"editing-{n}.json").exists()
+                  for d in json.loads((out / f"editing-{n}.json").read_text())]
         print(format_table(loaded))
         return 1 if any(m.error for m in loaded) else 0
     try:
@@ -238,7 +249,8 @@ def main_editing(args: argparse.Namespace) -> int:
     passages = load_passages()[: args.num_passages]
     if not passages:
         raise ValueError("--num-passages: no passages selected")
-    plan = tokenmill_modes(args) + (vllm_modes(args) if args.vllm else [])
+    plan = ((tokenmill_modes(args) if "tokenmill" in names else [])
+            + (vllm_modes(args) if "vllm-cpu" in names else []))
     modes: list[ModeResult] = []
     for spec, speculative, why in plan:
         label = spec.label if spec else "tokenmill"
@@ -250,7 +262,7 @@ def main_editing(args: argparse.Namespace) -> int:
             modes.append(run_mode(spec, speculative, args, out, passages))
         except (RuntimeError, OSError) as e:
             modes.append(ModeResult(label, speculative, error=str(e)))
-        saved.write_text(json.dumps([asdict(m) for m in modes], indent=2) + "\n")
-    saved.write_text(json.dumps([asdict(m) for m in modes], indent=2) + "\n")
+        save(out, modes)
+    save(out, modes)
     print(format_table(modes))
     return 1 if any(m.error for m in modes) else 0

@@ -277,11 +277,16 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
                       f"{1000 / ceil.b1_roofline_ms:.0f} tok/s; the 2,048-token prompt's compute roofline "
                       f"{ceil.long_prompt_roofline_ms:.0f} ms ({ceil.long_prompt_gflop:.0f} GFLOP)."]
     best = {r.label: r for r in results if not r.error and r.one and r.four}
-    if "tokenmill" in best and len(best) > 1:
-        tm = best.pop("tokenmill")
+    tm = best.pop("tokenmill", None)
+    # Against the bf16 peers (the same weights, the same format) and against any peer
+    # (llama.cpp's Q8_0 reads half the bytes).
+    for which, peers in (("bf16 peer", [r for r in best.values() if "q8" not in r.label]),
+                         ("peer in any format", list(best.values()))):
+        if tm is None or not peers:
+            continue
         for attr, what in (("one", "1 stream"), ("four", "4 streams")):
-            peer = max(best.values(), key=lambda r: getattr(r, attr).per_stream_tok_s)
-            lines.append(f"tokenmill / the fastest peer at {what} ({peer.label}): "
+            peer = max(peers, key=lambda r: getattr(r, attr).per_stream_tok_s)
+            lines.append(f"tokenmill / the fastest {which} at {what} ({peer.label}): "
                          f"{getattr(tm, attr).per_stream_tok_s / getattr(peer, attr).per_stream_tok_s:.2f}x.")
     return "\n".join(lines)
 
@@ -313,12 +318,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where the BF16 / Q8_0 files are made (default: ../models from llama-server)")
     p.add_argument("--llama-flash-attn", default="on", choices=("on", "off", "auto"))
     p.add_argument("--llama-batch", type=int, default=2048, help="llama-server -b")
-    p.add_argument("--llama-ubatch", type=int, default=512, help="llama-server -ub")
+    # Peer settings picked by a tuning run (docs/perf-notes/i34a.md): flash attention on and
+    # -ub 256 gave llama-server its best 2,048-token TTFT; 512 tokens a step, vLLM its best.
+    p.add_argument("--llama-ubatch", type=int, default=256, help="llama-server -ub")
     p.add_argument("--llama-args", default="", help="more llama-server options")
     p.add_argument("--vllm-venv", default="/work/venv-vllm" if Path("/work/venv-vllm").exists()
                    else ".venv-vllm")
-    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=2048,
-                   help="vLLM's token budget (2,048: its CPU default, its best for the long prompt)")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=512,
+                   help="vLLM's token budget (its CPU default is 2,048)")
     p.add_argument("--skip-ceilings", action="store_true", help="no rooflines (reuse the saved ones)")
     p.add_argument("--report-only", action="store_true", help="the tables from the saved JSON")
     p.add_argument("--output-dir", default="bench-results")

@@ -96,6 +96,20 @@ class _SchedulerCollector(Collector):
                       stats.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (recompute) since start.",
                       stats.num_preemptions)
+        spec = stats.spec_decoding
+        if spec is not None:  # vLLM's spec_decode_* counters (speculative decoding on)
+            yield counter("spec_decode_num_drafts", "Verifications of drafts (a request's "
+                          "drafts in one step).", spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                prefix + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                "by their position among the request's drafts.", labels=[*label_names, "position"])
+            for pos, num in enumerate(spec.num_accepted_tokens_per_pos):
+                per_pos.add_metric([*labels, str(pos)], num)
+            yield per_pos
         info = GaugeMetricFamily(prefix + "cache_config_info", "Information of the engine's "
                                  "CacheConfig", labels=list(self.cache_info))
         info.add_metric(list(self.cache_info.values()), 1)
