@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,6 +113,35 @@ def test_a_dead_rank_stops_the_group_with_an_error_naming_it(model_paths: dict[s
     finally:
         llm.engine.shutdown()
     assert torch.get_num_threads() == tp._threads_before
+
+
+def test_a_second_node_joins_through_tokenmill_worker(model_paths: dict[str, str]) -> None:
+    """Two "machines" on this one: node 0 is the engine (rank 0), node 1 runs
+    `tokenmill worker` (rank 1), meeting at --master-addr/--master-port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port)]
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "worker", "--node-rank", "1", *flags])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        llm = LLM(model_paths["llama-uneven"], dtype="float32", skip_tokenizer_init=True,
+                  apply_process_settings=False, num_kv_blocks=64, tensor_parallel_size=2, nnodes=2,
+                  master_port=port)
+        try:
+            assert llm.engine.tp is not None and not llm.engine.tp.ranks.procs  # (none of its own)
+            split = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+        assert node1.wait(30) == 0  # (rank 0's "stop" ends the node's ranks cleanly)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    single = LLM(model_paths["llama-uneven"], dtype="float32", skip_tokenizer_init=True,
+                 apply_process_settings=False, num_kv_blocks=64)
+    assert split == [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
 
 
 def test_the_split_keeps_kv_groups_whole_and_covers_everything() -> None:

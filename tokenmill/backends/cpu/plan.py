@@ -21,8 +21,9 @@ and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
-runs the Python loop, with the all-reduce after each of those two GEMMs: the
-one-call paths have no place between their kernels for it.
+runs the Python loop, with the all-reduce after each of those two GEMMs (their
+float32 sums, rounded after the reduce): the one-call paths have no place
+between their kernels for it.
 """
 
 from __future__ import annotations
@@ -310,8 +311,18 @@ class CpuPlan:
                 return ops.packed_gemm_silu(x, p.packed, p.n // 2)
             return ops.silu_and_mul(matmul(x, p))
 
-        gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
         all_reduce = self.all_reduce
+
+        def row_parallel(x: torch.Tensor, p: _Proj) -> torch.Tensor:
+            # A shard's o/down: float32 partial sums, summed over the ranks, rounded
+            # once, as the whole GEMM rounds its one sum (bf16 partials would round twice).
+            assert all_reduce is not None
+            out = ops.packed_gemm(x, p.packed, p.n, p.bias, True) if packed else p.linear(x).float()
+            all_reduce(out)
+            return out.to(x.dtype)
+
+        gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
+        gemm_out = gemm if all_reduce is None else linear_row(row_parallel)
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         eps = self.eps
         residual = hidden
@@ -341,13 +352,9 @@ class CpuPlan:
                     out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window)
                 else:
                     out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
-            hidden = gemm(out.reshape(n, self.q_size), layer.o)
-            if all_reduce is not None:  # each rank's heads' share of o_proj, summed
-                all_reduce(hidden)
+            hidden = gemm_out(out.reshape(n, self.q_size), layer.o)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            hidden = gemm(gemm_act(hidden, layer.gate_up), layer.down)
-            if all_reduce is not None:
-                all_reduce(hidden)
+            hidden = gemm_out(gemm_act(hidden, layer.gate_up), layer.down)
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:

@@ -1,0 +1,103 @@
+"""TP=1 against TP=2 (gloo, one core per rank) on the default model: engine step times and greedy agreement: PYTHONPATH=. .venv/bin/python benchmarks/tp_step.py [out.json]."""
+
+# Each configuration builds its own engine (prefix caching off, so every prompt
+# is computed), then times: one prefill step of a 512-token prompt, and decode
+# steps at B = 1, 8, 32 (128-token prompts, median of 24 steps after 4 warm-up
+# ones). Greedy agreement: 6 prompts x 48 tokens, compared with TP=1 (1 thread).
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.engine.arg_utils import EngineArgs
+from tokenmill.engine.llm_engine import LLMEngine
+
+CONFIGS = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread a rank", 2, None)]
+BATCHES = (1, 8, 32)
+TEXT = ("The quick brown fox jumps over the lazy dog while the river runs to the sea, and "
+        "every morning the baker opens the shop before the sun has risen over the hills. ")
+
+
+def prompt_ids(engine: LLMEngine, n: int, salt: int) -> list[int]:
+    assert engine.tokenizer is not None
+    ids = engine.tokenizer.encode(f"{salt}: " + TEXT * (n // 20 + 2))
+    return ids[:n]
+
+
+def timed_step(engine: LLMEngine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def measure(engine: LLMEngine) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    long = SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.0)
+    engine.add_request("warm", {"prompt_token_ids": prompt_ids(engine, 64, 999)}, long)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request(["warm"])
+    engine.add_request("prefill", {"prompt_token_ids": prompt_ids(engine, 512, 0)}, long)
+    out["prefill_512_ms"] = timed_step(engine) * 1e3
+    engine.abort_request(["prefill"])
+    for batch in BATCHES:
+        ids = [f"b{batch}-{i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, {"prompt_token_ids": prompt_ids(engine, 128, i + 1)}, long)
+        while engine.scheduler.stats().num_waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        times = [timed_step(engine) for _ in range(24)]
+        out[f"decode_B{batch}_ms"] = statistics.median(times) * 1e3
+        engine.abort_request(ids)
+    greedy = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
+    for i in range(6):
+        engine.add_request(f"g{i}", {"prompt_token_ids": prompt_ids(engine, 40 + 17 * i, 100 + i)}, greedy)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step().outputs:
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    out["greedy"] = [tokens[f"g{i}"] for i in range(6)]
+    return out
+
+
+def main() -> None:
+    results = {}
+    default_threads = torch.get_num_threads()
+    for name, tp, threads in CONFIGS:
+        torch.set_num_threads(threads or default_threads)
+        start = time.perf_counter()
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            tensor_parallel_size=tp, max_num_seqs=64, max_num_batched_tokens=2048,
+            num_kv_blocks=1024, enable_prefix_caching=False))
+        load_s = time.perf_counter() - start
+        try:
+            res = measure(engine)
+        finally:
+            engine.shutdown()
+        res["load_s"] = load_s
+        results[name] = res
+        print(name, {k: round(v, 1) for k, v in res.items() if k != "greedy"}, flush=True)
+    ref = results[CONFIGS[0][0]]["greedy"]
+    for name, res in results.items():
+        same = sum(a == b for a, b in zip(ref, res["greedy"], strict=True))
+        first = [next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                 for a, b in zip(ref, res["greedy"], strict=True)]
+        print(f"{name}: greedy sequences equal to TP=1's: {same}/6; first differing token: {first}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
