@@ -249,8 +249,10 @@ def test_calibrate_times_every_step_of_the_real_engine(tmp_path: Path) -> None:
     shapes, seconds = run_scenarios(llm, ((1, 40, 1, 0), (4, 16, 6, 0), (6, 20, 5, 1)), rounds=1)
     assert len(shapes) == len(seconds) and all(s > 0 for s in seconds)
     assert shapes[0] == StepShape(num_tokens=40, num_rows=1, num_sampled_rows=1,
-                                  num_kv_reads=0, num_prefill_pairs=40 * 41 // 2)
-    assert shapes[2] == StepShape(4, 4, 4, num_kv_reads=4 * 17)  # 16 prompt tokens + 1 each
+                                  num_kv_reads=0, num_prefill_pairs=40 * 41 // 2,
+                                  num_output_rows=1)
+    # 16 prompt tokens + 1 each; every row gives out its token.
+    assert shapes[2] == StepShape(4, 4, 4, num_kv_reads=4 * 17, num_output_rows=4)
     # 4 prompts of 16 in one step, then 5 decode steps of 4 rows.
     assert [(s.num_tokens, s.num_rows) for s in shapes[1:7]] == [(64, 4)] + [(4, 4)] * 5
     cm = fit(shapes, seconds, ModelShape.from_model_info(llm.model_info()))
