@@ -278,3 +278,11 @@ def stall_the_feed(engine: AsyncEngine, server: ServerThread) -> None:
         assert time.monotonic() - started < 30
         assert len(subscriber.queue) == 4
     wait_unwatched(live)
+
+
+def test_serve_flag() -> None:
+    from tokenmill.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--dashboard"]).dashboard is True
+    assert parser.parse_args(["serve"]).dashboard is False
