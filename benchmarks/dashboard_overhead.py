@@ -88,17 +88,17 @@ def main() -> None:
     server = ServerThread(build_app(engine, ServerConfig(dashboard=True))).start()
     load_cmd = [sys.executable, "-c", LOAD, server.url, str(args.requests),
                 str(args.concurrency), str(args.max_tokens)]
-    subprocess.run([*load_cmd[:3], "8", "8", "4"], check=True, cwd=REPO_ROOT)  # warm-up
+    subprocess.run([*load_cmd[:4], "8", "8", "4"], check=True, cwd=REPO_ROOT)  # warm-up
     results: dict[str, list[dict[str, float]]] = {}
-    browser = Chromium().__enter__() if "browser" in args.modes else None
+    browser: Chromium | None = None
     try:
         for repeat in range(args.repeats):
             for mode in args.modes.split(","):
                 watcher: subprocess.Popen[bytes] | None = None
                 if mode == "sse":
                     watcher = subprocess.Popen([sys.executable, "-c", READER, server.url])
-                elif mode == "browser":
-                    assert browser is not None
+                elif mode == "browser":  # (a fresh browser each time: closing it ends the feed)
+                    browser = Chromium().__enter__()
                     page = browser.page()
                     page.navigate(server.url + "/dashboard")
                 if mode != "closed":
@@ -123,8 +123,9 @@ def main() -> None:
                 if watcher is not None:
                     watcher.terminate()
                     watcher.wait()
-                if mode == "browser":
-                    page.call("Page.navigate", url="about:blank")
+                if browser is not None:
+                    browser.__exit__(None, None, None)
+                    browser = None
                 deadline = time.monotonic() + 20
                 while engine.live_view.watched:  # (noticed at the next write: an idle snapshot)
                     assert time.monotonic() < deadline, f"{mode}: still subscribed"

@@ -1,6 +1,6 @@
 """docs/dashboard.png: `tokenmill serve --dashboard` on the default model (float32,
 64 MiB of KV: ~90 blocks, so the pool fills and requests are preempted) under
-chat load from 12 clients, /dashboard in headless Chromium, a screenshot after
+chat load from 16 clients (12 seats), /dashboard in headless Chromium, a screenshot after
 --seconds: PYTHONPATH=. .venv/bin/python benchmarks/dashboard_screenshot.py [--out docs/dashboard.png]"""
 
 from __future__ import annotations
@@ -35,18 +35,18 @@ def client(url: str, c: int, stop: threading.Event) -> None:
             question = QUESTIONS[(c + i) % len(QUESTIONS)]
             http.post(url + "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": question}],
-                "max_tokens": 48 + 24 * ((c + i) % 5), "temperature": 0.7, "ignore_eos": True})
+                "max_tokens": 64 + 40 * ((c + i) % 5), "temperature": 0.7, "ignore_eos": True})
             i += 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "dashboard.png"))
-    parser.add_argument("--clients", type=int, default=12)
+    parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=25.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(Path(tmp), "--dashboard", "--max-num-seqs", "8")
+        server = start_server(Path(tmp), "--dashboard", "--max-num-seqs", "12")
         stop = threading.Event()
         threads = [threading.Thread(target=client, args=(server.url, c, stop), daemon=True)
                    for c in range(args.clients)]

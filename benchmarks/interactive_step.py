@@ -14,6 +14,7 @@ streaming /v1/completions; per-stream decode speed = (tokens - 1) / (e2e -
 TTFT). Then one 2,048-token prompt with one output token (TTFT, 3 times).
 
 `--busy N` starts N processes that spin on a core each (bounded by the run).
+`--no-small` (engine): the layer loop instead of csrc/small_decode.cpp.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def start_busy(num: int) -> list[subprocess.Popen[bytes]]:
 def engine(args: argparse.Namespace) -> None:
     from tokenmill import LLM, SamplingParams
 
+    if args.no_small:  # the code before small_decode (csrc/small_decode.cpp), for A/B
+        from tokenmill.backends.cpu import plan
+
+        plan.SMALL_DECODE_MAX_ROWS = 0
     llm = LLM(None, dtype="bfloat16")
     eng = llm.engine
     prompts = throughput_a(128).prompts
@@ -105,7 +110,8 @@ def server(args: argparse.Namespace) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
-           "--dtype", "bfloat16", "--no-enable-prefix-caching", *args.serve_args.split()]
+           "--dtype", "bfloat16", "--no-enable-prefix-caching", "--served-model-name", "default",
+           *args.serve_args.split()]
     log = Path(os.environ.get("LOG", "/tmp/interactive_server.log"))
     proc = spawn_server(cmd, dict(os.environ), log)
     try:
@@ -138,6 +144,7 @@ def main() -> None:
     p.add_argument("--long", type=int, default=0, help="times to send the 2,048-token prompt")
     p.add_argument("--busy", type=int, default=0)
     p.add_argument("--serve-args", default="")
+    p.add_argument("--no-small", action="store_true", help="engine: without small_decode")
     args = p.parse_args()
     if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
         from tokenmill.engine.openmp_wait import apply_openmp_wait_policy

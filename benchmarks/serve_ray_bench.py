@@ -48,11 +48,19 @@ def wait_up(url: str, timeout_s: float = 300.0) -> str:
     raise RuntimeError(f"{url} did not come up")
 
 
+def warm_up(url: str, model: str) -> None:
+    """Two requests at once, so each of two replicas has run a step (first-call
+    costs stay out of the numbers); their prompts share no block with the workloads'."""
+    results, _ = asyncio.run(run_rate(url, model, [[7, 8, 9, 10], [11, 12, 13, 14]], [4, 4],
+                                      float("inf")))
+    assert all(r.ok for r in results), [r.error for r in results]
+
+
 def serve_b(url: str, label: str, rates: list[float], n: int) -> list[dict[str, Any]]:
     workload = throughput_a(128)
     prompts, lens = workload.prompts[:n], workload.output_lens[:n]
     model = wait_up(url)
-    asyncio.run(run_rate(url, model, [prompts[0][:16]], [4], float("inf")))  # warm-up
+    warm_up(url, model)
     rows = []
     for rate in rates:
         results, duration = asyncio.run(run_rate(url, model, prompts, lens, rate))
@@ -81,7 +89,7 @@ def chat_prefix_8(per_prefix: int = 16, system_len: int = 512, unique_len: int =
 
 def run_prefix_workload(url: str, label: str, workload: Workload) -> dict[str, Any]:
     model = wait_up(url)
-    asyncio.run(run_rate(url, model, [[7, 8, 9, 10]], [2], float("inf")))  # warm-up
+    warm_up(url, model)
     hits0, queries0 = replica_counters(url)
     results, duration = asyncio.run(
         run_rate(url, model, workload.prompts, workload.output_lens, float("inf")))
@@ -149,6 +157,7 @@ def main() -> int:
                         num_replicas=2, num_cpus_per_replica=1, router=router), 2)
                     serve.run(app, name="tokenmill", route_prefix="/", blocking=False)
                     rows.append(run_prefix_workload(url, router, workload))
+                    (out / f"{args.what}.json").write_text(json.dumps(rows, indent=1, default=str))
                     serve.delete("tokenmill")  # fresh caches for the next run
     finally:
         (out / f"{args.what}.json").write_text(json.dumps(rows, indent=1, default=str))

@@ -132,7 +132,13 @@ def test_rooflines_and_table() -> None:
     assert interactive.retained(tm) == pytest.approx(0.5)
     text = interactive.format_tables(c, [tm, peer, broken])
     assert "| tokenmill | 100 | " in text and "| 50% |" in text and "failed: exited with 1" in text
-    assert "at 1 stream (llama-bf16): 2.00x" in text and "at 4 streams (llama-bf16): 4.00x" in text
+    assert "bf16 peer at 1 stream (llama-bf16): 2.00x" in text
+    assert "bf16 peer at 4 streams (llama-bf16): 4.00x" in text
+    q8 = interactive.ServerResult("llama-q8_0", "-t 2", one=ph(200), four=ph(10))
+    text = interactive.format_tables(c, [tm, peer, q8])
+    assert "bf16 peer at 1 stream (llama-bf16): 2.00x" in text
+    assert "any format at 1 stream (llama-q8_0): 0.50x" in text
+    assert "any format at 4 streams (llama-bf16): 4.00x" in text
 
 
 def test_interactive_workload_never_repeats_a_prompt() -> None:

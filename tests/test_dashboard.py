@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,7 @@ def test_snapshots_report_every_step_event(engine: AsyncEngine) -> None:
             kinds.add(r["kind"])
             assert r["kind"] in ("prefill", "decode")
             assert r["computed"] + r["tokens"] <= r["total"]
+            assert r["max_tokens"] == 40 and 0 <= r["output"] < 40
             if r["kind"] == "decode":
                 assert r["tokens"] == 1 and r["computed"] >= r["prompt"]
     assert kinds == {"prefill", "decode"}
@@ -186,21 +188,37 @@ def test_sse_feed(served: tuple[AsyncEngine, ServerThread], model_path: str) -> 
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/events" in page.text and "<svg id=\"batch\"" in page.text
     events: list[tuple[str, dict[str, Any]]] = []
+    # Requests keep coming until a snapshot shows one: a short request can run whole
+    # between two snapshots (at most 10 a second), and keepalives never end the read.
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            completion(server.url, 0)
+
+    loader = threading.Thread(target=load, daemon=True)
+    deadline = time.monotonic() + 60
     with httpx.stream("GET", server.url + "/dashboard/events", timeout=30) as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
         assert engine.live_view.watched
         lines = stream.iter_lines()
         name = None
-        for line in lines:
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                assert name is not None
-                events.append((name, json.loads(line.removeprefix("data: "))))
-                if name == "snapshot" and events[-1][1]["batch"]:
-                    break
-                if len(events) == 2:
-                    completion(server.url, 0)  # something to show after the idle snapshot
+        try:
+            for line in lines:
+                assert time.monotonic() < deadline, "no snapshot showed a running request"
+                if line.startswith("event: "):
+                    name = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    assert name is not None
+                    events.append((name, json.loads(line.removeprefix("data: "))))
+                    if name == "snapshot" and events[-1][1]["batch"]:
+                        break
+                    if len(events) == 2:
+                        loader.start()  # something to show after the idle snapshot
+        finally:
+            stop.set()
+    if loader.is_alive():
+        loader.join(timeout=60)
     assert events[0] == ("hello", {"model": Path(model_path).name, "max_model_len": 192,
                                    "max_rate_hz": 10.0})
     assert {name for name, _ in events[1:]} == {"snapshot"}

@@ -215,7 +215,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--num-passages", type=int, default=None, help="the first N passages (default: all)")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--speculative-config", default=DEFAULT_SPEC,
                    help="JSON passed to the speculative server as --speculative-config")
     p.add_argument("--throughput-streams", type=int, default=64,

@@ -277,11 +277,16 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
                       f"{1000 / ceil.b1_roofline_ms:.0f} tok/s; the 2,048-token prompt's compute roofline "
                       f"{ceil.long_prompt_roofline_ms:.0f} ms ({ceil.long_prompt_gflop:.0f} GFLOP)."]
     best = {r.label: r for r in results if not r.error and r.one and r.four}
-    if "tokenmill" in best and len(best) > 1:
-        tm = best.pop("tokenmill")
+    tm = best.pop("tokenmill", None)
+    # Against the bf16 peers (the same weights, the same format) and against any peer
+    # (llama.cpp's Q8_0 reads half the bytes).
+    for which, peers in (("bf16 peer", [r for r in best.values() if "q8" not in r.label]),
+                         ("peer in any format", list(best.values()))):
+        if tm is None or not peers:
+            continue
         for attr, what in (("one", "1 stream"), ("four", "4 streams")):
-            peer = max(best.values(), key=lambda r: getattr(r, attr).per_stream_tok_s)
-            lines.append(f"tokenmill / the fastest peer at {what} ({peer.label}): "
+            peer = max(peers, key=lambda r: getattr(r, attr).per_stream_tok_s)
+            lines.append(f"tokenmill / the fastest {which} at {what} ({peer.label}): "
                          f"{getattr(tm, attr).per_stream_tok_s / getattr(peer, attr).per_stream_tok_s:.2f}x.")
     return "\n".join(lines)
 

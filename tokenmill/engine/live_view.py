@@ -180,6 +180,8 @@ def take_snapshot(
                 "computed": scheduled.num_computed_tokens,
                 "total": request.num_tokens if request is not None else 0,
                 "prompt": num_prompt,
+                "output": request.num_output_tokens if request is not None else 0,
+                "max_tokens": scheduled.sampling_params.max_tokens,
             })
     waiting = [
         {"id": r.request_id, "prompt": r.num_prompt_tokens,

@@ -141,7 +141,7 @@ def serve_probe(args: argparse.Namespace, cm: CostModel) -> CostModel:
     predicted = offline(1, cm, True)[0].ttft_s
     cm.serve_arrival_delay_s = max(ttft - predicted, 0.0)
     cm.provenance["serve"] = {
-        "command": "tokenmill simulate calibrate --serve " + " ".join(sys.argv[3:]),
+        "command": "tokenmill simulate calibrate " + " ".join(sys.argv[3:]),
         "batches": list(SERVE_BATCHES),
         "measured_itl_ms": {n: itl(measured[n]) * 1e3 for n in SERVE_BATCHES},
         "offline_itl_ms": {n: (itl(measured[n]) - gaps[n]) * 1e3 for n in SERVE_BATCHES},

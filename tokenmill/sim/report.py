@@ -48,7 +48,7 @@ def rate_report(result: SimResult, rate: float, slo_ttft_ms: float | None = None
     return build_report(rate, request_results(result), result.wall_s, slo_ttft_ms, slo_tpot_ms)
 
 
-def timeline(result: SimResult, max_points: int = 2000) -> dict[str, Any]:
+def timeline(result: SimResult, max_points: int = 300) -> dict[str, Any]:
     """The per-step series (every k-th step past `max_points`), for the JSON."""
     every = max(1, len(result.steps) // max_points)
     steps = result.steps[::every]

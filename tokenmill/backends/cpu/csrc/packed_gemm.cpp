@@ -576,7 +576,8 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
 // Groups [g0, g1) of run<BF16, SILU>'s tasks, every row, on the calling thread
 // alone (small_decode.cpp splits a projection's groups between its threads,
 // so each weight is read once a step). Each group prefetches the next one of
-// the range meanwhile, as run's tasks do. The same tiles, so the same bits.
+// the range meanwhile, as run's tasks do, and the tiles feed this thread's
+// K/V prefetch stream where it has one. The same tiles, so the same bits.
 template <bool BF16, bool SILU>
 void run_groups(const GemmArgs& a, int64_t M, int64_t nblocks, int64_t g0, int64_t g1) {
   constexpr int64_t GB = SILU ? 2 : kGroupBlocks;
@@ -601,12 +602,12 @@ void run_groups(const GemmArgs& a, int64_t M, int64_t nblocks, int64_t g0, int64
     const int64_t nb = blocks(g, w), col = g * GB;
     const char* const* pf = g + 1 < g1 && blocks(g + 1, next) == GB ? next : nullptr;
     if constexpr (SILU) {
-      if (nb == 2) rows<BF16, 4, true>(a, 0, M, w, col, pf);
-      else rows<BF16, 2, true>(a, 0, M, w, col, pf);
+      if (nb == 2) rows_kv<BF16, 4, true>(a, 0, M, w, col, pf);
+      else rows_kv<BF16, 2, true>(a, 0, M, w, col, pf);
     } else {
-      if (nb == 3) rows<BF16, 3>(a, 0, M, w, col, pf);
-      else if (nb == 2) rows<BF16, 2>(a, 0, M, w, col, pf);
-      else rows<BF16, 1>(a, 0, M, w, col, pf);
+      if (nb == 3) rows_kv<BF16, 3>(a, 0, M, w, col, pf);
+      else if (nb == 2) rows_kv<BF16, 2>(a, 0, M, w, col, pf);
+      else rows_kv<BF16, 1>(a, 0, M, w, col, pf);
     }
   }
 }
