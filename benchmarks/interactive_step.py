@@ -14,7 +14,9 @@ streaming /v1/completions; per-stream decode speed = (tokens - 1) / (e2e -
 TTFT). Then one 2,048-token prompt with one output token (TTFT, 3 times).
 
 `--busy N` starts N processes that spin on a core each (bounded by the run).
-`--no-small` (engine): the layer loop instead of csrc/small_decode.cpp.
+`--small` (engine): decode steps of <= 8 requests on csrc/small_decode.cpp
+(off by default). The perf notes' runs were made when it was on by default and
+`--no-small` turned it off.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ def start_busy(num: int) -> list[subprocess.Popen[bytes]]:
 def engine(args: argparse.Namespace) -> None:
     from tokenmill import LLM, SamplingParams
 
-    if args.no_small:  # the code before small_decode (csrc/small_decode.cpp), for A/B
+    if args.small:  # csrc/small_decode.cpp (off by default: docs/perf-notes/i34b.md), for A/B
         from tokenmill.backends.cpu import plan
 
-        plan.SMALL_DECODE_MAX_ROWS = 0
+        plan.SMALL_DECODE_MAX_ROWS = 8
     llm = LLM(None, dtype="bfloat16")
     eng = llm.engine
     prompts = throughput_a(128).prompts
@@ -144,7 +146,7 @@ def main() -> None:
     p.add_argument("--long", type=int, default=0, help="times to send the 2,048-token prompt")
     p.add_argument("--busy", type=int, default=0)
     p.add_argument("--serve-args", default="")
-    p.add_argument("--no-small", action="store_true", help="engine: without small_decode")
+    p.add_argument("--small", action="store_true", help="engine: with small_decode")
     args = p.parse_args()
     if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
         from tokenmill.engine.openmp_wait import apply_openmp_wait_policy
