@@ -45,7 +45,7 @@ def start_busy(num: int) -> list[subprocess.Popen[bytes]]:
 def engine(args: argparse.Namespace) -> None:
     from tokenmill import LLM, SamplingParams
 
-    if args.small:  # csrc/small_decode.cpp (off by default: docs/perf-notes/i34b.md), for A/B
+    if args.small:  # csrc/small_decode.cpp (off by default: docs/perf-notes.md), for A/B
         from tokenmill.backends.cpu import plan
 
         plan.SMALL_DECODE_MAX_ROWS = 8

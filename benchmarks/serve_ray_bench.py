@@ -1,4 +1,4 @@
-"""tokenmill on Ray Serve against `tokenmill serve` alone (docs/perf-notes/i36a.md).
+"""tokenmill on Ray Serve against `tokenmill serve` alone (docs/perf-notes.md).
 
   python benchmarks/serve_ray_bench.py serve-b      # serve-B: serve alone (1 core),
                                                     # Ray 1 replica, Ray 2 replicas (1 core each)

@@ -223,7 +223,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Speculation is off while more than this many requests run (vLLM's
 # disable_by_batch_size): a bigger step is compute-bound and verifying drafts
 # stops paying; measured on the editing passages, bf16, the gain fell from
-# 3.4x at 1 to 1.05x at 32 (docs/perf-notes/i35.md).
+# 3.4x at 1 to 1.05x at 32 (docs/perf-notes.md).
 DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 32
 
 

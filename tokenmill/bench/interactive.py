@@ -318,7 +318,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where the BF16 / Q8_0 files are made (default: ../models from llama-server)")
     p.add_argument("--llama-flash-attn", default="on", choices=("on", "off", "auto"))
     p.add_argument("--llama-batch", type=int, default=2048, help="llama-server -b")
-    # Peer settings picked by a tuning run (docs/perf-notes/i34a.md): flash attention on and
+    # Peer settings picked by a tuning run (docs/perf-notes.md): flash attention on and
     # -ub 256 gave llama-server its best 2,048-token TTFT; 512 tokens a step, vLLM its best.
     p.add_argument("--llama-ubatch", type=int, default=256, help="llama-server -ub")
     p.add_argument("--llama-args", default="", help="more llama-server options")

@@ -376,7 +376,7 @@ SPLIT_ROWS_PER_WEIGHT_BYTE = 8
 # Decode-only steps of up to this many requests run csrc/small_decode.cpp. Off
 # (0): idle it measured 0-3% faster than the layer loop, but beside a busy core
 # 1.2-1.6x slower (B=1 36 vs 23 ms), which is the case it was for
-# (docs/perf-notes/i34b.md); its test sets it.
+# (docs/perf-notes.md); its test sets it.
 SMALL_DECODE_MAX_ROWS = 0
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
