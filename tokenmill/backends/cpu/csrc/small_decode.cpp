@@ -61,7 +61,7 @@ namespace {
 // another job holds a core the waiter gives its core up. (Yielding the core
 // at every round instead, sched_yield, was slower beside a busy process: the
 // yielder loses its core to that process for a whole time slice, where a
-// woken sleeper preempts it: docs/perf-notes/i34b.md.)
+// woken sleeper preempts it: docs/perf-notes.md.)
 std::atomic<int64_t> g_spin_rounds{4000};
 
 class Barrier {
