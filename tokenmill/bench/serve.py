@@ -51,6 +51,12 @@ class RequestResult:
 
 
 @dataclass
+class StreamResult(RequestResult):
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
 class RateReport:
     rate: float  # requests per second asked for (inf: all at once)
     num_requests: int
@@ -124,16 +130,23 @@ async def send_one(
     client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
     headers: dict[str, str], timeout_s: float,
 ) -> RequestResult:
-    """One streaming completion; times each SSE chunk that carries text."""
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }
-    result = RequestResult(ok=False, prompt_tokens=len(prompt))
-    start = time.perf_counter()
-    last = start
+    """One streaming completion of serve-B (greedy, EOS ignored), timed by stream_one."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+    return await stream_one(client, url, body, headers, timeout_s)
+
+
+async def stream_one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
+                     timeout_s: float) -> StreamResult:
+    """One streamed request to /v1/completions (choices[0].text) or
+    /v1/chat/completions (choices[0].delta.content); times each chunk with text."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    prompt = body.get("prompt")
+    result = StreamResult(ok=False, prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
+    start = last = time.perf_counter()
     chunks = 0
-    usage_tokens: int | None = None
+    usage: dict[str, Any] | None = None
+    parts: list[str] = []
     try:
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
             if resp.status_code != 200:
@@ -148,22 +161,33 @@ async def send_one(
                     break
                 payload = json.loads(data)
                 if payload.get("usage"):
-                    usage_tokens = payload["usage"].get("completion_tokens")
-                choices = payload.get("choices") or []
-                if not choices or not choices[0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-                chunks += 1
+                    usage = payload["usage"]
+                for choice in payload.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+                    piece = choice.get("text")
+                    if piece is None:
+                        piece = (choice.get("delta") or {}).get("content")
+                    if not piece:
+                        continue
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                    chunks += 1
+                    parts.append(piece)
     except Exception as e:  # a failed request is reported, never fatal to the run
         result.error = f"{type(e).__name__}: {e}"[:200]
         return result
     result.e2e_s = last - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.text = "".join(parts)
+    if usage:
+        result.output_tokens = int(usage.get("completion_tokens") or chunks)
+        result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+    else:
+        result.output_tokens = chunks  # one token a chunk without speculation
     result.ok = chunks > 0
     if not result.ok:
         result.error = "no tokens streamed"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import os
 import re
 import signal
@@ -28,13 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.serve import RequestResult, free_port, spawn_server, summarize, wait_healthy
-
-
-@dataclass
-class StreamResult(RequestResult):
-    text: str = ""
-    finish_reason: str | None = None
+from tokenmill.bench.serve import (
+    StreamResult,
+    free_port,
+    spawn_server,
+    stream_one,
+    summarize,
+    wait_healthy,
+)
 
 
 @dataclass
@@ -67,64 +67,6 @@ def phase_report(name: str, streams: int, results: Sequence[StreamResult], wall_
         itl_ms=summarize([x for r in ok for x in r.itl_s]),
         errors=sorted({r.error for r in results if not r.ok})[:5],
     )
-
-
-async def stream_one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
-                     timeout_s: float) -> StreamResult:
-    """One streamed request to /v1/completions (choices[0].text) or
-    /v1/chat/completions (choices[0].delta.content); times each chunk with text."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    prompt = body.get("prompt")
-    result = StreamResult(ok=False, prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
-    start = last = time.perf_counter()
-    chunks = 0
-    usage: dict[str, Any] | None = None
-    parts: list[str] = []
-    try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                payload = json.loads(data)
-                if payload.get("usage"):
-                    usage = payload["usage"]
-                for choice in payload.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-                    piece = choice.get("text")
-                    if piece is None:
-                        piece = (choice.get("delta") or {}).get("content")
-                    if not piece:
-                        continue
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-                    chunks += 1
-                    parts.append(piece)
-    except Exception as e:  # a failed request is reported, never fatal to the run
-        result.error = f"{type(e).__name__}: {e}"[:200]
-        return result
-    result.e2e_s = last - start
-    result.text = "".join(parts)
-    if usage:
-        result.output_tokens = int(usage.get("completion_tokens") or chunks)
-        result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
-    else:
-        result.output_tokens = chunks  # one token a chunk without speculation
-    result.ok = chunks > 0
-    if not result.ok:
-        result.error = "no tokens streamed"
-    return result
 
 
 async def closed_loop(base_url: str, path: str, bodies_per_stream: Sequence[Sequence[dict[str, Any]]],
