@@ -6,9 +6,9 @@ other node; each gets its share of this machine's cores (OMP_NUM_THREADS and
 torch's thread count), the environment otherwise inherited (the OpenMP wait
 policy `tokenmill serve` set included).
 
-With distributed_executor_backend="ray" (RayRanks), ranks 1..N-1 are Ray actors
-instead, one in each other bundle of rank 0's placement group, running the same
-worker code; rank 0 watches them through Ray.
+With distributed_executor_backend="ray" (RayRanks), ranks 1..N-1 run in Ray
+actors instead, one in each other bundle of rank 0's placement group, each the
+same worker process as a child of its actor; rank 0 watches them through Ray.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -34,12 +35,27 @@ def thread_share(ranks_on_this_node: int) -> int:
 
 
 def spawn_rank(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
-               threads: int) -> subprocess.Popen[bytes]:
+               threads: int, die_with_parent: bool = False) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "tokenmill.distributed.worker", "--rank", str(rank),
            "--world-size", str(world_size), "--local-rank", str(local_rank),
            "--master-addr", master_addr, "--master-port", str(master_port),
            "--threads", str(threads)]
-    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                            preexec_fn=_die_with_parent() if die_with_parent else None)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """Linux: a function for the child (between fork and exec) that has it killed
+    when its parent dies (PR_SET_PDEATHSIG), so a rank never outlives the Ray actor
+    that holds its place. Resolved here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 class RankProcesses:
@@ -87,18 +103,26 @@ class RankProcesses:
 
 
 class RankActor:
-    """A rank as a Ray actor: the process Ray starts in a placement group's bundle,
-    running what `python -m tokenmill.distributed.worker` runs."""
+    """A rank's place in a Ray placement group's bundle: the actor holds the
+    bundle's CPUs and runs the rank as its child process, the very
+    `python -m tokenmill.distributed.worker` that `tokenmill worker` starts (the
+    child dies with the actor)."""
 
-    def where(self) -> tuple[int, str]:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, rank: int, world_size: int, master_addr: str, port: int,
+              threads: int) -> tuple[int, str]:
+        """Starts the rank; its (pid, this node's IP)."""
         import ray
 
-        return os.getpid(), ray.util.get_node_ip_address()
+        self.proc = spawn_rank(rank, world_size, 0, master_addr, port, threads, die_with_parent=True)
+        return self.proc.pid, str(ray.util.get_node_ip_address())
 
-    def run(self, argv: list[str]) -> int:
-        from tokenmill.distributed.worker import main
-
-        return main(argv)
+    def wait(self) -> int:
+        """Until the rank exits: its exit code (negative: the signal that killed it)."""
+        assert self.proc is not None
+        return self.proc.wait()
 
 
 # How long rank 0 waits for a rank actor to start (its process, imports, runtime env).
@@ -106,16 +130,18 @@ ACTOR_START_TIMEOUT_S = float(os.environ.get("TOKENMILL_TP_INIT_TIMEOUT_S", "600
 
 
 class RayRanks:
-    """Ranks 1..N-1 as Ray actors, rank r in bundle r of the placement group this
+    """Ranks 1..N-1 in Ray actors, rank r in bundle r of the placement group this
     process runs in (bundle 0 is this process's own: rank 0), as vLLM's Ray
-    executor places its workers. The rendezvous is this process's node IP and a
+    executor places its workers; each actor runs its rank as a child process. The rendezvous is this process's node IP and a
     free port, so a STRICT_SPREAD group spans machines. Each rank's threads: its
     bundle's CPUs.
 
     No orphans: the actors are this process's (not detached), and Ray kills an
     owner's actors when it dies; removing the placement group (Ray Serve does when
-    it stops a replica) kills them too. A rank actor that dies is seen by `gone()`
-    (its `run` call ends with an error), so a collective that fails names it."""
+    it stops a replica) kills them too; a rank dies with its actor
+    (PR_SET_PDEATHSIG), and exits by itself when rank 0's sockets close. A rank
+    that dies ends its actor's `wait` call, which `gone()` sees, so a collective
+    that fails names it."""
 
     def __init__(self) -> None:
         from ray.util import get_current_placement_group
@@ -127,7 +153,7 @@ class RayRanks:
                              "--tensor-parallel-size N` gives each replica one)")
         self.pg = pg
         self.actors: dict[int, Any] = {}  # rank -> actor handle
-        self.runs: dict[int, Any] = {}  # rank -> the ObjectRef of its `run` call
+        self.runs: dict[int, Any] = {}  # rank -> the ObjectRef of its actor's `wait` call
         self.where: dict[int, tuple[int, str]] = {}  # rank -> (pid, node IP)
 
     def bundle_cpus(self, index: int) -> float:
@@ -152,27 +178,22 @@ class RayRanks:
                              f"bundles; this process's has {len(self.pg.bundle_specs)}")
         remote = ray.remote(RankActor)
         for rank in ranks:
-            cpus = self.bundle_cpus(rank)
-            rank_threads = max(1, int(cpus))
             self.actors[rank] = remote.options(
-                num_cpus=cpus,
+                num_cpus=self.bundle_cpus(rank),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=rank),
-                # (OpenMP sizes its pool from this before torch can be told.)
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(rank_threads)}},
             ).remote()
         for rank, actor in self.actors.items():
+            rank_threads = max(1, int(self.bundle_cpus(rank)))
             try:
-                self.where[rank] = ray.get(actor.where.remote(), timeout=ACTOR_START_TIMEOUT_S)
+                self.where[rank] = ray.get(
+                    actor.start.remote(rank, world_size, master_addr, port, rank_threads),
+                    timeout=ACTOR_START_TIMEOUT_S)
             except Exception as e:
                 self.kill()
                 raise TensorParallelError(f"tensor-parallel rank {rank} (a Ray actor in bundle "
                                           f"{rank}) could not start: {e}") from e
-            self.runs[rank] = actor.run.remote([
-                "--rank", str(rank), "--world-size", str(world_size), "--local-rank", "0",
-                "--master-addr", master_addr, "--master-port", str(port),
-                "--threads", str(max(1, int(self.bundle_cpus(rank)))),
-            ])
+            self.runs[rank] = actor.wait.remote()
 
     def gone(self) -> str | None:
         import ray
@@ -182,15 +203,16 @@ class RayRanks:
             if not ready:
                 continue
             try:
-                how = f"exited with code {ray.get(ref)}"
-            except Exception as e:  # (RayActorError: its process died)
-                how = f"died ({type(e).__name__})"
+                code = ray.get(ref)
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            except Exception as e:  # (RayActorError: the actor's process died, the rank with it)
+                how = f"died with its Ray actor ({type(e).__name__})"
             pid, node = self.where.get(rank, (0, "?"))
             return f"rank {rank} (Ray actor, pid {pid} on {node}) {how}"
         return None
 
     def wait(self, timeout_s: float) -> None:
-        """Wait for every rank's `run` to return; then end the actors (their bundles free)."""
+        """Wait for every rank to exit; then end the actors (their bundles free)."""
         import ray
 
         if self.runs:
