@@ -21,9 +21,11 @@ and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
-runs the Python loop, with the all-reduce after each of those two GEMMs (their
-float32 sums, rounded after the reduce): the one-call paths have no place
-between their kernels for it.
+all-reduces after each of those two GEMMs (their float32 sums, rounded after
+the reduce). Where its group all-reduces over shared memory (ranks on one
+machine: distributed/shm.py) the layer loop runs in one C++ call that does it
+itself (layer_loop_tp); otherwise (gloo, the profiler, too many rows) the
+Python loop, with the all-reduce between kernels.
 """
 
 from __future__ import annotations
@@ -217,7 +219,10 @@ class CpuPlan:
             self._pack()
         hidden = self.model.model.embed_tokens(input_ids)
         n = hidden.shape[0]
-        if self.all_reduce is not None:  # a shard: the loop that can all-reduce between kernels
+        if self.all_reduce is not None:  # a shard: a loop that can all-reduce between kernels
+            looped = self._tp_loop_call(hidden, positions, kv_caches, meta, output_rows)
+            if looped is not None:
+                return looped
             return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
                                      torch.autograd._profiler_enabled())
         if output_rows is None and n <= SMALL_DECODE_MAX_ROWS:
@@ -295,6 +300,29 @@ class CpuPlan:
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
             query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
             all_rows=output_rows is None)
+
+    def _tp_loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, output_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """A shard's layer loop in one C++ call, all-reducing over its group's
+        shared memory between the kernels (the same bits as the Python loop);
+        None where the group has no such handle (gloo) or the loop call does not apply."""
+        native = getattr(self.all_reduce, "native", None)
+        if (native is None or hidden.shape[0] > self.max_rows
+                or torch.autograd._profiler_enabled()):
+            return None
+        call = self._kernel_call(hidden, kv_caches, meta)
+        if call is None:
+            return None
+        try:
+            return self.ops.layer_loop_tp(
+                model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+                slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+                query_req=call.query_req,
+                output_rows=_NO_ROWS if output_rows is None else output_rows,
+                all_rows=output_rows is None, group=native)
+        except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
+            stopped = getattr(self.all_reduce, "stopped", None)
+            raise (stopped(e) if stopped is not None else e) from e
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,
