@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,7 +24,16 @@ from tokenmill import SamplingParams
 from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
 
-CONFIGS = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread a rank", 2, None)]
+# name, tensor_parallel_size, threads (None: the default), environment for the run
+# (TOKENMILL_TP_SHM=0: the all-reduce over gloo; TOKENMILL_TP_LAYER_LOOP=0: a
+# shard's layers in the plan's Python loop).
+CONFIGS: list[tuple[str, int, int | None, dict[str, str]]] = [
+    ("TP=1, 1 thread", 1, 1, {}),
+    ("TP=1, 2 threads", 1, 2, {}),
+    ("TP=2, gloo all-reduce", 2, None, {"TOKENMILL_TP_SHM": "0"}),
+    ("TP=2, shm all-reduce, Python layer loop", 2, None, {"TOKENMILL_TP_LAYER_LOOP": "0"}),
+    ("TP=2, shm all-reduce in the C++ layer loop", 2, None, {}),
+]
 BATCHES = (1, 8, 32)
 TEXT = ("The quick brown fox jumps over the lazy dog while the river runs to the sea, and "
         "every morning the baker opens the shop before the sun has risen over the hills. ")
@@ -127,19 +137,28 @@ def main() -> None:
         del args[i : i + 2]
     results = {}
     default_threads = torch.get_num_threads()
-    for name, tp, threads in CONFIGS:
+    for name, tp, threads, env in CONFIGS:
         if not name.startswith(only):
             continue
         torch.set_num_threads(threads or default_threads)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # (the rank processes inherit it)
         start = time.perf_counter()
-        engine = LLMEngine.from_engine_args(EngineArgs(
-            tensor_parallel_size=tp, max_num_seqs=64, max_num_batched_tokens=2048,
-            num_kv_blocks=1024, enable_prefix_caching=False))
-        load_s = time.perf_counter() - start
         try:
-            res = measure(engine)
+            engine = LLMEngine.from_engine_args(EngineArgs(
+                tensor_parallel_size=tp, max_num_seqs=64, max_num_batched_tokens=2048,
+                num_kv_blocks=1024, enable_prefix_caching=False))
+            load_s = time.perf_counter() - start
+            try:
+                res = measure(engine)
+            finally:
+                engine.shutdown()
         finally:
-            engine.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         res["load_s"] = load_s
         results[name] = res
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in res.items()

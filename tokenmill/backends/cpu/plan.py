@@ -30,6 +30,7 @@ Python loop, with the all-reduce between kernels.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NamedTuple
@@ -132,6 +133,9 @@ class CpuPlan:
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
+        # TOKENMILL_TP_LAYER_LOOP=0: a shard takes the Python loop even over shared
+        # memory (the A/B of benchmarks/tp_step.py).
+        self.tp_layer_loop = os.environ.get("TOKENMILL_TP_LAYER_LOOP", "1") != "0"
         self._pack()
 
     @classmethod
@@ -307,7 +311,7 @@ class CpuPlan:
         shared memory between the kernels (the same bits as the Python loop);
         None where the group has no such handle (gloo) or the loop call does not apply."""
         native = getattr(self.all_reduce, "native", None)
-        if (native is None or hidden.shape[0] > self.max_rows
+        if (native is None or not self.tp_layer_loop or hidden.shape[0] > self.max_rows
                 or torch.autograd._profiler_enabled()):
             return None
         call = self._kernel_call(hidden, kv_caches, meta)
