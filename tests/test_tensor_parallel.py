@@ -204,12 +204,24 @@ def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
         theirs = part.clone() if dtype == torch.float32 else part.float()
         group._wait(group.tensors.allreduce([theirs]))  # gloo
         out.append((mine, theirs.to(dtype)))
+    # The logits' gather: uneven widths; rows past a slot go in chunks.
+    for rows, widths in ((5, [127, 128]), (3, [shm.SLOT_FLOATS // 2 + 1, shm.SLOT_FLOATS // 2])):
+        local = torch.randn(rows, widths[rank], generator=gen)
+        shared = group.gather_columns(local, widths)
+        kept, group.shm = group.shm, None
+        gloo = group.gather_columns(local, widths)
+        group.shm = kept
+        if rank == 0:
+            assert shared is not None and gloo is not None
+            out.append((shared, gloo))
+        else:
+            assert shared is None and gloo is None
     queue.put((rank, out))
     group.barrier()
     group.close()
 
 
-def test_the_shared_memory_all_reduce_is_gloos_sum_and_the_same_bits_on_every_rank() -> None:
+def test_the_shared_memory_all_reduce_and_gather_are_gloos_bits_on_every_rank() -> None:
     import multiprocessing as mp
 
     with socket.socket() as s:
@@ -228,6 +240,10 @@ def test_the_shared_memory_all_reduce_is_gloos_sum_and_the_same_bits_on_every_ra
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
-    for (mine0, gloo0), (mine1, gloo1) in zip(results[0], results[1], strict=True):
+    sums, gathers = results[0][:4], results[0][4:]
+    for (mine0, gloo0), (mine1, gloo1) in zip(sums, results[1], strict=True):
         assert torch.equal(mine0, mine1)  # every rank the same bits
         assert torch.equal(mine0, gloo0) and torch.equal(gloo0, gloo1)  # gloo's sum (2 ranks: a + b)
+    assert len(gathers) == 2
+    for shared, gloo in gathers:
+        assert torch.equal(shared, gloo)

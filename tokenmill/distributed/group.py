@@ -10,8 +10,8 @@ Two process groups over one TCP store on node 0 (`master_addr:master_port`):
 - `tensors` (gloo on the CPU, nccl on CUDA): the all-reduces inside a step and
   the logits' gather. Ranks run in lockstep there, so its timeout is short
   (TOKENMILL_TP_TIMEOUT_S, default 120 s): a stuck rank stops the group.
-  Where every rank is on one machine, the all-reduces go through shared
-  memory instead (shm.py), chosen when the group opens.
+  Where every rank is on one machine, the all-reduces and the gather go
+  through shared memory instead (shm.py), chosen when the group opens.
 
 A rank that dies closes its sockets: the others' next operation fails at once
 (gloo: "Connection closed by peer"), never a hang. Pickled commands are trusted
@@ -251,6 +251,13 @@ class RankGroup:
     def gather_columns(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         """Rank r's [rows, widths[r]] side by side on rank 0 ([rows, sum(widths)]);
         None on the others. (Padded to the widest: a gather takes equal shapes.)"""
+        if self.shm is not None and local.dtype == torch.float32 and max(widths) <= shm.SLOT_FLOATS:
+            if self.failed is not None:
+                raise TensorParallelError(self.failed)
+            try:
+                return self.shm.gather(local, widths)
+            except RuntimeError as e:
+                raise self.stopped(e) from e
         width = max(widths)
         padded = F.pad(local, (0, width - local.shape[1])) if local.shape[1] < width else local
         padded = padded.contiguous()

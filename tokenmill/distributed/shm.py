@@ -3,7 +3,8 @@
 A gloo all-reduce over loopback TCP costs ~1 ms on two busy cores, and a
 decode step has two per layer; through a mapped file in /dev/shm it is a copy,
 a flag and a sum (csrc/layer_stack.cpp shm_all_reduce, which the C++ layer
-loop also calls between its kernels). The group picks it by itself when every
+loop also calls between its kernels). The logits' gather goes the same way
+(shm_gather). The group picks it by itself when every
 rank reports the same host (hostname, boot id, pid namespace) and could map
 the file; otherwise, or with TOKENMILL_TP_SHM=0 on any rank, gloo stays.
 
@@ -85,6 +86,15 @@ class ShmAllReduce:
         wide = t.float().contiguous()
         self.ops.shm_all_reduce(self.native, wide)
         t.copy_(wide)
+
+    def gather(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank r's float32 [rows, widths[r]] side by side on rank 0 ([rows,
+        sum(widths)]); None on the others."""
+        assert self.native is not None, "the shared-memory group was closed"
+        root = self.native.rank == 0
+        out = torch.empty(local.shape[0], sum(widths)) if root else torch.empty(0)
+        self.ops.shm_gather(self.native, local.contiguous(), out, widths)
+        return out if root else None
 
     def close(self) -> None:
         """Drop the handle (the mapping goes with its last reference)."""

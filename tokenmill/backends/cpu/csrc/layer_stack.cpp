@@ -207,7 +207,9 @@ struct TeamStreams {
 // its slot of this sequence's set, post the sequence (release), wait until
 // every rank has posted it (acquire), then sum the slots in rank order, so
 // every rank computes the same bits. A slot of sequence s is written again at
-// s + 2 only: by then every rank has posted s + 1, so has read s's slots.
+// s + 2 only, and a rank posts s + 1 only after it has read s's slots: so
+// each operation first waits until every rank has posted s - 1 (at once,
+// unless the last one was a gather, which does not wait on the others' side).
 constexpr int64_t kShmLine = 64;
 
 int64_t* shm_flag(const ShmGroup& g, int64_t r) {
@@ -275,6 +277,8 @@ void shm_reduce(const ShmGroup& g, at::Tensor& t) {
     const int64_t m = std::min(g.capacity, n - off);
     int64_t* mine = shm_flag(g, g.rank);
     const int64_t seq = __atomic_load_n(mine, __ATOMIC_RELAXED) + 1;  // (only this rank writes it)
+    for (int64_t q = 0; q < g.size; ++q)
+      if (q != g.rank) shm_wait(g, q, seq - 1);
     std::memcpy(shm_slot(g, seq, g.rank), data + off, m * sizeof(float));
     __atomic_store_n(mine, seq, __ATOMIC_RELEASE);
     for (int64_t q = 0; q < g.size; ++q)
@@ -285,6 +289,41 @@ void shm_reduce(const ShmGroup& g, at::Tensor& t) {
     for (int64_t q = 1; q < g.size; ++q) {
       const float* part = shm_slot(g, seq, q);
       for (int64_t i = 0; i < m; ++i) out[i] += part[i];
+    }
+  }
+}
+
+// Each rank's [rows, widths[r]] side by side in `out` on rank 0, in chunks of
+// whole rows: the others copy theirs into their slot and go on; rank 0 waits
+// for every slot and copies each into its columns.
+void shm_gather_rows(const ShmGroup& g, const float* local, float* out, const std::vector<int64_t>& widths,
+                     int64_t rows) {
+  const int64_t max_w = *std::max_element(widths.begin(), widths.end());
+  int64_t total = 0;
+  std::vector<int64_t> col(widths.size());
+  for (size_t q = 0; q < widths.size(); ++q) col[q] = total, total += widths[q];
+  const int64_t per = std::max<int64_t>(1, g.capacity / std::max<int64_t>(1, max_w));
+  const int64_t w = widths[g.rank];
+  for (int64_t r0 = 0; r0 < rows; r0 += per) {
+    const int64_t m = std::min(per, rows - r0);
+    int64_t* mine = shm_flag(g, g.rank);
+    const int64_t seq = __atomic_load_n(mine, __ATOMIC_RELAXED) + 1;
+    for (int64_t q = 0; q < g.size; ++q)
+      if (q != g.rank) shm_wait(g, q, seq - 1);
+    if (g.rank != 0) {
+      std::memcpy(shm_slot(g, seq, g.rank), local + r0 * w, m * w * sizeof(float));
+      __atomic_store_n(mine, seq, __ATOMIC_RELEASE);
+      continue;
+    }
+    __atomic_store_n(mine, seq, __ATOMIC_RELEASE);
+    for (int64_t q = 0; q < g.size; ++q) {
+      const float* src = local + r0 * w;
+      if (q != 0) {
+        shm_wait(g, q, seq);
+        src = shm_slot(g, seq, q);
+      }
+      for (int64_t i = 0; i < m; ++i)
+        std::memcpy(out + (r0 + i) * total + col[q], src + i * widths[q], widths[q] * sizeof(float));
     }
   }
 }
@@ -426,6 +465,28 @@ at::Tensor layer_loop_tp(const ModelWeights& model, at::Tensor hidden, at::Tenso
   check_group(group);
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
                          query_req, output_rows, all_rows, &group);
+}
+
+// Rank r's `local` [rows, widths[r]] (float32) side by side in rank 0's `out`
+// [rows, sum(widths)] (the others pass an empty `out`), over `group`'s shared
+// memory: the logits' gather. A rank's widths[r] at most the slot's capacity.
+void shm_gather(const ShmGroup& group, at::Tensor local, at::Tensor out, std::vector<int64_t> widths) {
+  check_group(group);
+  TORCH_CHECK(static_cast<int64_t>(widths.size()) == group.size, "shm_gather: a width per rank");
+  TORCH_CHECK(local.scalar_type() == at::kFloat && local.is_contiguous() && local.dim() == 2 &&
+                  local.size(1) == widths[group.rank],
+              "shm_gather: local [rows, widths[rank]] contiguous float32");
+  TORCH_CHECK(*std::max_element(widths.begin(), widths.end()) <= group.capacity,
+              "shm_gather: a width past the slot's capacity");
+  int64_t total = 0;
+  for (int64_t w : widths) total += w;
+  if (group.rank == 0)
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == local.size(0) && out.size(1) == total,
+                "shm_gather: out [rows, sum(widths)] contiguous float32 on rank 0");
+  NoGil no_gil;
+  shm_gather_rows(group, local.data_ptr<float>(), group.rank == 0 ? out.data_ptr<float>() : nullptr, widths,
+                  local.size(0));
 }
 
 // `t` (float32, contiguous) summed over `group`'s ranks, in place: the same
