@@ -49,7 +49,7 @@ def engine(args: argparse.Namespace) -> None:
         from tokenmill.backends.cpu import plan
 
         plan.SMALL_DECODE_MAX_ROWS = 8
-    llm = LLM(None, dtype="bfloat16")
+    llm = LLM(None, dtype="bfloat16", quantization=args.quantization)
     eng = llm.engine
     prompts = throughput_a(128).prompts
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
@@ -147,6 +147,8 @@ def main() -> None:
     p.add_argument("--busy", type=int, default=0)
     p.add_argument("--serve-args", default="")
     p.add_argument("--small", action="store_true", help="engine: with small_decode")
+    p.add_argument("--quantization", default=None, choices=("q8_0",),
+                   help="engine: the weights kept as Q8_0 blocks (server: pass it in --serve-args)")
     args = p.parse_args()
     if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
         from tokenmill.engine.openmp_wait import apply_openmp_wait_policy

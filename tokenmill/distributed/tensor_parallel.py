@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.config import CacheConfig, ModelConfig, ParallelConfig
 from tokenmill.distributed.group import RankGroup, TensorParallelError
-from tokenmill.distributed.launch import RankProcesses, spawn_rank, thread_share
+from tokenmill.distributed.launch import RankProcesses, RayRanks
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.parallel import ShardLayout, shard_model, vocab_widths
@@ -58,15 +58,14 @@ class TensorParallel:
         self.device = torch.device(model_config.device)
         per_node = config.ranks_per_node
         self.ranks_per_node = per_node
-        self.threads = thread_share(per_node)
         self._lock = threading.Lock()  # a shutdown never interleaves with a step's messages
-        self.ranks = RankProcesses({})
-        self.group = RankGroup(0, self.size, config.master_addr, config.master_port or 0,
+        # Node 0's other ranks: child processes, or Ray actors in this process's placement group.
+        self.ranks: RankProcesses | RayRanks = RankProcesses({}) if config.distributed_executor_backend == "mp" else RayRanks()
+        self.threads = self.ranks.threads(per_node)
+        master_addr = self.ranks.master_addr(config.master_addr)
+        self.group = RankGroup(0, self.size, master_addr, config.master_port or 0,
                                alive=self.ranks.gone)
-        self.ranks.procs.update({
-            rank: spawn_rank(rank, self.size, rank, config.master_addr, self.group.port, self.threads)
-            for rank in range(1, per_node)
-        })
+        self.ranks.start(range(1, per_node), self.size, master_addr, self.group.port, self.threads)
         self._closed = False
         atexit.register(self.shutdown)
         try:

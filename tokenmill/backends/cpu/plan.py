@@ -42,10 +42,11 @@ from torch.profiler import record_function
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend, KernelCall
 from tokenmill.backends.cpu.kernels import CpuOps
-from tokenmill.backends.cpu.memory import pack_weight
+from tokenmill.backends.cpu.memory import pack_q8_0, pack_weight
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
+from tokenmill.model.quantization import q8_0_of
 
 _NO_BIAS = torch.empty(0)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
@@ -54,12 +55,15 @@ _NO_ROWS = torch.empty(0, dtype=torch.int64)
 class _Proj(NamedTuple):
     """A projection: its packed weight for packed_gemm, and the original for torch's matmul."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor  # uint8: Q8_0 blocks (memory.pack_q8_0), which packed_gemm takes too
     n: int  # output features
     bias: torch.Tensor  # empty: none
-    weight: torch.Tensor
+    weight: torch.Tensor  # empty where quantized: `ref` then
+    ref: Linear | None = None  # a quantized projection's module (its dequantizing forward)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ref is not None:
+            return self.ref(x)
         return F.linear(x, self.weight, self.bias if self.bias.numel() else None)
 
 
@@ -75,8 +79,11 @@ class _Layer(NamedTuple):
 
 
 def _proj(lin: Linear) -> _Proj:
-    weight = lin.weight.detach()
     bias = _NO_BIAS if lin.bias is None else lin.bias.detach()
+    q8 = q8_0_of(lin)
+    if q8 is not None:  # kept quantized: no float copy of the weight at all
+        return _Proj(pack_q8_0(*q8), lin.out_features, bias, _NO_BIAS, lin)
+    weight = lin.weight.detach()
     return _Proj(pack_weight(weight), lin.out_features, bias, weight)
 
 
@@ -120,6 +127,9 @@ class CpuPlan:
         self.eps = float(spec.rms_norm_eps)
         self.rotary = model.model.rotary_emb
         self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
+        self.quantized = q8_0_of(model.lm_head) is not None  # (the loader quantizes all or none)
+        if self.quantized:  # q8_gemm serves any number of rows (torch would dequantize every call)
+            self.max_rows = 1 << 62
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
@@ -174,7 +184,7 @@ class CpuPlan:
         # small_decode's conditions that hold for the whole model (csrc/small_decode.cpp).
         first_layer = self.layers[0] if self.layers else None
         self._small_ok = (
-            first_layer is not None and self.dtype == torch.bfloat16
+            first_layer is not None and self.dtype == torch.bfloat16 and not self.quantized
             and bool(self.ops.small_decode_supported())
             and all(lay.qkv.n == first_layer.qkv.n and lay.gate_up.n == first_layer.gate_up.n
                     and lay.gate_up.n % 32 == 0 for lay in self.layers))
@@ -239,7 +249,8 @@ class CpuPlan:
         packed_gemm's float32 sums at any number of rows: never rounded to bf16
         (whose steps make near-ties exact ties) and the same whatever the batch."""
         with record_function("tokenmill::head"):
-            if kernels.packed_gemm_ops(hidden) is None or hidden.dtype != self.dtype:
+            if kernels.packed_gemm_ops(hidden) is None or (hidden.dtype != self.dtype
+                                                           and not self.quantized):
                 return self.head.linear(hidden).float()
             return self.ops.packed_gemm(hidden, self.head.packed, self.head.n, _NO_BIAS, True)
 
