@@ -184,8 +184,9 @@ def test_parallel_options_are_checked_and_reach_the_config() -> None:
 
 
 def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
-    """One rank of a 2-rank group: the same tensors summed over shared memory
-    and over gloo (float32; bf16 and odd lengths; one past a slot: chunks)."""
+    """One rank of a 2-rank group: the same tensors summed (and gathered) over
+    shared memory and over gloo (float32; bf16 and odd lengths; one past a
+    slot: chunks), and commands over shared memory."""
     from tokenmill.distributed import shm
     from tokenmill.distributed.group import RankGroup
 
@@ -216,6 +217,15 @@ def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
             out.append((shared, gloo))
         else:
             assert shared is None and gloo is None
+    # Rank 0's commands: one past a slot (chunks), then a small one.
+    big = torch.arange(shm.SLOT_FLOATS + 1000, dtype=torch.float32)
+    if rank == 0:
+        group.send(("forward", big, 7))
+        group.send(("stop",))
+    else:
+        command = group.receive()
+        assert command[0] == "forward" and torch.equal(command[1], big) and command[2] == 7
+        assert group.receive() == ("stop",)
     # As bits in numpy arrays: a torch tensor crosses a Queue as a file
     # descriptor, which is gone once this process exits.
     queue.put((rank, [tuple(t.float().numpy().view(np.uint32).copy() for t in pair) for pair in out]))
@@ -223,7 +233,7 @@ def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
     group.close()
 
 
-def test_the_shared_memory_all_reduce_and_gather_are_gloos_bits_on_every_rank() -> None:
+def test_the_shared_memory_collectives_give_gloos_bits_on_every_rank() -> None:
     import multiprocessing as mp
 
     with socket.socket() as s:

@@ -241,8 +241,10 @@ inline void cpu_relax() {
 
 // Until rank q has posted `seq`: spin a few microseconds (the other rank is
 // usually a layer's imbalance away), then yield, then sleep; every few ms check
-// that q is alive and the step's timeout. A dead or stuck peer throws.
-void shm_wait(const ShmGroup& g, int64_t q, int64_t seq) {
+// that q is alive and the step's timeout. A dead or stuck peer throws. `idle`
+// (a worker waiting for rank 0's next command): no timeout, and after 100 ms
+// longer sleeps.
+void shm_wait(const ShmGroup& g, int64_t q, int64_t seq, bool idle = false) {
   const int64_t* flag = shm_flag(g, q);
   if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) >= seq) return;
   using Clock = std::chrono::steady_clock;
@@ -256,14 +258,15 @@ void shm_wait(const ShmGroup& g, int64_t q, int64_t seq) {
     if (round < 22000) {
       sched_yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const bool long_idle = idle && Clock::now() - start > std::chrono::milliseconds(100);
+      std::this_thread::sleep_for(std::chrono::microseconds(long_idle ? 500 : 50));
     }
     const Clock::time_point now = Clock::now();
     if (now - check < std::chrono::milliseconds(5)) continue;
     check = now;
     TORCH_CHECK(!process_gone(g.pids[q]), "tensor-parallel shared-memory all-reduce: rank ", q, " (pid ",
                 g.pids[q], ") is gone");
-    TORCH_CHECK(std::chrono::duration<double>(now - start).count() < g.timeout_s,
+    TORCH_CHECK(idle || std::chrono::duration<double>(now - start).count() < g.timeout_s,
                 "tensor-parallel shared-memory all-reduce: no answer from rank ", q, " within ", g.timeout_s,
                 " s");
   }
@@ -326,6 +329,48 @@ void shm_gather_rows(const ShmGroup& g, const float* local, float* out, const st
         std::memcpy(out + (r0 + i) * total + col[q], src + i * widths[q], widths[q] * sizeof(float));
     }
   }
+}
+
+// Rank 0's bytes to the others through its own slots, a chunk a sequence (the
+// first starts with the total length); the others post each sequence once
+// they have read its chunk.
+void shm_send_bytes(const ShmGroup& g, const uint8_t* data, int64_t n) {
+  const int64_t cap = g.capacity * int64_t(sizeof(float));
+  int64_t* mine = shm_flag(g, g.rank);
+  for (int64_t off = 0, chunk = 0; chunk == 0 || off < n; ++chunk) {
+    const int64_t seq = __atomic_load_n(mine, __ATOMIC_RELAXED) + 1;
+    for (int64_t q = 0; q < g.size; ++q)
+      if (q != g.rank) shm_wait(g, q, seq - 1);
+    uint8_t* slot = reinterpret_cast<uint8_t*>(shm_slot(g, seq, g.rank));
+    const int64_t head = chunk == 0 ? int64_t(sizeof(int64_t)) : 0;
+    if (chunk == 0) std::memcpy(slot, &n, sizeof(int64_t));
+    const int64_t m = std::min(cap - head, n - off);
+    std::memcpy(slot + head, data + off, m);
+    off += m;
+    __atomic_store_n(mine, seq, __ATOMIC_RELEASE);
+  }
+}
+
+at::Tensor shm_receive_bytes(const ShmGroup& g) {
+  const int64_t cap = g.capacity * int64_t(sizeof(float));
+  int64_t* mine = shm_flag(g, g.rank);
+  at::Tensor out;
+  int64_t n = 0;
+  for (int64_t off = 0, chunk = 0; chunk == 0 || off < n; ++chunk) {
+    const int64_t seq = __atomic_load_n(mine, __ATOMIC_RELAXED) + 1;
+    shm_wait(g, 0, seq, /*idle=*/chunk == 0);
+    const uint8_t* slot = reinterpret_cast<const uint8_t*>(shm_slot(g, seq, 0));
+    const int64_t head = chunk == 0 ? int64_t(sizeof(int64_t)) : 0;
+    if (chunk == 0) {
+      std::memcpy(&n, slot, sizeof(int64_t));
+      out = at::empty({n}, at::kByte);
+    }
+    const int64_t m = std::min(cap - head, n - off);
+    std::memcpy(out.data_ptr<uint8_t>() + off, slot + head, m);
+    off += m;
+    __atomic_store_n(mine, seq, __ATOMIC_RELEASE);
+  }
+  return out;
 }
 
 void check_group(const ShmGroup& g) {
@@ -487,6 +532,25 @@ void shm_gather(const ShmGroup& group, at::Tensor local, at::Tensor out, std::ve
   NoGil no_gil;
   shm_gather_rows(group, local.data_ptr<float>(), group.rank == 0 ? out.data_ptr<float>() : nullptr, widths,
                   local.size(0));
+}
+
+// Rank 0's command bytes (uint8 [n]) to the other ranks of `group`
+// (shm_receive there): a step's broadcast over shared memory.
+void shm_send(const ShmGroup& group, at::Tensor data) {
+  check_group(group);
+  TORCH_CHECK(group.rank == 0, "shm_send: rank 0 sends");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 1, "shm_send: uint8 [n]");
+  NoGil no_gil;
+  shm_send_bytes(group, data.data_ptr<uint8_t>(), data.numel());
+}
+
+// The next bytes rank 0 sends; waits as long as it takes (rank 0 may idle),
+// but throws once rank 0's process is gone.
+at::Tensor shm_receive(const ShmGroup& group) {
+  check_group(group);
+  TORCH_CHECK(group.rank != 0, "shm_receive: the other ranks receive");
+  NoGil no_gil;
+  return shm_receive_bytes(group);
 }
 
 // `t` (float32, contiguous) summed over `group`'s ranks, in place: the same
