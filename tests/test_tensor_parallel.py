@@ -184,8 +184,9 @@ def test_parallel_options_are_checked_and_reach_the_config() -> None:
 
 
 def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
-    """One rank of a 2-rank group: the same tensors summed over shared memory
-    and over gloo (float32; bf16 and odd lengths; one past a slot: chunks)."""
+    """One rank of a 2-rank group: the same tensors summed (and gathered) over
+    shared memory and over gloo (float32; bf16 and odd lengths; one past a
+    slot: chunks), and commands over shared memory."""
     from tokenmill.distributed import shm
     from tokenmill.distributed.group import RankGroup
 
@@ -204,12 +205,35 @@ def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
         theirs = part.clone() if dtype == torch.float32 else part.float()
         group._wait(group.tensors.allreduce([theirs]))  # gloo
         out.append((mine, theirs.to(dtype)))
-    queue.put((rank, out))
+    # The logits' gather: uneven widths; rows past a slot go in chunks.
+    for rows, widths in ((5, [127, 128]), (3, [shm.SLOT_FLOATS // 2 + 1, shm.SLOT_FLOATS // 2])):
+        local = torch.randn(rows, widths[rank], generator=gen)
+        shared = group.gather_columns(local, widths)
+        kept, group.shm = group.shm, None
+        gloo = group.gather_columns(local, widths)
+        group.shm = kept
+        if rank == 0:
+            assert shared is not None and gloo is not None
+            out.append((shared, gloo))
+        else:
+            assert shared is None and gloo is None
+    # Rank 0's commands: one past a slot (chunks), then a small one.
+    big = torch.arange(shm.SLOT_FLOATS + 1000, dtype=torch.float32)
+    if rank == 0:
+        group.send(("forward", big, 7))
+        group.send(("stop",))
+    else:
+        command = group.receive()
+        assert command[0] == "forward" and torch.equal(command[1], big) and command[2] == 7
+        assert group.receive() == ("stop",)
+    # As bits in numpy arrays: a torch tensor crosses a Queue as a file
+    # descriptor, which is gone once this process exits.
+    queue.put((rank, [tuple(t.float().numpy().view(np.uint32).copy() for t in pair) for pair in out]))
     group.barrier()
     group.close()
 
 
-def test_the_shared_memory_all_reduce_is_gloos_sum_and_the_same_bits_on_every_rank() -> None:
+def test_the_shared_memory_collectives_give_gloos_bits_on_every_rank() -> None:
     import multiprocessing as mp
 
     with socket.socket() as s:
@@ -228,6 +252,10 @@ def test_the_shared_memory_all_reduce_is_gloos_sum_and_the_same_bits_on_every_ra
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
-    for (mine0, gloo0), (mine1, gloo1) in zip(results[0], results[1], strict=True):
-        assert torch.equal(mine0, mine1)  # every rank the same bits
-        assert torch.equal(mine0, gloo0) and torch.equal(gloo0, gloo1)  # gloo's sum (2 ranks: a + b)
+    sums, gathers = results[0][:4], results[0][4:]
+    for (mine0, gloo0), (mine1, gloo1) in zip(sums, results[1], strict=True):
+        assert np.array_equal(mine0, mine1)  # every rank the same bits
+        assert np.array_equal(mine0, gloo0) and np.array_equal(gloo0, gloo1)  # gloo's (2 ranks: a + b)
+    assert len(gathers) == 2
+    for shared, gloo in gathers:
+        assert shared.shape == gloo.shape and np.array_equal(shared, gloo)

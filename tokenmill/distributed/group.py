@@ -6,12 +6,14 @@ Two process groups over one TCP store on node 0 (`master_addr:master_port`):
   pickled plain data (Python values; tensors as raw bytes), in one broadcast
   of a fixed-size buffer where it fits (a decode step's does), a second for
   the rest. A worker waits here between steps for as long as the server
-  idles, so its timeout is long.
+  idles, so its timeout is long. (Over shared memory, see below, from the
+  command after "load" on.)
 - `tensors` (gloo on the CPU, nccl on CUDA): the all-reduces inside a step and
   the logits' gather. Ranks run in lockstep there, so its timeout is short
   (TOKENMILL_TP_TIMEOUT_S, default 120 s): a stuck rank stops the group.
-  Where every rank is on one machine, the all-reduces go through shared
-  memory instead (shm.py), chosen when the group opens.
+  Where every rank is on one machine, the all-reduces, the gather and the
+  commands go through shared memory instead (shm.py), chosen when the group
+  opens.
 
 A rank that dies closes its sockets: the others' next operation fails at once
 (gloo: "Connection closed by peer"), never a hang. Pickled commands are trusted
@@ -213,6 +215,9 @@ class RankGroup:
     def send(self, command: Any) -> None:
         """Rank 0: `command` (plain data) to every other rank."""
         data = pickle.dumps(_to_wire(command), protocol=pickle.HIGHEST_PROTOCOL)
+        if self.shm is not None:
+            self._shm_call(self.shm.send, data)
+            return
         fits = COMMAND_HEAD - 8
         head = bytearray(COMMAND_HEAD)
         head[:8] = len(data).to_bytes(8, "little")
@@ -223,6 +228,8 @@ class RankGroup:
 
     def receive(self) -> Any:
         """The other ranks: the next command rank 0 sends."""
+        if self.shm is not None:
+            return _from_wire(pickle.loads(self._shm_call(self.shm.receive)))
         head = torch.empty(COMMAND_HEAD, dtype=torch.uint8)
         self._wait(self.commands.broadcast(head, 0))
         raw = head.numpy().tobytes()
@@ -241,16 +248,23 @@ class RankGroup:
         if self.shm is None:
             self._wait(self.tensors.allreduce([t]))
             return
+        self._shm_call(self.shm, t)
+
+    def _shm_call(self, f: Callable[..., Any], *args: Any) -> Any:
+        """f(*args) over shared memory: a failure (a peer gone or stuck) stops the group."""
         if self.failed is not None:
             raise TensorParallelError(self.failed)
         try:
-            self.shm(t)
+            return f(*args)
         except RuntimeError as e:
             raise self.stopped(e) from e
 
     def gather_columns(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         """Rank r's [rows, widths[r]] side by side on rank 0 ([rows, sum(widths)]);
         None on the others. (Padded to the widest: a gather takes equal shapes.)"""
+        if self.shm is not None and local.dtype == torch.float32 and max(widths) <= shm.SLOT_FLOATS:
+            gathered: torch.Tensor | None = self._shm_call(self.shm.gather, local, widths)
+            return gathered
         width = max(widths)
         padded = F.pad(local, (0, width - local.shape[1])) if local.shape[1] < width else local
         padded = padded.contiguous()

@@ -3,13 +3,15 @@
 A gloo all-reduce over loopback TCP costs ~1 ms on two busy cores, and a
 decode step has two per layer; through a mapped file in /dev/shm it is a copy,
 a flag and a sum (csrc/layer_stack.cpp shm_all_reduce, which the C++ layer
-loop also calls between its kernels). The group picks it by itself when every
+loop also calls between its kernels). The logits' gather (shm_gather) and
+rank 0's commands (shm_send / shm_receive) go the same way. The group picks it by itself when every
 rank reports the same host (hostname, boot id, pid namespace) and could map
 the file; otherwise, or with TOKENMILL_TP_SHM=0 on any rank, gloo stays.
 
 Every rank sums the slots in rank order, so all get the same bits (for two
 ranks, the same as gloo's sum). A peer that dies is seen through /proc (its
-pid), one that stalls by the step timeout: both raise, never hang.
+pid), one that stalls by the step timeout (not a worker waiting for rank 0's
+next command, which may come after hours): both raise, never hang.
 """
 
 from __future__ import annotations
@@ -85,6 +87,25 @@ class ShmAllReduce:
         wide = t.float().contiguous()
         self.ops.shm_all_reduce(self.native, wide)
         t.copy_(wide)
+
+    def gather(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank r's float32 [rows, widths[r]] side by side on rank 0 ([rows,
+        sum(widths)]); None on the others."""
+        assert self.native is not None, "the shared-memory group was closed"
+        root = self.native.rank == 0
+        out = torch.empty(local.shape[0], sum(widths)) if root else torch.empty(0)
+        self.ops.shm_gather(self.native, local.contiguous(), out, widths)
+        return out if root else None
+
+    def send(self, data: bytes) -> None:
+        """Rank 0: a command's bytes to the other ranks."""
+        assert self.native is not None, "the shared-memory group was closed"
+        self.ops.shm_send(self.native, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def receive(self) -> bytes:
+        """The other ranks: the next bytes rank 0 sends (however long that takes)."""
+        assert self.native is not None, "the shared-memory group was closed"
+        return bytes(self.ops.shm_receive(self.native).numpy().tobytes())
 
     def close(self) -> None:
         """Drop the handle (the mapping goes with its last reference)."""

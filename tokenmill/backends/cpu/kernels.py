@@ -132,6 +132,13 @@ class CpuOps(Protocol):
 
     def shm_all_reduce(self, group: CppShmGroup, t: torch.Tensor) -> None: ...
 
+    def shm_gather(self, group: CppShmGroup, local: torch.Tensor, out: torch.Tensor,
+                   widths: list[int]) -> None: ...
+
+    def shm_send(self, group: CppShmGroup, data: torch.Tensor) -> None: ...
+
+    def shm_receive(self, group: CppShmGroup) -> torch.Tensor: ...
+
     def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_req: torch.Tensor,

@@ -80,6 +80,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
                 py::arg("output_rows"), py::arg("all_rows"), py::arg("group"));
   TOKENMILL_DEF(shm_all_reduce, py::arg("group"), py::arg("t"));
+  TOKENMILL_DEF(shm_gather, py::arg("group"), py::arg("local"), py::arg("out"), py::arg("widths"));
+  TOKENMILL_DEF(shm_send, py::arg("group"), py::arg("data"));
+  TOKENMILL_DEF(shm_receive, py::arg("group"));
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
                 py::arg("bounds"));
