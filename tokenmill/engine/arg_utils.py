@@ -15,6 +15,7 @@ from typing import Any
 from tokenmill.config import (
     CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SUPPORTED_DTYPES,
     CacheConfig,
@@ -53,6 +54,9 @@ class EngineArgs:
     master_port: int | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # Weights kept quantized: None or "q8_0" (config.ModelConfig.quantization).
+    quantization: str | None = None
+    distributed_executor_backend: str = "mp"  # "ray": ranks as Ray actors (serve-ray)
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -63,7 +67,7 @@ class EngineArgs:
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                 device=self.device, max_model_len=self.max_model_len, seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
-                generation_config=self.generation_config,
+                generation_config=self.generation_config, quantization=self.quantization,
             ),
             CacheConfig(
                 block_size=self.block_size,
@@ -87,9 +91,13 @@ class EngineArgs:
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
         return SpeculativeConfig.from_dict(self.speculative_config)
     def create_parallel_config(self) -> ParallelConfig:
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization={self.quantization!r} cannot be used with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} (one process only)")
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, master_addr=self.master_addr,
             master_port=self.master_port, nnodes=self.nnodes, node_rank=self.node_rank,
+            distributed_executor_backend=self.distributed_executor_backend,
         )
 
     def with_serve_defaults(self) -> EngineArgs:
@@ -136,9 +144,17 @@ class EngineArgs:
                  '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
                  '"model": PATH, "num_speculative_tokens": 4}; "disable_by_batch_size": N turns '
                  'it off above N running requests')
+        parser.add_argument(
+            "--quantization", "-q", default=None, choices=QUANTIZATIONS,
+            help="keep the weights quantized: q8_0 (GGUF Q8_0 blocks, other weights quantized "
+                 "to it at load; the CPU only). Default: the weights in --dtype")
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")
+        parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                            help="how ranks 1..N-1 start: mp, processes (and `tokenmill worker`); "
+                                 "ray, Ray actors in this process's placement group (serve-ray "
+                                 "sets this for its replicas)")
         return parser
 
     @classmethod

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from tokenmill.config import ModelSpec
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.quantization import dense_weight, embed_rows, q8_0_of
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
@@ -48,15 +49,25 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (quantized: model/quantization.py; the weight dequantized each call)
+        weight = self.weight if "weight" in self._parameters else dense_weight(self, x.dtype)
         if torch.autograd._profiler_enabled():  # a row of its own in `bench throughput --profile`
             with record_function("tokenmill::linear"):
-                return linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+                return linear(x, weight, self.bias)
+        return linear(x, weight, self.bias)
 
 
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        q8 = q8_0_of(self)
+        if q8 is None:
+            return super().forward(input)
+        return embed_rows(self, input, self.compute_dtype)
+
+    compute_dtype: torch.dtype = torch.float32  # a quantized table's rows come out in it (the loader sets it)
 
 
 class MergedLinear(Linear):
@@ -336,4 +347,4 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32
         (the sampler's dtype, whatever the model's)."""
         with record_function("tokenmill::head"):
-            return linear(hidden, self.lm_head.weight).float()
+            return linear(hidden, dense_weight(self.lm_head, hidden.dtype)).float()

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, ModelSpec
-from tokenmill.model.llama import LlamaForCausalLM, MergedLinear
+from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
+from tokenmill.model.quantization import Q8_0_BLOCK, quantize_q8_0, set_q8_0
 from tokenmill.model.source import ModelSource
 from tokenmill.model.spec import eos_token_ids, spec_from_gguf, spec_from_hf_config
 
@@ -63,7 +64,9 @@ _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-TensorThunk = Callable[[], torch.Tensor]
+# A checkpoint tensor: float values, or (with quantization="q8_0") a GGUF Q8_0
+# tensor's own blocks as (q int8 [out, in], d float16 [out, in / 32]).
+TensorThunk = Callable[[], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 class WeightLoadError(ValueError):
@@ -126,10 +129,14 @@ def checkpoint_targets(model: nn.Module) -> dict[str, tuple[str, str | None]]:
 
 
 def load_weights(
-    model: nn.Module, tensors: Mapping[str, TensorThunk], ignored: Callable[[str], bool]
+    model: nn.Module, tensors: Mapping[str, TensorThunk], ignored: Callable[[str], bool],
+    quantization: str | None = None,
 ) -> None:
     """Copy each checkpoint tensor (name -> loader) into its parameter or shard.
-    Names are checked before any tensor is read."""
+    Names are checked before any tensor is read. With quantization="q8_0" the
+    projections, the embedding and the head are kept as Q8_0 blocks
+    (model/quantization.py): a GGUF Q8_0 tensor's own blocks as they are, any
+    other tensor quantized here; their float Parameters are never written."""
     targets = checkpoint_targets(model)
     unexpected = sorted(n for n in tensors if n not in targets and not ignored(n))
     missing = sorted(n for n in targets if n not in tensors)
@@ -144,19 +151,55 @@ def load_weights(
             + "; ".join(problems)
         )
     params = dict(model.named_parameters())
+    blocks = _q8_0_destinations(model, params) if quantization == "q8_0" else {}
     with torch.no_grad():
         for name, (param_name, shard) in targets.items():
             dest: torch.Tensor = params[param_name]  # not .data: the copy counts as a change of the weight
+            rows = slice(None)
             if shard is not None:
                 module = model.get_submodule(param_name.rpartition(".")[0])
                 assert isinstance(module, MergedLinear), param_name
-                dest = dest[module.shard_slice(shard)]
+                rows = module.shard_slice(shard)
+                dest = dest[rows]
             tensor = tensors[name]()
-            if tuple(tensor.shape) != tuple(dest.shape):
+            shape = tuple(tensor[0].shape if isinstance(tensor, tuple) else tensor.shape)
+            if shape != tuple(dest.shape):
                 raise WeightLoadError(
-                    f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                    f"tensor {name} has shape {shape}, expected {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor)  # casts to the model's dtype and moves to its device
+            if param_name in blocks:
+                q, d = tensor if isinstance(tensor, tuple) else quantize_q8_0(tensor)
+                blocks[param_name][0][rows].copy_(q)
+                blocks[param_name][1][rows].copy_(d)
+            else:
+                assert not isinstance(tensor, tuple), name
+                dest.copy_(tensor)  # casts to the model's dtype and moves to its device
+    for param_name, (q, d) in blocks.items():
+        module = model.get_submodule(param_name.rpartition(".")[0])
+        set_q8_0(module, q, d)
+        if isinstance(module, Embedding):
+            module.compute_dtype = params[param_name].dtype
+    if blocks and isinstance(model, LlamaForCausalLM) and "lm_head.weight" not in blocks:
+        set_q8_0(model.lm_head, *blocks["model.embed_tokens.weight"])  # tied: the same blocks
+
+
+def _q8_0_destinations(
+    model: nn.Module, params: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Parameter name -> empty (q, d) for each weight Q8_0 keeps quantized: every
+    Linear's and the Embedding's (norms and biases stay float)."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, param in params.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if not name.endswith(".weight") or not isinstance(module, Linear | Embedding):
+            continue
+        rows, k = param.shape
+        if k % Q8_0_BLOCK:
+            raise ValueError(f"quantization='q8_0' needs every projection's input size to be a "
+                             f"multiple of {Q8_0_BLOCK} (Q8_0 blocks); {name} has {k}")
+        out[name] = (torch.empty(rows, k, dtype=torch.int8),
+                     torch.empty(rows, k // Q8_0_BLOCK, dtype=torch.float16))
+    return out
 
 
 def _short_list(names: list[str], limit: int = 10) -> str:
@@ -201,7 +244,8 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[name] = _thunk(handle.get_tensor, name)
-        load_weights(model, tensors, ignored=_hf_ignored(spec))
+        load_weights(model, tensors, ignored=_hf_ignored(spec),
+                     quantization=model_config.quantization)
     return _finish(model), spec
 
 
@@ -268,9 +312,10 @@ def _load_gguf(
         # llama.cpp permutes Q/K rows for its interleaved RoPE; undo it.
         num_heads = {".q_proj.": spec.num_heads, ".k_proj.": spec.num_kv_heads}
         heads = next((n for frag, n in num_heads.items() if frag in name), None)
-        tensors[name] = _gguf_thunk(tensor, heads)
+        tensors[name] = _gguf_thunk(tensor, heads, model_config.quantization == "q8_0")
     # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
-    load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight")
+    load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight",
+                 quantization=model_config.quantization)
     return _finish(model), spec
 
 
@@ -323,12 +368,28 @@ def gguf_to_hf_name(name: str) -> str:
     return name
 
 
-def _gguf_thunk(tensor: Any, rope_heads: int | None) -> TensorThunk:
-    def load() -> torch.Tensor:
+def _gguf_thunk(tensor: Any, rope_heads: int | None, q8_0_blocks: bool = False) -> TensorThunk:
+    def load() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if q8_0_blocks and tensor.tensor_type.name == "Q8_0":
+            q, d = q8_0_gguf_blocks(tensor)
+            if rope_heads is None:
+                return q, d
+            return unpermute_rope_rows(q, rope_heads), unpermute_rope_rows(d, rope_heads)
         weight = dequantize_gguf_tensor(tensor)
         return weight if rope_heads is None else unpermute_rope_rows(weight, rope_heads)
 
     return load
+
+
+def q8_0_gguf_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q8_0 tensor's blocks as they are in the file (34 bytes each: a
+    float16 d, then 32 int8 q): (q int8 [out, in], d float16 [out, in / 32])."""
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))  # [out, in]
+    rows, k = int(np.prod(shape[:-1])), shape[-1]
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, k // Q8_0_BLOCK, 2 + Q8_0_BLOCK)
+    d = torch.from_numpy(np.ascontiguousarray(raw[:, :, :2]).view(np.float16).reshape(rows, -1))
+    q = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, k))
+    return q, d
 
 
 def dequantize_gguf_tensor(tensor: Any) -> torch.Tensor:

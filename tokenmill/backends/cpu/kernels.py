@@ -27,7 +27,7 @@ logger = logging.getLogger("tokenmill")
 
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
-_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "packed_gemm.cpp",
+_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_gemm.cpp", "packed_gemm.cpp",
                                       "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h")]
 # No fused multiply-adds where the source does not ask for them: float32
@@ -67,6 +67,13 @@ class CppModelWeights(Protocol):
     head_dim: int
 
 
+class CppShmGroup(Protocol):
+    """A tensor-parallel group's shared-memory all-reduce (csrc/layer_stack.h ShmGroup)."""
+
+    rank: int
+    size: int
+
+
 class CpuOps(Protocol):
     """The compiled module's functions (csrc/*.cpp says what each computes).
     Tensors are CPU, float32 or bfloat16 unless named otherwise."""
@@ -92,7 +99,7 @@ class CpuOps(Protocol):
                             rows: torch.Tensor) -> None: ...
 
     def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor,
-                    float32_out: bool) -> torch.Tensor: ...
+                    float32_out: bool) -> torch.Tensor: ...  # (uint8 `packed`: Q8_0, q8_gemm.cpp)
 
     def packed_gemm_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor: ...
 
@@ -114,6 +121,23 @@ class CpuOps(Protocol):
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                    seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
                    all_rows: bool) -> torch.Tensor: ...
+
+    def ShmGroup(self, *, region: torch.Tensor, rank: int, size: int, capacity: int, pids: list[int],
+                 timeout_s: float) -> CppShmGroup: ...
+
+    def layer_loop_tp(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
+                      all_rows: bool, group: CppShmGroup) -> torch.Tensor: ...
+
+    def shm_all_reduce(self, group: CppShmGroup, t: torch.Tensor) -> None: ...
+
+    def shm_gather(self, group: CppShmGroup, local: torch.Tensor, out: torch.Tensor,
+                   widths: list[int]) -> None: ...
+
+    def shm_send(self, group: CppShmGroup, data: torch.Tensor) -> None: ...
+
+    def shm_receive(self, group: CppShmGroup) -> torch.Tensor: ...
 
     def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,

@@ -21,13 +21,16 @@ and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
-runs the Python loop, with the all-reduce after each of those two GEMMs (their
-float32 sums, rounded after the reduce): the one-call paths have no place
-between their kernels for it.
+all-reduces after each of those two GEMMs (their float32 sums, rounded after
+the reduce). Where its group all-reduces over shared memory (ranks on one
+machine: distributed/shm.py) the layer loop runs in one C++ call that does it
+itself (layer_loop_tp); otherwise (gloo, the profiler, too many rows) the
+Python loop, with the all-reduce between kernels.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NamedTuple
@@ -39,10 +42,11 @@ from torch.profiler import record_function
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend, KernelCall
 from tokenmill.backends.cpu.kernels import CpuOps
-from tokenmill.backends.cpu.memory import pack_weight
+from tokenmill.backends.cpu.memory import pack_q8_0, pack_weight
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
+from tokenmill.model.quantization import q8_0_of
 
 _NO_BIAS = torch.empty(0)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
@@ -51,12 +55,15 @@ _NO_ROWS = torch.empty(0, dtype=torch.int64)
 class _Proj(NamedTuple):
     """A projection: its packed weight for packed_gemm, and the original for torch's matmul."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor  # uint8: Q8_0 blocks (memory.pack_q8_0), which packed_gemm takes too
     n: int  # output features
     bias: torch.Tensor  # empty: none
-    weight: torch.Tensor
+    weight: torch.Tensor  # empty where quantized: `ref` then
+    ref: Linear | None = None  # a quantized projection's module (its dequantizing forward)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ref is not None:
+            return self.ref(x)
         return F.linear(x, self.weight, self.bias if self.bias.numel() else None)
 
 
@@ -72,8 +79,11 @@ class _Layer(NamedTuple):
 
 
 def _proj(lin: Linear) -> _Proj:
-    weight = lin.weight.detach()
     bias = _NO_BIAS if lin.bias is None else lin.bias.detach()
+    q8 = q8_0_of(lin)
+    if q8 is not None:  # kept quantized: no float copy of the weight at all
+        return _Proj(pack_q8_0(*q8), lin.out_features, bias, _NO_BIAS, lin)
+    weight = lin.weight.detach()
     return _Proj(pack_weight(weight), lin.out_features, bias, weight)
 
 
@@ -117,9 +127,15 @@ class CpuPlan:
         self.eps = float(spec.rms_norm_eps)
         self.rotary = model.model.rotary_emb
         self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
+        self.quantized = q8_0_of(model.lm_head) is not None  # (the loader quantizes all or none)
+        if self.quantized:  # q8_gemm serves any number of rows (torch would dequantize every call)
+            self.max_rows = 1 << 62
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
+        # TOKENMILL_TP_LAYER_LOOP=0: a shard takes the Python loop even over shared
+        # memory (the A/B of benchmarks/tp_step.py).
+        self.tp_layer_loop = os.environ.get("TOKENMILL_TP_LAYER_LOOP", "1") != "0"
         self._pack()
 
     @classmethod
@@ -168,7 +184,7 @@ class CpuPlan:
         # small_decode's conditions that hold for the whole model (csrc/small_decode.cpp).
         first_layer = self.layers[0] if self.layers else None
         self._small_ok = (
-            first_layer is not None and self.dtype == torch.bfloat16
+            first_layer is not None and self.dtype == torch.bfloat16 and not self.quantized
             and bool(self.ops.small_decode_supported())
             and all(lay.qkv.n == first_layer.qkv.n and lay.gate_up.n == first_layer.gate_up.n
                     and lay.gate_up.n % 32 == 0 for lay in self.layers))
@@ -207,7 +223,10 @@ class CpuPlan:
             self._pack()
         hidden = self.model.model.embed_tokens(input_ids)
         n = hidden.shape[0]
-        if self.all_reduce is not None:  # a shard: the loop that can all-reduce between kernels
+        if self.all_reduce is not None:  # a shard: a loop that can all-reduce between kernels
+            looped = self._tp_loop_call(hidden, positions, kv_caches, meta, output_rows)
+            if looped is not None:
+                return looped
             return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
                                      torch.autograd._profiler_enabled())
         if output_rows is None and n <= SMALL_DECODE_MAX_ROWS:
@@ -230,7 +249,8 @@ class CpuPlan:
         packed_gemm's float32 sums at any number of rows: never rounded to bf16
         (whose steps make near-ties exact ties) and the same whatever the batch."""
         with record_function("tokenmill::head"):
-            if kernels.packed_gemm_ops(hidden) is None or hidden.dtype != self.dtype:
+            if kernels.packed_gemm_ops(hidden) is None or (hidden.dtype != self.dtype
+                                                           and not self.quantized):
                 return self.head.linear(hidden).float()
             return self.ops.packed_gemm(hidden, self.head.packed, self.head.n, _NO_BIAS, True)
 
@@ -286,6 +306,29 @@ class CpuPlan:
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
             query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
             all_rows=output_rows is None)
+
+    def _tp_loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, output_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """A shard's layer loop in one C++ call, all-reducing over its group's
+        shared memory between the kernels (the same bits as the Python loop);
+        None where the group has no such handle (gloo) or the loop call does not apply."""
+        native = getattr(self.all_reduce, "native", None)
+        if (native is None or not self.tp_layer_loop or hidden.shape[0] > self.max_rows
+                or torch.autograd._profiler_enabled()):
+            return None
+        call = self._kernel_call(hidden, kv_caches, meta)
+        if call is None:
+            return None
+        try:
+            return self.ops.layer_loop_tp(
+                model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+                slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+                query_req=call.query_req,
+                output_rows=_NO_ROWS if output_rows is None else output_rows,
+                all_rows=output_rows is None, group=native)
+        except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
+            stopped = getattr(self.all_reduce, "stopped", None)
+            raise (stopped(e) if stopped is not None else e) from e
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,

@@ -1,0 +1,311 @@
+"""quantization="q8_0": GGUF Q8_0 blocks kept quantized, computed on by the CPU
+plan's q8_gemm (csrc/q8_gemm.cpp) without a float copy of the weights.
+
+The oracle is the model on the dequantized weights (q * d, the same values in
+float32): transformers for Hugging Face checkpoints, tokenmill's float path for
+a GGUF file (itself held to transformers by test_model_loading.py).
+
+Tolerances: in float32 the plan's weights are the dequantized values to the bit
+(q * d is exact in float32) and only the order of the sums differs, so logprobs
+agree within 1e-4 (as test_correctness.py's float32 plan against transformers)
+and greedy tokens are equal. In bfloat16 the activations are rounded to bf16
+(8 significant bits) between the ops, as the bf16 reference does: logprobs are
+held within 0.1 of the float32 reference, a few bf16 steps of these tiny
+models' logits (magnitude ~5).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.hf_models import COMMON, TEST_DEVICE, build_hf_model, hf_greedy, save_hf_model
+from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
+from tests.test_correctness import PROMPTS as ALL_PROMPTS
+from tokenmill import LLM, SamplingParams
+from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.memory import pack_q8_0
+from tokenmill.backends.cpu.plan import CpuPlan
+from tokenmill.config import ModelConfig
+from tokenmill.engine.arg_utils import EngineArgs
+from tokenmill.model.llama import Linear
+from tokenmill.model.loader import load_model, unpermute_rope_rows
+from tokenmill.model.quantization import dequantize_q8_0, q8_0_of, quantize_q8_0
+from tokenmill.model.source import resolve_model_source
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="quantization runs on the CPU only")
+
+# test_correctness.py's prompts (half of them sharing a prefix), 12 of them: CI time.
+PROMPTS, MAX_TOKENS = ALL_PROMPTS[:12], ALL_MAX_TOKENS[:12]
+
+NEEDS_KERNELS = pytest.mark.skipif(
+    kernels.packed_gemm_ops(torch.empty(1, 2)) is None, reason="no C++ GEMM on this machine")
+
+
+def _dequantized(hf_model: torch.nn.Module) -> torch.nn.Module:
+    """hf_model with every 2-D weight but the norms set to its Q8_0 round trip."""
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            if param.dim() == 2:
+                param.copy_(dequantize_q8_0(*quantize_q8_0(param)))
+    return hf_model
+
+
+def test_quantize_is_llama_cpps_rule() -> None:
+    """quantize_q8_0 gives the bytes of the gguf package's Q8_0 (llama.cpp's rule)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 96)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: d = 0, q = 0
+    x[1, 5] = 40.0  # an outlier
+    ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(8, 3, 34)
+    q, d = quantize_q8_0(torch.from_numpy(x))
+    assert np.array_equal(d.numpy().view(np.uint8).reshape(8, 3, 2), ref[:, :, :2])
+    assert np.array_equal(q.numpy().view(np.uint8).reshape(8, 3, 32), ref[:, :, 2:])
+    back = gguf.quants.dequantize(ref.reshape(8, -1), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(dequantize_q8_0(q, d).numpy(), back)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
+    """Any number of rows, N not a multiple of 16, a bias; each row's bits the
+    same whatever the other rows (the batch does not change a row)."""
+    ops = kernels.packed_gemm_ops(torch.empty(1, 2, dtype=dtype))
+    if ops is None:
+        pytest.skip(f"no {dtype} GEMM in this build")
+    torch.manual_seed(0)
+    n, k = 40, 96
+    q, d = quantize_q8_0(torch.randn(n, k))
+    packed = pack_q8_0(q, d)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 3, 544)
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(13, k).to(dtype)
+    ref = torch.nn.functional.linear(x.double(), dequantize_q8_0(q, d).double(), bias.double())
+    for m in (1, 2, 5, 7, 13):
+        y = ops.packed_gemm(x[:m], packed, n, bias, True)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), ref[:m], atol=1e-4, rtol=1e-5)
+        assert torch.equal(y, ops.packed_gemm(x, packed, n, bias, True)[:m])
+    y16 = ops.packed_gemm(x, packed, n, bias, False)
+    assert y16.dtype == dtype
+    assert torch.equal(y16, ops.packed_gemm(x, packed, n, bias, True).to(dtype))
+    gate_up = ops.packed_gemm(x, packed[:2], 32, torch.empty(0), False)
+    assert torch.equal(ops.packed_gemm_silu(x, packed[:2], 16), ops.silu_and_mul(gate_up))
+
+
+@pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2"])
+def q8_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    arch = request.param
+    model = build_hf_model(arch)
+    path = save_hf_model(model, Path(tmp_path_factory.mktemp(arch)))  # the float weights
+    _dequantized(model)
+    refs = [hf_greedy(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    return {"path": path, "refs": refs}
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "default": {"num_kv_blocks": 512},
+    "budget8": {"max_num_batched_tokens": 8, "num_kv_blocks": 512},
+    "preempt": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 64},
+}
+
+
+def _generate(llm: LLM) -> list[Any]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+              for n in MAX_TOKENS]
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_the_dequantized_reference(q8_case: dict[str, Any], scenario: str) -> None:
+    """float32 activations: the same greedy tokens as transformers on the
+    dequantized weights, logprobs within 1e-4, under chunked prefill and preemption."""
+    llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
+              check_integrity=True, **SCENARIOS[scenario])
+    runner = llm.engine.runner
+    if kernels.load() is not None:
+        assert isinstance(runner.forward, CpuPlan) and runner.forward.quantized
+        assert all(layer.qkv.packed.dtype == torch.uint8 for layer in runner.forward.layers)
+    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(_generate(llm), q8_case["refs"], strict=True)):
+        completion = out.outputs[0]
+        assert completion.token_ids == ref_tokens, f"prompt {i}"
+        assert completion.logprobs is not None
+        ours = [entry[tok].logprob for entry, tok in zip(completion.logprobs, ref_tokens, strict=True)]
+        np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
+    if scenario == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_bf16_logprobs_near_the_dequantized_reference(q8_case: dict[str, Any]) -> None:
+    llm = LLM(q8_case["path"], dtype="bfloat16", quantization="q8_0", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    worst = 0.0
+    for out, (ref_tokens, ref_logprobs) in zip(_generate(llm), q8_case["refs"], strict=True):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        # Each step's logprob of the token it chose, and the reference's for that
+        # token where both took the same path so far.
+        same = 0
+        while same < len(ref_tokens) and completion.token_ids[same] == ref_tokens[same]:
+            same += 1
+        for entry, tok, ref in zip(completion.logprobs[:same], ref_tokens[:same], ref_logprobs[:same],
+                                   strict=True):
+            worst = max(worst, abs(entry[tok].logprob - ref))
+    assert worst < 0.1
+
+
+# --- a GGUF file's own Q8_0 blocks ------------------------------------------------
+
+_GGUF_PARTS = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _write_q8_0_gguf(hf_model: Any, path: Path) -> dict[str, np.ndarray]:
+    """hf_model as a GGUF file with every matrix in Q8_0 (norms float32, as
+    llama.cpp writes them); returns each Q8_0 tensor's blocks as written."""
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)  # (transformers' default, which _tiny_llama keeps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    written: dict[str, np.ndarray] = {}
+    for name, param in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            part = _GGUF_PARTS[".".join(parts[3:-1])]
+            gguf_name = f"blk.{parts[2]}.{part}.weight"
+        else:
+            part = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                    "lm_head": "output"}[".".join(parts[:-1])]
+            gguf_name = f"{part}.weight"
+        weight = param.float().numpy()
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
+        if heads is not None:  # llama.cpp's permutation for its RoPE layout
+            weight = weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
+        if weight.ndim == 2:
+            data = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            written[gguf_name] = data
+        else:
+            writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def _tiny_llama(tied: bool) -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**COMMON, tie_word_embeddings=tied)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _blocks(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = data.shape[0]
+    raw = data.reshape(rows, -1, 34)
+    d = torch.from_numpy(np.ascontiguousarray(raw[:, :, :2]).view(np.float16).reshape(rows, -1))
+    q = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, -1))
+    return q, d
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_q8_0_blocks_are_kept_as_they_are(tmp_path: Path, tied: bool) -> None:
+    hf_model = _tiny_llama(tied)
+    path = tmp_path / "tiny-q8_0.gguf"
+    written = _write_q8_0_gguf(hf_model, path)
+    source = resolve_model_source(str(path))
+    model, spec = load_model(ModelConfig(dtype="float32", quantization="q8_0"), source)
+    assert spec.tie_word_embeddings == tied
+    heads = {"q": spec.num_heads, "k": spec.num_kv_heads}
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        assert "weight" not in attn.qkv_proj._parameters  # no float copy
+        q8 = q8_0_of(attn.qkv_proj)
+        assert q8 is not None
+        start = 0
+        for shard, part in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
+            q, d = _blocks(written[f"blk.{i}.{part}.weight"])
+            if shard in heads:
+                q, d = unpermute_rope_rows(q, heads[shard]), unpermute_rope_rows(d, heads[shard])
+            rows = slice(start, start + q.shape[0])
+            start += q.shape[0]
+            assert torch.equal(q8[0][rows], q) and torch.equal(q8[1][rows], d)
+        down = q8_0_of(layer.mlp.down_proj)
+        assert down is not None
+        assert torch.equal(down[0], _blocks(written[f"blk.{i}.ffn_down.weight"])[0])
+    embed = q8_0_of(model.model.embed_tokens)
+    assert embed is not None and torch.equal(embed[0], _blocks(written["token_embd.weight"])[0])
+    head = q8_0_of(model.lm_head)
+    assert head is not None and (head[0] is embed[0]) == tied
+    assert model.model.norm.weight.dtype == torch.float32  # norms stay float
+
+    # The plan on the blocks against the float path on the dequantized file.
+    prompts = PROMPTS[:8]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0) for _ in prompts]
+    outs = {}
+    for quantization in (None, "q8_0"):
+        llm = LLM(str(path), dtype="float32", quantization=quantization, skip_tokenizer_init=True,
+                  num_kv_blocks=256, max_num_batched_tokens=32)
+        outs[quantization] = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                          use_tqdm=False)
+    for ref, ours in zip(outs[None], outs["q8_0"], strict=True):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        ref_lp = [e[t].logprob for e, t in zip(ref.outputs[0].logprobs or [], ref.outputs[0].token_ids,
+                                                strict=True)]
+        our_lp = [e[t].logprob for e, t in zip(ours.outputs[0].logprobs or [], ours.outputs[0].token_ids,
+                                                strict=True)]
+        np.testing.assert_allclose(our_lp, ref_lp, atol=1e-4)
+
+
+def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any]) -> None:
+    """With the C++ kernels off the reference model serves the quantized weights."""
+    kernels.set_enabled(False)
+    try:
+        llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
+                  num_kv_blocks=512)
+        assert not isinstance(llm.engine.runner.forward, CpuPlan)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]],
+                            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                             for n in MAX_TOKENS[:6]], use_tqdm=False)
+    finally:
+        kernels.set_enabled(True)
+    for out, (ref_tokens, _) in zip(outs, q8_case["refs"][:6], strict=True):
+        assert out.outputs[0].token_ids == ref_tokens
+    assert any(isinstance(m, Linear) and q8_0_of(m) is not None for m in llm.engine.runner.model.modules())
+
+
+def test_bad_quantization_values_are_refused(q8_case: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0'\)"):
+        LLM(q8_case["path"], quantization="int4", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="quantization='q8_0' runs on the CPU only"):
+        ModelConfig(quantization="q8_0", device="cuda")
+    with pytest.raises(ValueError, match="quantization='q8_0' cannot be used with tensor_parallel_size=2"):
+        EngineArgs(quantization="q8_0", tensor_parallel_size=2).create_parallel_config()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
+    assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "q8_0"])).quantization == "q8_0"
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'int4'"):
+        parser.parse_args(["--quantization", "int4"])
