@@ -242,7 +242,7 @@ def test_editing_compares_texts_and_fails_clearly_without_the_flag(
         'vllm:spec_decode_num_draft_tokens_total{engine="tokenmill",model_name="m"} 40.0',
         'vllm:spec_decode_num_accepted_tokens_total{engine="tokenmill",model_name="m"} 30.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="tokenmill",model_name="m",position="0"} 9.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="tokenmill",model_name="m",position="1"} 8.0',
+        'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0',
     ]) == "30 of 40 draft tokens accepted (75%); per position 0.90 / 0.80"
 
     monkeypatch.setattr(editing, "serve_has_flag", lambda flag: False)

@@ -185,7 +185,7 @@ def format_table(modes: list[ModeResult]) -> str:
 
 def acceptance(metric_lines: list[str]) -> str | None:
     """'A of D draft tokens accepted (x%); per position ...' from vLLM's spec_decode
-    counters as /metrics gives them, or None where they are not there."""
+    counters as /metrics gives them (any prefix), or None where they are not there."""
     values: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     for ln in metric_lines:
@@ -197,7 +197,7 @@ def acceptance(metric_lines: list[str]) -> str | None:
         if "num_accepted_tokens_per_pos" in name and 'position="' in name:
             per_pos[int(name.split('position="')[1].split('"')[0])] = number
         else:
-            values[name.split("{")[0].removeprefix("vllm:")] = number
+            values[name.split("{")[0].rpartition(":")[2]] = number  # (vllm:, tokenmill:)
     drafts = values.get("spec_decode_num_draft_tokens_total")
     accepted = values.get("spec_decode_num_accepted_tokens_total")
     if not drafts or accepted is None:
