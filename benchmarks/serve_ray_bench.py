@@ -3,6 +3,9 @@
   python benchmarks/serve_ray_bench.py serve-b      # serve-B: serve alone (1 core),
                                                     # Ray 1 replica, Ray 2 replicas (1 core each)
   python benchmarks/serve_ray_bench.py chat-prefix  # 2 replicas: prefix-aware vs round-robin
+  python benchmarks/serve_ray_bench.py serve-b-tp --rates 1  # serve-B: `serve -tp 2` alone
+                                                    # (1 core a rank), Ray 1 replica of TP=2
+                                                    # (rank 1 a Ray actor, 1 CPU a bundle)
 
 serve-B (docs/WORKLOADS.md) runs at the rates given (--rates, default 2,4), prefix
 caching off as the workload says. chat-prefix sends its 128 requests at time 0, then
@@ -105,7 +108,7 @@ def run_prefix_workload(url: str, label: str, workload: Workload) -> dict[str, A
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["serve-b", "chat-prefix"])
+    p.add_argument("what", choices=["serve-b", "chat-prefix", "serve-b-tp"])
     p.add_argument("--rates", default="2,4")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--output-dir", default="bench-results/serve-ray")
@@ -116,15 +119,17 @@ def main() -> int:
     url = f"http://{HOST}:{args.port}"
     rows: list[dict[str, Any]] = []
     n_serve_b = max(2, int(64 * args.scale))
-    if args.what == "serve-b":
+    tp = 2 if args.what == "serve-b-tp" else 1
+    if args.what in ("serve-b", "serve-b-tp"):
         rates = [float(r) for r in args.rates.split(",")]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         alone = subprocess.Popen(
             [sys.executable, "-m", "tokenmill.cli", "serve", "--host", HOST, "--port",
-             str(args.port), "--no-enable-prefix-caching"], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             str(args.port), "--no-enable-prefix-caching", "--tensor-parallel-size", str(tp)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            rows += serve_b(url, "serve alone (1 core)", rates, n_serve_b)
+            label = "serve alone (1 core)" if tp == 1 else f"serve -tp {tp} alone (1 core a rank)"
+            rows += serve_b(url, label, rates, n_serve_b)
         finally:
             alone.terminate()
             alone.wait(60)
@@ -148,6 +153,14 @@ def main() -> int:
                 rows += serve_b(url, f"Ray Serve, {n} replica{'s' if n > 1 else ''} (1 core each)",
                                 rates, n_serve_b)
                 serve.delete("tokenmill")
+        elif args.what == "serve-b-tp":
+            engine_args = EngineArgs(enable_prefix_caching=False,
+                                     tensor_parallel_size=tp).with_serve_defaults()
+            app = build_ray_app(engine_args, ServerConfig(),
+                                RayServeOptions(num_replicas=1, num_cpus_per_replica=tp), 2)
+            serve.run(app, name="tokenmill", route_prefix="/", blocking=False)
+            rows += serve_b(url, f"Ray Serve, 1 replica of TP={tp} (1 CPU a rank)", rates, n_serve_b)
+            serve.delete("tokenmill")
         else:
             engine_args = EngineArgs().with_serve_defaults()
             for router in ("prefix", "round_robin"):

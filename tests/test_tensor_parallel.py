@@ -86,6 +86,7 @@ def test_a_dead_rank_stops_the_group_with_an_error_naming_it(model_paths: dict[s
               apply_process_settings=False, tensor_parallel_size=2, num_kv_blocks=64)
     tp = llm.engine.tp
     assert tp is not None
+    assert tp.group.shm is not None  # (one machine: the all-reduce over shared memory sees the death)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)) == 1
@@ -117,13 +118,16 @@ def test_a_dead_rank_stops_the_group_with_an_error_naming_it(model_paths: dict[s
 
 def test_a_second_node_joins_through_tokenmill_worker(model_paths: dict[str, str]) -> None:
     """Two "machines" on this one: node 0 is the engine (rank 0), node 1 runs
-    `tokenmill worker` (rank 1), meeting at --master-addr/--master-port."""
+    `tokenmill worker` (rank 1), meeting at --master-addr/--master-port. Node 1
+    has shared memory switched off, as another machine cannot share it: the
+    whole group all-reduces over gloo."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
              "--master-port", str(port)]
-    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "worker", "--node-rank", "1", *flags])
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "worker", "--node-rank", "1", *flags],
+                             env=dict(os.environ, TOKENMILL_TP_SHM="0"))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     try:
@@ -132,6 +136,7 @@ def test_a_second_node_joins_through_tokenmill_worker(model_paths: dict[str, str
                   master_port=port)
         try:
             assert llm.engine.tp is not None and not llm.engine.tp.ranks.procs  # (none of its own)
+            assert llm.engine.tp.group.shm is None  # (gloo)
             split = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
             llm.engine.shutdown()
@@ -176,3 +181,81 @@ def test_parallel_options_are_checked_and_reach_the_config() -> None:
         ParallelConfig(tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="node_rank"):
         ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1)
+
+
+def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
+    """One rank of a 2-rank group: the same tensors summed (and gathered) over
+    shared memory and over gloo (float32; bf16 and odd lengths; one past a
+    slot: chunks), and commands over shared memory."""
+    from tokenmill.distributed import shm
+    from tokenmill.distributed.group import RankGroup
+
+    torch.set_num_threads(1)
+    group = RankGroup(rank, 2, "127.0.0.1", port)
+    group.connect()
+    group.open_tensors(torch.device("cpu"))
+    assert group.shm is not None, "ranks on one machine: shared memory"
+    gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own partial sums
+    out = []
+    for n, dtype in ((1, torch.float32), (576 * 3, torch.float32), (shm.SLOT_FLOATS + 77, torch.float32),
+                     (1001, torch.bfloat16)):
+        part = (torch.randn(n, generator=gen) * 100).to(dtype)
+        mine = part.clone()
+        group.all_reduce(mine)  # shared memory
+        theirs = part.clone() if dtype == torch.float32 else part.float()
+        group._wait(group.tensors.allreduce([theirs]))  # gloo
+        out.append((mine, theirs.to(dtype)))
+    # The logits' gather: uneven widths; rows past a slot go in chunks.
+    for rows, widths in ((5, [127, 128]), (3, [shm.SLOT_FLOATS // 2 + 1, shm.SLOT_FLOATS // 2])):
+        local = torch.randn(rows, widths[rank], generator=gen)
+        shared = group.gather_columns(local, widths)
+        kept, group.shm = group.shm, None
+        gloo = group.gather_columns(local, widths)
+        group.shm = kept
+        if rank == 0:
+            assert shared is not None and gloo is not None
+            out.append((shared, gloo))
+        else:
+            assert shared is None and gloo is None
+    # Rank 0's commands: one past a slot (chunks), then a small one.
+    big = torch.arange(shm.SLOT_FLOATS + 1000, dtype=torch.float32)
+    if rank == 0:
+        group.send(("forward", big, 7))
+        group.send(("stop",))
+    else:
+        command = group.receive()
+        assert command[0] == "forward" and torch.equal(command[1], big) and command[2] == 7
+        assert group.receive() == ("stop",)
+    # As bits in numpy arrays: a torch tensor crosses a Queue as a file
+    # descriptor, which is gone once this process exits.
+    queue.put((rank, [tuple(t.float().numpy().view(np.uint32).copy() for t in pair) for pair in out]))
+    group.barrier()
+    group.close()
+
+
+def test_the_shared_memory_collectives_give_gloos_bits_on_every_rank() -> None:
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_reduce_both_ways, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    sums, gathers = results[0][:4], results[0][4:]
+    for (mine0, gloo0), (mine1, gloo1) in zip(sums, results[1], strict=True):
+        assert np.array_equal(mine0, mine1)  # every rank the same bits
+        assert np.array_equal(mine0, gloo0) and np.array_equal(gloo0, gloo1)  # gloo's (2 ranks: a + b)
+    assert len(gathers) == 2
+    for shared, gloo in gathers:
+        assert shared.shape == gloo.shape and np.array_equal(shared, gloo)

@@ -147,13 +147,19 @@ def add_serve_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     ray_opts.add_argument("--target-ongoing-requests", type=float, default=16.0,
                           help="autoscaling: requests in flight per replica to aim at")
     ray_opts.add_argument("--num-cpus-per-replica", type=float, default=None,
-                          help="Ray CPUs (and engine threads) per replica (default: the "
-                               "cluster's CPUs / the (max) replicas)")
+                          help="Ray CPUs (and engine threads) per replica, split over its "
+                               "tensor-parallel ranks (default: the cluster's CPUs / the (max) "
+                               "replicas)")
     ray_opts.add_argument("--router", choices=["prefix", "round_robin"], default="prefix",
                           help="prefix: requests sharing a prompt prefix go to one replica")
     ray_opts.add_argument("--max-imbalance", type=int, default=None,
                           help="prefix routing: requests in flight a replica may have above "
                                "the least loaded one and still be chosen for its prefix")
+    ray_opts.add_argument("--placement-group-strategy", default="PACK",
+                          choices=["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"],
+                          help="with --tensor-parallel-size N: where a replica's N ranks go (Ray "
+                               "placement group of N bundles, each 1/N of the replica's CPUs); "
+                               "STRICT_SPREAD: one rank per node")
     ray_opts.add_argument("--ray-address", default=None,
                           help="an existing Ray cluster ('auto' or HOST:PORT; default: "
                                "start one on this machine)")
@@ -172,7 +178,8 @@ def cmd_serve_ray(args: argparse.Namespace, engine_args: EngineArgs, config: Ser
         num_replicas=args.num_replicas, min_replicas=args.min_replicas,
         max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
         num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
-        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout, **extra,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout,
+        placement_group_strategy=args.placement_group_strategy, **extra,
     )
     return run_serve_ray(engine_args, config, options, args.ray_address)
 

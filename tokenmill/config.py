@@ -160,8 +160,18 @@ class ParallelConfig:
     master_port: int | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # How ranks 1..N-1 start (vLLM's name): "mp", processes this one spawns (and
+    # `tokenmill worker` on other nodes); "ray", Ray actors in this process's
+    # placement group's other bundles (`tokenmill serve-ray` gives each replica one).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes != 1:
+            raise ValueError("distributed_executor_backend='ray' places the ranks through a Ray "
+                             "placement group: leave nnodes at 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:

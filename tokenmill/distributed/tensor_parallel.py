@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.config import CacheConfig, ModelConfig, ParallelConfig
 from tokenmill.distributed.group import RankGroup, TensorParallelError
-from tokenmill.distributed.launch import RankProcesses, spawn_rank, thread_share
+from tokenmill.distributed.launch import RankProcesses, RayRanks
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.parallel import ShardLayout, shard_model, vocab_widths
@@ -58,15 +58,14 @@ class TensorParallel:
         self.device = torch.device(model_config.device)
         per_node = config.ranks_per_node
         self.ranks_per_node = per_node
-        self.threads = thread_share(per_node)
         self._lock = threading.Lock()  # a shutdown never interleaves with a step's messages
-        self.ranks = RankProcesses({})
-        self.group = RankGroup(0, self.size, config.master_addr, config.master_port or 0,
+        # Node 0's other ranks: child processes, or Ray actors in this process's placement group.
+        self.ranks: RankProcesses | RayRanks = RankProcesses({}) if config.distributed_executor_backend == "mp" else RayRanks()
+        self.threads = self.ranks.threads(per_node)
+        master_addr = self.ranks.master_addr(config.master_addr)
+        self.group = RankGroup(0, self.size, master_addr, config.master_port or 0,
                                alive=self.ranks.gone)
-        self.ranks.procs.update({
-            rank: spawn_rank(rank, self.size, rank, config.master_addr, self.group.port, self.threads)
-            for rank in range(1, per_node)
-        })
+        self.ranks.start(range(1, per_node), self.size, master_addr, self.group.port, self.threads)
         self._closed = False
         atexit.register(self.shutdown)
         try:
@@ -89,7 +88,7 @@ class TensorParallel:
     def shard(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
         """Rank 0's shard of the loaded model (the whole one can then be dropped)."""
         self.widths = vocab_widths(model.spec, self.size)
-        return shard_model(model, ShardLayout.of(model.spec, 0, self.size), self.group.all_reduce)
+        return shard_model(model, ShardLayout.of(model.spec, 0, self.size), self.group.reducer)
 
     def cache_config(self, cache_config: CacheConfig) -> CacheConfig:
         """The KV budget per rank: the default budget shared by the ranks on
@@ -142,18 +141,24 @@ class DriverForward:
     def __init__(self, local: ModelForward, tp: TensorParallel) -> None:
         self.local = local
         self.tp = tp
+        self.last: torch.Tensor | None = None  # the last forward's output
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         with self._guard():
+            self.last = None
             self.tp.group.send(("forward", input_ids.cpu(), positions.cpu(), meta_to_wire(meta),
                                 None if output_rows is None else output_rows.cpu()))
-            return self.local(input_ids, positions, kv_caches, meta, output_rows)
+            self.last = self.local(input_ids, positions, kv_caches, meta, output_rows)
+            return self.last
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The rows' logits over the whole vocabulary: every rank's share, gathered here."""
+        """The rows' logits over the whole vocabulary: every rank's share, gathered here.
+        The last forward's output itself (a step's sampled rows, as usual) is
+        not sent: every rank holds the same bits of it (the residual stream is
+        replicated, the all-reduces give every rank the same sums)."""
         with self._guard():
-            self.tp.group.send(("logits", hidden.cpu()))
+            self.tp.group.send(("logits",) if hidden is self.last else ("logits", hidden.cpu()))
             logits = self.tp.group.gather_columns(self.local.compute_logits(hidden), self.tp.widths)
             assert logits is not None  # (rank 0)
             return logits

@@ -7,6 +7,7 @@ block count, then serves commands until "stop":
 
     ("forward", input_ids, positions, attention metadata, output_rows)
     ("logits", hidden)  -> its share of the vocabulary, gathered on rank 0
+    ("logits",)         -> the same for the last forward's output (its own copy)
 
 It never schedules nor samples. Any error ends the process with a line naming
 the rank; its closed sockets then stop the other ranks' next collective.
@@ -42,7 +43,7 @@ def serve_rank(group: RankGroup, local_rank: int) -> None:
     group.open_tensors(device)
     whole, spec = load_model(model_config, resolve_model_source(model_config.model))
     dtype = next(whole.parameters()).dtype
-    model = shard_model(whole, ShardLayout.of(spec, group.rank, group.size), group.all_reduce)
+    model = shard_model(whole, ShardLayout.of(spec, group.rank, group.size), group.reducer)
     del whole
     widths = vocab_widths(spec, group.size)
     forward, how = pick_forward(model, dtype, device)
@@ -59,14 +60,19 @@ def serve_rank(group: RankGroup, local_rank: int) -> None:
 
 def serve_commands(group: RankGroup, forward: ModelForward, kv_caches: list[torch.Tensor],
                    widths: list[int], device: torch.device) -> None:
+    last: torch.Tensor | None = None  # the last forward's output
     while True:
         command = group.receive()
         if command[0] == "forward":
             _, input_ids, positions, meta, output_rows = command
-            forward(input_ids.to(device), positions.to(device), kv_caches,
-                    meta_from_wire(meta, device), None if output_rows is None else output_rows.to(device))
+            last = None
+            last = forward(input_ids.to(device), positions.to(device), kv_caches,
+                           meta_from_wire(meta, device),
+                           None if output_rows is None else output_rows.to(device))
         elif command[0] == "logits":
-            group.gather_columns(forward.compute_logits(command[1].to(device)), widths)
+            hidden = command[1].to(device) if len(command) > 1 else last
+            assert hidden is not None, "logits of the last forward before any forward"
+            group.gather_columns(forward.compute_logits(hidden), widths)
         elif command[0] == "stop":
             return
         else:

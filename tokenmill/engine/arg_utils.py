@@ -56,6 +56,7 @@ class EngineArgs:
     node_rank: int = 0
     # Weights kept quantized: None or "q8_0" (config.ModelConfig.quantization).
     quantization: str | None = None
+    distributed_executor_backend: str = "mp"  # "ray": ranks as Ray actors (serve-ray)
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -96,6 +97,7 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, master_addr=self.master_addr,
             master_port=self.master_port, nnodes=self.nnodes, node_rank=self.node_rank,
+            distributed_executor_backend=self.distributed_executor_backend,
         )
 
     def with_serve_defaults(self) -> EngineArgs:
@@ -149,6 +151,10 @@ class EngineArgs:
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")
+        parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                            help="how ranks 1..N-1 start: mp, processes (and `tokenmill worker`); "
+                                 "ray, Ray actors in this process's placement group (serve-ray "
+                                 "sets this for its replicas)")
         return parser
 
     @classmethod

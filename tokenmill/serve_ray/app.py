@@ -1,9 +1,15 @@
 """The Ray Serve application: one Ingress replica in front of N EngineReplica
 replicas, each with its own engine, its share of the cores (Ray's num_cpus) and
-as many engine threads, behind the prefix-aware router."""
+as many engine threads, behind the prefix-aware router.
+
+With tensor_parallel_size T > 1 each replica asks Ray Serve for a placement group
+of T bundles (its share of the cores split over them); the replica runs in bundle
+0 as rank 0 and starts ranks 1..T-1 as Ray actors in the others
+(distributed_executor_backend="ray", distributed/launch.py's RayRanks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +29,9 @@ INGRESS_DEPLOYMENT = "TokenmillIngress"
 # where they can still go to another replica. The engine's own queue is behind it.
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 ROUTER_CLASS = "tokenmill.serve_ray.router:PrefixAwareRouter"  # (imported where handles are)
+# Ray's placement strategies for a replica's TP ranks: PACK (one node if it fits),
+# STRICT_PACK (one node or nothing), SPREAD, STRICT_SPREAD (one rank per node).
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class RayServeOptions:
     max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     graceful_shutdown_timeout_s: float = 30.0  # running requests' time to finish on a scale-down
+    # Where a replica's tensor-parallel ranks go (its placement group's strategy).
+    placement_group_strategy: str = "PACK"
     extra_router_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +70,9 @@ class RayServeOptions:
             raise ValueError("num_cpus_per_replica must be > 0")
         if self.max_ongoing_requests < 1 or self.max_attempts < 1:
             raise ValueError("max_ongoing_requests and max_attempts must be at least 1")
+        if self.placement_group_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_group_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                             f"got {self.placement_group_strategy!r}")
 
     def cpus_per_replica(self, total_cpus: float | None = None) -> float:
         if self.num_cpus_per_replica is not None:
@@ -84,13 +98,19 @@ def build_ray_app(
     """The application `serve.run` deploys. `total_cpus`: the cluster's CPUs that
     the replicas share (default: this machine's)."""
     engine_args.create_engine_configs()  # bad options fail here, not in every replica
-    cpus = options.cpus_per_replica(total_cpus)
+    engine_args, placement = tensor_parallel_placement(engine_args, options)
+    tp = engine_args.tensor_parallel_size
+    # The replica's share of the cores, split evenly over its ranks (one bundle each).
+    cpus = options.cpus_per_replica(total_cpus) / tp
     threads = max(1, int(cpus))
+    if placement:
+        placement["placement_group_bundles"] = [{"CPU": cpus} for _ in range(tp)]
     engine = serve.deployment(
         name=ENGINE_DEPLOYMENT,
         max_ongoing_requests=options.max_ongoing_requests,
+        **placement,
         ray_actor_options={
-            "num_cpus": cpus,
+            "num_cpus": cpus,  # (rank 0's: the first bundle's)
             # OpenMP sizes its pool from this before torch can be told (replica.py sets both).
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
         },
@@ -111,3 +131,20 @@ def build_ray_app(
         ray_actor_options={"num_cpus": 0},
     )(Ingress).bind(engine, server_config.max_request_body_bytes, server_config.api_key, options.max_attempts)
     return ingress
+
+
+def tensor_parallel_placement(
+    engine_args: EngineArgs, options: RayServeOptions,
+) -> tuple[EngineArgs, dict[str, Any]]:
+    """The replicas' engine args and the deployment's placement options: with TP > 1,
+    ranks as Ray actors in a placement group per replica (its bundles: filled in by
+    the caller, from the cores)."""
+    parallel = engine_args.create_parallel_config()
+    if parallel.tensor_parallel_size == 1:
+        return engine_args, {}
+    if parallel.nnodes != 1 or parallel.node_rank != 0 or parallel.master_port is not None:
+        raise ValueError("serve-ray places a replica's tensor-parallel ranks through a Ray placement "
+                         "group (--placement-group-strategy); --nnodes, --node-rank and --master-port "
+                         "are for `tokenmill serve` and `tokenmill worker`")
+    engine_args = dataclasses.replace(engine_args, distributed_executor_backend="ray")
+    return engine_args, {"placement_group_strategy": options.placement_group_strategy}

@@ -25,6 +25,7 @@ from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.process_settings import apply_process_settings
+from tokenmill.serve_ray.router import REPLICA_HEADER
 from tokenmill.server.app import build_app
 
 logger = logging.getLogger("tokenmill")
@@ -51,6 +52,7 @@ class EngineReplica:
     async def http(
         self, method: str, path: str, query: bytes, headers: list[Header], body: bytes,
         routing_text: str = "",  # read by the router only
+        target_replica: str | None = None,  # (likewise: a request for this replica)
     ) -> AsyncGenerator[Start | bytes, None]:
         scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -85,7 +87,8 @@ class EngineReplica:
                     continue
                 chunk = message.get("body", b"")
                 if start is not None:  # the first chunk goes out with the status
-                    yield (start["status"], list(start.get("headers", [])), chunk)
+                    headers = [*start.get("headers", []), (REPLICA_HEADER, self.replica_id.encode())]
+                    yield (start["status"], headers, chunk)
                     start = None
                 elif chunk:
                     yield chunk
@@ -111,12 +114,26 @@ class EngineReplica:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
+            "tensor_parallel_ranks": self.tensor_parallel_ranks(),
         }
 
+    def tensor_parallel_ranks(self) -> list[dict[str, Any]]:
+        """Ranks 1..T-1 (Ray actors): rank, pid, node IP. [] without TP."""
+        tp = getattr(self.engine.engine, "tp", None)
+        where = getattr(getattr(tp, "ranks", None), "where", {})
+        return [{"rank": r, "pid": pid, "node": node} for r, (pid, node) in sorted(where.items())]
+
     def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose engine loop died is replaced."""
+        """Ray Serve's health check: a replica whose engine loop died, or whose
+        tensor-parallel group stopped (a rank gone), is replaced (its rank actors
+        with it)."""
         if not self.engine.is_running:
             raise RuntimeError("the engine loop is not running")
+        tp = getattr(self.engine.engine, "tp", None)
+        if tp is not None:
+            failed = tp.group.failed or tp.ranks.gone()
+            if failed:
+                raise RuntimeError(f"the tensor-parallel group stopped: {failed}")
 
     def __del__(self) -> None:
         # Ray Serve calls this on a graceful replica shutdown.

@@ -46,6 +46,9 @@ TENTATIVE_S = 10.0  # a choice not routed by then (cancelled, say) stops countin
 ROUTING_TEXT = "routing_text"  # the keyword the ingress passes the routing text as
 TARGET_REPLICA = "target_replica"  # keyword: a call for one replica (its stats)
 HTTP_METHOD = "http"  # the replica method that serves requests (counted as load)
+# Added by a replica to each answer's headers: which replica served it (the ingress
+# learns /v1/responses' owners from it, and takes it off before the client sees it).
+REPLICA_HEADER = b"x-tokenmill-replica"
 
 # Deployment name -> its live replicas' full ids, as this process's routers see
 # them: the ingress asks each replica for its stats by these (ingress.py).
@@ -65,6 +68,42 @@ def record_live_replicas(deployment: str, replicas: list[str]) -> None:
 
     with router._live_lock:
         router._live_replicas[deployment] = sorted(replicas)
+
+
+def forget_live_replica(deployment: str, replica: str) -> None:
+    from tokenmill.serve_ray import router
+
+    with router._live_lock:
+        live = router._live_replicas.get(deployment)
+        if live is not None and replica in live:
+            live.remove(replica)
+
+
+MAX_RESPONSE_OWNERS = 100_000  # response ids remembered (LRU): ~10 MB
+
+
+class ResponseOwners:
+    """/v1/responses' stored responses live on the replica that created them: which
+    replica that was, per response id (learned as the answers pass the ingress;
+    LRU-bounded, as each replica's store is)."""
+
+    def __init__(self, max_entries: int = MAX_RESPONSE_OWNERS) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.max_entries = max_entries
+        self.owners: OrderedDict[str, str] = OrderedDict()
+
+    def learn(self, response_id: str, replica: str) -> None:
+        self.owners[response_id] = replica
+        self.owners.move_to_end(response_id)
+        while len(self.owners) > self.max_entries:
+            self.owners.popitem(last=False)
+
+    def owner(self, response_id: str) -> str | None:
+        replica = self.owners.get(response_id)
+        if replica is not None:
+            self.owners.move_to_end(response_id)
+        return replica
 
 
 def prefix_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
@@ -158,6 +197,7 @@ class PrefixAwareRouter(RequestRouter):
         dead = replica_id.to_full_id_str()
         self.index.blocks.pop(dead, None)
         self.in_flight.pop(dead, None)
+        forget_live_replica(self._deployment_id.name, dead)
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
         if pending_request is None:

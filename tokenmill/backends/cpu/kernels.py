@@ -67,6 +67,13 @@ class CppModelWeights(Protocol):
     head_dim: int
 
 
+class CppShmGroup(Protocol):
+    """A tensor-parallel group's shared-memory all-reduce (csrc/layer_stack.h ShmGroup)."""
+
+    rank: int
+    size: int
+
+
 class CpuOps(Protocol):
     """The compiled module's functions (csrc/*.cpp says what each computes).
     Tensors are CPU, float32 or bfloat16 unless named otherwise."""
@@ -114,6 +121,23 @@ class CpuOps(Protocol):
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                    seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
                    all_rows: bool) -> torch.Tensor: ...
+
+    def ShmGroup(self, *, region: torch.Tensor, rank: int, size: int, capacity: int, pids: list[int],
+                 timeout_s: float) -> CppShmGroup: ...
+
+    def layer_loop_tp(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
+                      all_rows: bool, group: CppShmGroup) -> torch.Tensor: ...
+
+    def shm_all_reduce(self, group: CppShmGroup, t: torch.Tensor) -> None: ...
+
+    def shm_gather(self, group: CppShmGroup, local: torch.Tensor, out: torch.Tensor,
+                   widths: list[int]) -> None: ...
+
+    def shm_send(self, group: CppShmGroup, data: torch.Tensor) -> None: ...
+
+    def shm_receive(self, group: CppShmGroup) -> torch.Tensor: ...
 
     def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,

@@ -21,13 +21,16 @@ and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
-runs the Python loop, with the all-reduce after each of those two GEMMs (their
-float32 sums, rounded after the reduce): the one-call paths have no place
-between their kernels for it.
+all-reduces after each of those two GEMMs (their float32 sums, rounded after
+the reduce). Where its group all-reduces over shared memory (ranks on one
+machine: distributed/shm.py) the layer loop runs in one C++ call that does it
+itself (layer_loop_tp); otherwise (gloo, the profiler, too many rows) the
+Python loop, with the all-reduce between kernels.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NamedTuple
@@ -130,6 +133,9 @@ class CpuPlan:
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
+        # TOKENMILL_TP_LAYER_LOOP=0: a shard takes the Python loop even over shared
+        # memory (the A/B of benchmarks/tp_step.py).
+        self.tp_layer_loop = os.environ.get("TOKENMILL_TP_LAYER_LOOP", "1") != "0"
         self._pack()
 
     @classmethod
@@ -217,7 +223,10 @@ class CpuPlan:
             self._pack()
         hidden = self.model.model.embed_tokens(input_ids)
         n = hidden.shape[0]
-        if self.all_reduce is not None:  # a shard: the loop that can all-reduce between kernels
+        if self.all_reduce is not None:  # a shard: a loop that can all-reduce between kernels
+            looped = self._tp_loop_call(hidden, positions, kv_caches, meta, output_rows)
+            if looped is not None:
+                return looped
             return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
                                      torch.autograd._profiler_enabled())
         if output_rows is None and n <= SMALL_DECODE_MAX_ROWS:
@@ -253,7 +262,9 @@ class CpuPlan:
                     meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode-only step of a few requests in one C++ parallel region, each
         weight read once by one thread (csrc/small_decode.cpp); else None."""
-        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs
+        # (Not with speculative rows (seq_req): its threads split rows by count, and a
+        # request's row i would read the K/V its row i - 1 writes on another thread.)
+        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs or meta.seq_req is not None
                 or meta.num_decodes != hidden.shape[0] or not self._small_ok
                 or torch.autograd._profiler_enabled()):
             return None
@@ -295,6 +306,29 @@ class CpuPlan:
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
             query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
             all_rows=output_rows is None)
+
+    def _tp_loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, output_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """A shard's layer loop in one C++ call, all-reducing over its group's
+        shared memory between the kernels (the same bits as the Python loop);
+        None where the group has no such handle (gloo) or the loop call does not apply."""
+        native = getattr(self.all_reduce, "native", None)
+        if (native is None or not self.tp_layer_loop or hidden.shape[0] > self.max_rows
+                or torch.autograd._profiler_enabled()):
+            return None
+        call = self._kernel_call(hidden, kv_caches, meta)
+        if call is None:
+            return None
+        try:
+            return self.ops.layer_loop_tp(
+                model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
+                slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
+                query_req=call.query_req,
+                output_rows=_NO_ROWS if output_rows is None else output_rows,
+                all_rows=output_rows is None, group=native)
+        except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
+            stopped = getattr(self.all_reduce, "stopped", None)
+            raise (stopped(e) if stopped is not None else e) from e
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,
@@ -404,15 +438,20 @@ def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float,
     same step (a prefix-cache hit on a block registered when allocated, as
     kv_cache_manager does), which the layer loop orders (every row's K/V of a
     layer is written before any row attends) and separate threads would not.
-    A decode reads only blocks computed in earlier steps, and its own new slot."""
+    A decode reads only blocks computed in earlier steps, and its own new slot;
+    a speculative verification row also the slots of its request's rows before
+    it (meta.seq_req), so a request's rows go to one thread, which writes all of
+    its rows' K/V of a layer before they attend."""
     if (threads < 2 or meta.num_tokens < min_rows * threads
             or meta.num_decodes != meta.num_reqs):
         return None
     costs = [row_cost + seq_len for seq_len in meta.seq_lens]  # one query row each (decodes)
     total = float(sum(costs))
     bounds, shares, acc, last = [0], [], 0.0, 0.0
+    seq_req = meta.seq_req
     for r, c in enumerate(costs):
-        if len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads:
+        if (len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads
+                and (seq_req is None or r == 0 or seq_req[r] != seq_req[r - 1])):
             bounds.append(r)  # decodes only: request r is row r
             shares.append(acc - last)
             last = acc

@@ -50,6 +50,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("num_kv_heads", &ModelWeights::num_kv_heads)
       .def_readonly("head_dim", &ModelWeights::head_dim);
 
+  py::class_<ShmGroup>(m, "ShmGroup")
+      .def(py::init([](at::Tensor region, int64_t rank, int64_t size, int64_t capacity, std::vector<int64_t> pids,
+                       double timeout_s) { return ShmGroup{region, rank, size, capacity, std::move(pids), timeout_s}; }),
+           py::kw_only(), py::arg("region"), py::arg("rank"), py::arg("size"), py::arg("capacity"), py::arg("pids"),
+           py::arg("timeout_s"))
+      .def_readonly("rank", &ShmGroup::rank)
+      .def_readonly("size", &ShmGroup::size);
+
   TOKENMILL_DEF(paged_decode, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
                 py::arg("scale"), py::arg("sliding_window"), py::arg("query_req"));
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
@@ -68,6 +76,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
                 py::arg("output_rows"), py::arg("all_rows"));
+  TOKENMILL_DEF(layer_loop_tp, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
+                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
+                py::arg("output_rows"), py::arg("all_rows"), py::arg("group"));
+  TOKENMILL_DEF(shm_all_reduce, py::arg("group"), py::arg("t"));
+  TOKENMILL_DEF(shm_gather, py::arg("group"), py::arg("local"), py::arg("out"), py::arg("widths"));
+  TOKENMILL_DEF(shm_send, py::arg("group"), py::arg("data"));
+  TOKENMILL_DEF(shm_receive, py::arg("group"));
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
                 py::arg("bounds"));
