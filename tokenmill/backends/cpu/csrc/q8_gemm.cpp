@@ -62,6 +62,9 @@ namespace {
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8Bytes = 32 + kQ8Block * 16;  // 16 float16 scales, 32 x 16 bytes
 constexpr int kMaxGroups = 3;
+// The VNNI tile asks for each group's bytes this far ahead of its loads (a few
+// blocks): at one row the hardware prefetcher alone left the read at ~30 GB/s.
+constexpr int64_t kPrefetchBytes = 2048;
 
 struct Q8Args {
   const float* x;       // [M, K] float32 (the float path)
@@ -171,8 +174,11 @@ void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0) {
     }
     for (int kk = 0; kk < 8; ++kk) {
       __m512i w[NB];
-      for (int j = 0; j < NB; ++j)
-        w[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(base[j] + kb * kQ8Bytes + 32 + 64 * kk));
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = base[j] + kb * kQ8Bytes + 32 + 64 * kk;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (past a group's end: harmless)
+        w[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+      }
       for (int i = 0; i < MT; ++i) {
         int32_t four;
         std::memcpy(&four, a.xq + (m0 + i) * a.K + kb * kQ8Block + 4 * kk, 4);
