@@ -12,6 +12,11 @@ server: `tokenmill serve` on a free port; S streams at once, closed loop
 (each stream sends its next request when the last ends, `--rounds` each),
 streaming /v1/completions; per-stream decode speed = (tokens - 1) / (e2e -
 TTFT). Then one 2,048-token prompt with one output token (TTFT, 3 times).
+`--cpu`: also the CPU time each of the server's threads and this client
+spent per generated token (/proc/PID/task/*/schedstat; the main thread runs
+the event loop, the busiest other one is the engine thread, which is also
+OpenMP's thread 0).
+`--server-prefix CMD`: run the server under CMD (e.g. a py-spy record ...).
 
 `--busy N` starts N processes that spin on a core each (bounded by the run).
 `--small` (engine): decode steps of <= 8 requests on csrc/small_decode.cpp
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,6 +101,28 @@ async def streams(url: str, num: int, rounds: int, max_tokens: int) -> list[tupl
     return out
 
 
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Each thread's time on a CPU so far (ns), by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # (a thread that just ended)
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+    return out
+
+
+def cpu_report(pid: int, before: dict[int, int], after: dict[int, int], client_s: float,
+               tokens: int, wall_s: float) -> str:
+    """CPU us per generated token: the event loop (main thread), each other
+    busy thread, and the client; and the wall time per token."""
+    spent = {t: after[t] - before.get(t, 0) for t in after}
+    main = spent.pop(pid, 0)
+    others = sorted((v for v in spent.values() if v > 1e6), reverse=True)
+    per = 1e3 / tokens  # ns -> us per token
+    return (f"cpu us/token: loop {main * per:.0f}, threads "
+            f"{' '.join(f'{v * per:.0f}' for v in others)}, client {client_s * 1e9 * per:.0f}; "
+            f"wall us/token {wall_s * 1e9 * per:.0f} (tokens {tokens})")
+
+
 async def long_prompt(url: str, times: int) -> list[float]:
     import httpx
 
@@ -111,7 +140,7 @@ async def long_prompt(url: str, times: int) -> list[float]:
 def server(args: argparse.Namespace) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
+    cmd = [*args.server_prefix.split(), sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
            "--dtype", "bfloat16", "--no-enable-prefix-caching", "--served-model-name", "default",
            *args.serve_args.split()]
     log = Path(os.environ.get("LOG", "/tmp/interactive_server.log"))
@@ -121,7 +150,12 @@ def server(args: argparse.Namespace) -> None:
         url = base + "/v1/completions"
         asyncio.run(streams(url, 1, 1, 16))  # warm-up
         for num in [int(s) for s in args.streams.split(",")]:
+            before, c0, w0 = thread_cpu_ns(proc.pid), time.process_time(), time.perf_counter()
             res = asyncio.run(streams(url, num, args.rounds, args.max_tokens))
+            if args.cpu:
+                print(cpu_report(proc.pid, before, thread_cpu_ns(proc.pid),
+                                 time.process_time() - c0, num * args.rounds * args.max_tokens,
+                                 time.perf_counter() - w0), flush=True)
             ttft = statistics.median(t for t, _ in res)
             speed = statistics.median(s for _, s in res)
             print(f"server {num} stream(s): per-stream {speed:.1f} tok/s (all {speed * num:.0f}), "
@@ -132,8 +166,9 @@ def server(args: argparse.Namespace) -> None:
             print(f"server 2048-token prompt: TTFT {' '.join(f'{t * 1e3:.0f}' for t in ttfts)} ms",
                   flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        # (py-spy writes its profile on SIGINT)
+        proc.send_signal(signal.SIGINT if args.server_prefix else signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -146,6 +181,8 @@ def main() -> None:
     p.add_argument("--long", type=int, default=0, help="times to send the 2,048-token prompt")
     p.add_argument("--busy", type=int, default=0)
     p.add_argument("--serve-args", default="")
+    p.add_argument("--server-prefix", default="", help="server: run it under this command")
+    p.add_argument("--cpu", action="store_true", help="server: CPU time per token, by thread")
     p.add_argument("--small", action="store_true", help="engine: with small_decode")
     p.add_argument("--quantization", default=None, choices=("q8_0",),
                    help="engine: the weights kept as Q8_0 blocks (server: pass it in --serve-args)")

@@ -644,3 +644,42 @@ def test_async_engine_builds_its_engine_on_its_own_thread() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
+
+
+STREAM_TEXTS = ["", " hello", 'a "quote" \\ back/slash', "tab\tnew\nline\r", "\x00\x01\x1f\x7f",
+                "é中文 🙂 \u2028\u2029", "\ufffd", "<|im_end|>", "x" * 300]
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_stream_chunks_are_the_models_bytes(text: str) -> None:
+    """The template's chunks (serving.StreamChunks) are byte for byte what
+    sse() of the pydantic models writes (the server's SSE before the template)."""
+    from tokenmill.server.protocol import (
+        ChatCompletionChunk,
+        ChatStreamChoice,
+        CompletionChoice,
+        CompletionResponse,
+        DeltaMessage,
+    )
+    from tokenmill.server.serving import StreamChunks, sse
+
+    for request_id, model in [("cmpl-0123abc", "default"), ('chat-"x"', "my/model é")]:
+        chunks = StreamChunks(request_id, model)
+        for index, reason, stop in [(0, None, None), (3, "stop", None), (1, "stop", 42),
+                                    (0, "length", "END"), (0, "abort", None)]:
+            for _ in range(2):  # `created` is read per chunk: a second may tick between
+                want = sse(CompletionResponse(id=request_id, model=model, choices=[CompletionChoice(
+                    index=index, text=text, logprobs=None, finish_reason=reason, stop_reason=stop)]))
+                got = chunks.completion(index, text, reason, stop)
+                if got == want:
+                    break
+            assert got == want
+            content = text or None
+            for _ in range(2):
+                want = sse(ChatCompletionChunk(id=request_id, model=model, choices=[ChatStreamChoice(
+                    index=index, delta=DeltaMessage(content=content), logprobs=None,
+                    finish_reason=reason, stop_reason=stop)]))
+                got = chunks.chat(index, content, reason, stop)
+                if got == want:
+                    break
+            assert got == want

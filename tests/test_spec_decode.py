@@ -9,6 +9,7 @@ and compare every token and logprob with transformers' greedy decoding.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -429,3 +430,107 @@ def test_a_draft_model_equal_to_the_target_accepts_every_draft(target: dict[str,
     stats = llm.engine.scheduler.stats().spec_decoding
     assert stats is not None and stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens  # acceptance rate 1.0
+
+
+# ---- bfloat16: the verification rows round as decoding one token a step does ----------------
+
+# A model whose heads are 64 wide (the bf16 attention kernel's own paths, prefill
+# tiles included, run at 32 / 64 / 128) with the default's narrow init, so that
+# near-ties are common and a rounding difference flips a greedy choice. With the
+# rows of a verification run as one prefill-like chunk (the code before issue 35's
+# fix), 4 of these 8 prompts came out different on the C++ plan, 5 on the reference.
+BF16_CONFIG: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "num_hidden_layers": 2,
+                               "initializer_range": 0.02}
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import torch
+    import transformers
+
+    from tests.hf_models import COMMON
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**{**COMMON, **BF16_CONFIG}), dtype=torch.float32)
+    return save_hf_model(model, Path(tmp_path_factory.mktemp("bf16-target")))
+
+
+def bf16_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(35)
+    prompts = []
+    for _ in range(8):  # a passage and the start of its copy
+        tokens = rng.integers(3, VOCAB_SIZE, size=96).tolist()
+        prompts.append(tokens + tokens[:48])
+    return prompts
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp-plan", "reference"])
+def test_bf16_greedy_is_the_same_with_and_without_speculation(bf16_target: str, cpp: bool) -> None:
+    """Greedy tokens with n-gram speculation are plain greedy's, bit for bit, in
+    bfloat16, on the C++ plan and on the reference model (torch attention):
+    each verification row is a decode of its own, through the decode kernels."""
+    from tokenmill.backends.cpu import kernels
+    from tokenmill.backends.cpu.plan import CpuPlan
+
+    prompts = [{"prompt_token_ids": p} for p in bf16_prompts()]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    runs = []
+    kernels.set_enabled(cpp)
+    try:
+        for spec in (None, NGRAM):
+            llm = LLM(bf16_target, dtype="bfloat16", device=TEST_DEVICE, skip_tokenizer_init=True,
+                      apply_process_settings=False, speculative_config=spec)
+            if TEST_DEVICE == "cpu":
+                assert isinstance(llm.engine.runner.forward, CpuPlan) == (cpp and kernels.load() is not None)
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    finally:
+        kernels.set_enabled(True)
+    stats = llm.engine.scheduler.stats().spec_decoding
+    assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for i, (plain, spec_tokens) in enumerate(zip(*runs, strict=True)):
+        assert spec_tokens == plain, f"prompt {i}"
+
+
+def test_verification_rows_are_decodes_of_their_own() -> None:
+    """The runner's metadata: a request with k drafts is k + 1 decode sequences over
+    its block table row, contexts L + 1 .. L + k + 1, and the CPU plan's thread
+    split keeps them together (row i reads the K/V row i - 1 writes)."""
+    import torch
+
+    from tokenmill.backends.cpu import plan
+    from tokenmill.core.contracts import ScheduledRequest
+    from tokenmill.worker.model_runner import ModelRunner
+
+    def scheduled(rid: str, tokens: list[int], computed: int, blocks: list[int],
+                  drafts: int = 0) -> ScheduledRequest:
+        return ScheduledRequest(request_id=rid, token_ids=tokens, num_computed_tokens=computed,
+                                block_ids=blocks, sampling_params=SamplingParams(), do_sample=True,
+                                num_draft_tokens=drafts)
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size, runner.device = 4, torch.device("cpu")
+    reqs = [scheduled("d", [5], 6, [3, 4]),  # a decode at position 6
+            scheduled("s", [7, 8, 9], 9, [1, 2, 0], drafts=2),  # new token + 2 drafts at 9, 10, 11
+            scheduled("p", [1, 2, 3], 0, [5])]  # a prefill chunk
+    _, positions, meta, starts = runner._prepare_inputs(reqs)
+    assert starts == [0, 1, 4, 7]
+    assert positions.tolist() == [6, 9, 10, 11, 0, 1, 2]
+    assert meta.num_decodes == 4 and meta.seq_req == [0, 1, 1, 1, 2]
+    assert meta.query_start_loc == [0, 1, 2, 3, 4, 7]
+    assert meta.seq_lens == [7, 10, 11, 12, 3]
+    assert meta.decode_seq_lens.tolist() == [7, 10, 11, 12]
+    assert meta.block_tables.tolist() == [[3, 4, 0], [1, 2, 0], [1, 2, 0], [1, 2, 0], [5, 0, 0]]
+    assert meta.token_req is not None and meta.token_req.tolist() == [0, 1, 2, 3, 4, 4, 4]
+    assert meta.slot_mapping.tolist() == [4 * 4 + 2, 0 * 4 + 1, 0 * 4 + 2, 0 * 4 + 3, 20, 21, 22]
+    # Without drafts: a sequence per request, as before.
+    _, _, plain, _ = runner._prepare_inputs([reqs[0], reqs[2]])
+    assert plain.seq_req is None and plain.query_start_loc == [0, 1, 4] and plain.num_decodes == 1
+
+    # 40 decode rows, requests of 5 rows (1 + 4 drafts) after one of 3: equal costs
+    # would cut at row 20, inside the request of rows 18-22; the cut goes to row 23.
+    split_meta = dataclasses.replace(meta, num_decodes=40, query_start_loc=list(range(41)),
+                                     seq_lens=[300] * 40, seq_req=[(r + 2) // 5 for r in range(40)])
+    assert plan.split_bounds(split_meta, 2, 460.0, 16) == [0, 23, 40]
+    assert plan.split_bounds(dataclasses.replace(split_meta, seq_req=None), 2, 460.0, 16) == [0, 20, 40]

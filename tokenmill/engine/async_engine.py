@@ -74,6 +74,25 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_all(items: list[tuple[_Stream, _Item]]) -> None:  # event loop
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _deliver(items: list[tuple[_Stream, _Item]]) -> None:  # engine thread
+    """A step's outputs to their event loops: one hand-off per loop a step, not
+    one per request (each hand-off is a wake-up and a callback on the loop)."""
+    if len(items) == 1:
+        items[0][0].put(items[0][1])
+        return
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -336,7 +355,8 @@ class AsyncEngine:
                 self._fail_all(command.error)
             else:
                 stop = True
-        self._stats = self.engine.stats()
+        if commands:  # (else nothing changed since the last step's stats)
+            self._stats = self.engine.stats()
         with self._lock:
             self._num_pending -= num_adds
         if stop:
@@ -403,6 +423,7 @@ class AsyncEngine:
             self._fail_all(EngineError("internal error in the engine; the request was aborted"))
             return
         now = time.monotonic()
+        deliveries: list[tuple[_Stream, _Item]] = []
         stats.num_scheduled_tokens = result.stats.num_scheduled_tokens
         for request_id in result.stats.first_scheduled_req_ids:
             tracker = state.trackers.get(request_id)
@@ -432,7 +453,9 @@ class AsyncEngine:
                 reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
                 stats.finished.append(_finished(tracker, reason, now))
                 del state.streams[out.request_id], state.trackers[out.request_id]
-            stream.put(out)
+            deliveries.append((stream, out))
+        if deliveries:
+            _deliver(deliveries)
         if self.live_view.watched:
             self.live_view.note_step(
                 scheduled.scheduler_output, now - start, len(stats.finished),

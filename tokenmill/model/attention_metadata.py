@@ -8,6 +8,18 @@ padding. Requests are ordered decodes first (query length 1), then prefills
     req:        0  1  2    3            4
     query_start_loc = [0, 1, 2, 3, 7, 9]   num_decodes = 3
 
+A request verifying k speculative drafts (its new token and the drafts, k + 1
+rows) is k + 1 decode sequences, one a row, over its block table row repeated,
+with contexts L + 1 .. L + k + 1 (seq_req says which sequences are one request):
+
+    tokens:   [d0 | s0 s0 s0 | p0 p0]     s0: a new token and 2 drafts
+    seq:        0    1  2  3   4          seq_req = [0, 1, 1, 1, 2]
+    query_start_loc = [0, 1, 2, 3, 4, 6]   num_decodes = 4
+
+Every K/V of a step is written before any row attends, so a row sees the
+drafts before it; and each row runs the decode kernels, which round exactly
+as decoding one token a step does (speculation leaves greedy output unchanged).
+
 Cache slots: slot = block_id * block_size + offset_in_block.
 """
 
@@ -20,6 +32,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
+    # "Requests" below are the attention's sequences: the scheduled requests,
+    # except a request verifying drafts, which is one sequence per row (seq_req).
     num_decodes: int  # the first num_decodes requests each have exactly one query token
     # Python ints, used for slicing without device syncs.
     query_start_loc: list[int]  # [num_reqs + 1] cumulative query lengths
@@ -35,6 +49,10 @@ class AttentionMetadata:
     # (its position + 1). None where the builder did not provide them.
     token_req: torch.Tensor | None = None  # [num_tokens] int64
     token_seq_lens: torch.Tensor | None = None  # [num_tokens] int64
+    # Each sequence's scheduled request (index), where some request is several
+    # decode sequences (verifying drafts); None: a sequence per request. Rows of
+    # one request must stay on one thread (row i reads the K/V row i - 1 writes).
+    seq_req: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -28,6 +28,19 @@ from tokenmill.model.quantization import dense_weight, embed_rows, q8_0_of
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except that one bfloat16 row on the CPU goes as two (the row twice):
+    torch's bf16 matmul there takes another kernel for a single row than for
+    several, which sums in another order (a row's bits then depend on how many
+    rows came with it), so a decode of one request and the rows of a step with
+    more (other requests, speculative drafts) would round differently. From two
+    rows up a row's result is the same whatever the others (measured up to 8).
+    The second row costs next to nothing: one row is bound by reading the weight."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return F.linear(x.expand(2, -1).contiguous(), weight, bias)[:1]
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """nn.Linear without random init: the loader fills every weight, and
     initialising a large model would take longer than loading it."""
@@ -40,8 +53,8 @@ class Linear(nn.Linear):
         weight = self.weight if "weight" in self._parameters else dense_weight(self, x.dtype)
         if torch.autograd._profiler_enabled():  # a row of its own in `bench throughput --profile`
             with record_function("tokenmill::linear"):
-                return F.linear(x, weight, self.bias)
-        return F.linear(x, weight, self.bias)
+                return linear(x, weight, self.bias)
+        return linear(x, weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -334,4 +347,4 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32
         (the sampler's dtype, whatever the model's)."""
         with record_function("tokenmill::head"):
-            return F.linear(hidden, dense_weight(self.lm_head, hidden.dtype)).float()
+            return linear(hidden, dense_weight(self.lm_head, hidden.dtype)).float()

@@ -263,6 +263,10 @@ class Ingress:
                 raise
             status, headers, chunk = first
             replica = next((v.decode() for k, v in headers if k == REPLICA_HEADER), None)
+            if owner is not None and named is not None and replica != owner:
+                # (The owner went away after the check above: the router sent it elsewhere.)
+                call.cancel()
+                return self._error(owner_gone_error(named[0], owner, named[1]))
             headers = [(k, v) for k, v in headers if k != REPLICA_HEADER]
             learn = (replica if status == 200 and request.method == "POST" and path == RESPONSES_PATH
                      else None)

@@ -36,6 +36,7 @@ from tokenmill.server.serving import (
     LogprobEntries,
     Prompt,
     Serving,
+    StreamChunks,
     engine_error_to_api,
     logprob_value,
     merge,
@@ -215,6 +216,8 @@ async def _stream(
     tool_streams: dict[int, ToolStream] = {}
     num_prompt = num_completion = 0
 
+    chunks = StreamChunks(request_id, model)
+
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
 
@@ -235,7 +238,9 @@ async def _stream(
                     tools = tool_streams.setdefault(c.index, ToolStream(plan))
                     content, tool_calls = tools.feed(c.text, final=reason is not None)
                     reason = finish_reason(plan, tools.called, reason)
-                if content or tool_calls or logprobs is not None or reason is not None:
+                if tool_calls is None and logprobs is None and (content or reason is not None):
+                    yield chunks.chat(c.index, content, reason, c.stop_reason)
+                elif content or tool_calls or logprobs is not None or reason is not None:
                     yield chunk(ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
                         logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason,

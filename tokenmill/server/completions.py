@@ -28,6 +28,7 @@ from tokenmill.server.serving import (
     LogprobEntries,
     Prompt,
     Serving,
+    StreamChunks,
     engine_error_to_api,
     logprob_value,
     merge,
@@ -234,8 +235,12 @@ async def _stream(
     num_prompt_tokens = [0] * len(echoes.prompts)
     prompt_logprobs: dict[int, PromptLogprobs] = {}
 
+    chunks = StreamChunks(request_id, model)
+
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
               finish_reason: str | None = None, stop_reason: int | str | None = None) -> str:
+        if logprobs is None:
+            return chunks.completion(index, text, finish_reason, stop_reason)
         return sse(CompletionResponse(
             id=request_id, model=model,
             choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,

@@ -173,6 +173,11 @@ class ServerMetrics:
                        self.prefill_time, self.decode_time, self.inference_time,
                        self.time_per_output_token, self.params_n, self.params_max_tokens):
             metric.labels(model_name, ENGINE)  # so every series shows from the first scrape
+        # The series record() touches every step, looked up once (labels() takes a lock).
+        series = (model_name, ENGINE)
+        self._generation_tokens = self.generation_tokens.labels(*series)
+        self._iteration_tokens = self.iteration_tokens.labels(*series)
+        self._itl = self.itl.labels(*series)
         reg.register(_SchedulerCollector(engine, model_name, prefix))
         engine.add_stat_logger(self.record)
 
@@ -184,13 +189,13 @@ class ServerMetrics:
         if stats.num_cached_prompt_tokens:
             self.prompt_tokens_cached.labels(*labels).inc(stats.num_cached_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.labels(*labels).inc(stats.num_generation_tokens)
+            self._generation_tokens.inc(stats.num_generation_tokens)
         if stats.num_scheduled_tokens is not None:
-            self.iteration_tokens.labels(*labels).observe(stats.num_scheduled_tokens)
+            self._iteration_tokens.observe(stats.num_scheduled_tokens)
         for value in stats.time_to_first_tokens_s:
             self.ttft.labels(*labels).observe(value)
         for value in stats.inter_token_latencies_s:
-            self.itl.labels(*labels).observe(value)
+            self._itl.observe(value)
         for value in stats.queue_times_s:
             self.queue_time.labels(*labels).observe(value)
         for finished in stats.finished:

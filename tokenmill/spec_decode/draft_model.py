@@ -65,8 +65,8 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in reqs]
         active = list(range(len(reqs)))  # requests still drafting
         while active:
-            input_ids, positions, meta = runner._prepare_inputs([chunks[j] for j in active])
-            rows = torch.tensor([end - 1 for end in meta.query_start_loc[1:]], dtype=torch.int64,
+            input_ids, positions, meta, starts = runner._prepare_inputs([chunks[j] for j in active])
+            rows = torch.tensor([end - 1 for end in starts[1:]], dtype=torch.int64,
                                 device=runner.device)
             hidden = runner.forward(input_ids, positions, runner.kv_caches, meta, output_rows=rows)
             tokens = runner.forward.compute_logits(hidden).argmax(dim=-1).tolist()

@@ -6,11 +6,16 @@ then prefill chunks; no padding), runs the model, computes logits only for
 the rows that sample (and the prompt rows of requests that asked for
 prompt_logprobs), and samples.
 
-Speculative decoding: a request with drafts is a short prefill-like chunk (its
-new token, then the drafts); each of its rows is sampled, and the drafts are
-accepted while they equal what the target sampled at the row before
-(verify_drafts). A draft model (`Drafter`, worker/drafter.py) fills its drafts
-in before the forward.
+Speculative decoding: a request with drafts schedules its new token and the
+drafts (k + 1 rows); each row is sampled, and the drafts are accepted while they
+equal what the target sampled at the row before (verify_drafts). For attention
+each of those rows is a decode of its own (contexts L + 1, ..., L + k + 1 over
+the request's blocks, every K/V of the step written before any row attends):
+the rows then take the decode kernels, which round exactly as decoding one
+token a step does, so greedy output is the same bits with and without
+speculation in bfloat16 too (a prefill-like chunk of them took the prefill
+attention, whose float32 sums run in another order). A draft model
+(`Drafter`, worker/drafter.py) fills its drafts in before the forward.
 """
 
 from __future__ import annotations
@@ -134,8 +139,9 @@ class ModelRunner:
             self.pending_grammars.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        # Decodes first: the attention backend handles them as one batch.
-        reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1)
+        # Decodes first (a request verifying drafts is decodes too, one a row):
+        # the attention backend handles them as one batch.
+        reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1 + r.num_draft_tokens)
         states = [self._state(r) for r in reqs]
         if self.drafter is not None:
             for request_id in scheduler_output.preempted_req_ids:
@@ -150,11 +156,11 @@ class ModelRunner:
                                          [[*s.prompt_token_ids, *s.output_token_ids]
                                           for _, s in to_draft])
         with self.timer.phase(StepPhase.PREPARE_INPUTS):
-            input_ids, positions, meta = self._prepare_inputs(reqs)
+            input_ids, positions, meta, starts = self._prepare_inputs(reqs)
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
         # A request's sampled rows: its last, and one before each of its drafts.
         row_list = [row for j in sample for row in range(
-            meta.query_start_loc[j + 1] - 1 - reqs[j].num_draft_tokens, meta.query_start_loc[j + 1])]
+            starts[j + 1] - 1 - reqs[j].num_draft_tokens, starts[j + 1])]
         rows = torch.tensor(row_list, dtype=torch.int64, device=self.device)
         # Only the sampled rows' last hidden states are used, unless a request
         # wants its prompt's logprobs (every row of its chunk): then all rows.
@@ -168,7 +174,7 @@ class ModelRunner:
                                 output_rows=None if all_rows else rows)
 
         for j in wants_prompt_logprobs:
-            self._gather_prompt_logprobs(reqs[j], states[j], hidden, meta.query_start_loc[j])
+            self._gather_prompt_logprobs(reqs[j], states[j], hidden, starts[j])
 
         if not sample:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
@@ -273,18 +279,40 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Token ids, positions, the attention metadata, and each request's first
+        row (num_reqs + 1 entries: the rows are the requests' tokens in order).
+
+        The metadata's sequences are the requests, except that a request
+        verifying k drafts is k + 1 decode sequences, one a row, each over the
+        request's block table row (repeated) with context L + 1, ..., L + k + 1:
+        each row then attends as a decode does (the decode kernels, which
+        give a row the same bits whatever else is in the step), never as a
+        prefill chunk, whose attention sums in another order."""
         bs = self.block_size
-        num_decodes = sum(1 for r in reqs if r.num_tokens == 1)
-        query_start_loc = [0]
-        seq_lens = []
+        starts = [0]
         token_ids: list[int] = []
         for r in reqs:
             token_ids.extend(r.token_ids)
-            query_start_loc.append(query_start_loc[-1] + r.num_tokens)
-            seq_lens.append(r.num_computed_tokens + r.num_tokens)
+            starts.append(starts[-1] + r.num_tokens)
+        # Attention sequences: seq_req[i] is sequence i's request.
+        seq_req: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        for j, r in enumerate(reqs):
+            per_row = r.num_draft_tokens > 0
+            for i in range(r.num_tokens if per_row else 1):
+                q_len = 1 if per_row else r.num_tokens
+                seq_req.append(j)
+                query_start_loc.append(query_start_loc[-1] + q_len)
+                seq_lens.append(r.num_computed_tokens + (i + 1 if per_row else r.num_tokens))
+        expanded = len(seq_req) > len(reqs)
+        # The leading sequences of one query each are the decodes (the runner
+        # sorts them first; where a caller does not, the rest attend as prefills).
+        num_decodes = next((i for i in range(len(seq_lens))
+                            if query_start_loc[i + 1] - query_start_loc[i] != 1), len(seq_lens))
         max_num_blocks = max(-(-s // bs) for s in seq_lens)
-        block_tables = torch.tensor(
+        req_tables = torch.tensor(
             [r.block_ids[:max_num_blocks] + [0] * (max_num_blocks - len(r.block_ids[:max_num_blocks]))
              for r in reqs],
             dtype=torch.int64,
@@ -293,10 +321,16 @@ class ModelRunner:
         # Per token: which request, and its position in that request.
         query_lens = torch.tensor([r.num_tokens for r in reqs])
         req_index = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)  # [num_tokens]
-        starts = torch.tensor([r.num_computed_tokens for r in reqs])
-        first_token = torch.tensor(query_start_loc[:-1])
-        positions = torch.arange(len(token_ids)) - first_token[req_index] + starts[req_index]
-        slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        first_token = torch.tensor(starts[:-1])
+        positions = (torch.arange(len(token_ids)) - first_token[req_index]
+                     + torch.tensor([r.num_computed_tokens for r in reqs])[req_index])
+        slot_mapping = req_tables[req_index, positions // bs] * bs + positions % bs
+        if expanded:  # a table row per sequence, and each token's sequence
+            block_tables = req_tables[torch.tensor(seq_req)]
+            token_seq = torch.repeat_interleave(torch.arange(len(seq_req)),
+                                                torch.diff(torch.tensor(query_start_loc)))
+        else:
+            block_tables, token_seq = req_tables, req_index
 
         decode_seq_lens = seq_lens[:num_decodes]
         meta = AttentionMetadata(
@@ -308,8 +342,9 @@ class ModelRunner:
             block_tables=block_tables.to(self.device),
             decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int64, device=self.device),
             block_size=bs,
-            token_req=req_index.to(self.device),
+            token_req=token_seq.to(self.device),
             token_seq_lens=(positions + 1).to(self.device),
+            seq_req=seq_req if expanded else None,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return input_ids, positions.to(self.device), meta
+        return input_ids, positions.to(self.device), meta, starts

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 
@@ -37,10 +38,12 @@ class StepTimer:
 
     @contextmanager
     def phase(self, phase: StepPhase, label: bool = True) -> Iterator[None]:
-        """`label=False` where the code inside labels itself (the model's head)."""
+        """`label=False` where the code inside labels itself (the model's head).
+        Labelled only while a profiler runs: a record_function costs ~10 us
+        even with none (six a step; docs/perf-notes/s34s.md)."""
         start = time.perf_counter()
         try:
-            if label:
+            if label and _profiler_enabled():
                 with record_function("tokenmill::" + phase.value):
                     yield
             else:

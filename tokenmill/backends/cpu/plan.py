@@ -262,7 +262,9 @@ class CpuPlan:
                     meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode-only step of a few requests in one C++ parallel region, each
         weight read once by one thread (csrc/small_decode.cpp); else None."""
-        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs
+        # (Not with speculative rows (seq_req): its threads split rows by count, and a
+        # request's row i would read the K/V its row i - 1 writes on another thread.)
+        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs or meta.seq_req is not None
                 or meta.num_decodes != hidden.shape[0] or not self._small_ok
                 or torch.autograd._profiler_enabled()):
             return None
@@ -436,15 +438,20 @@ def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float,
     same step (a prefix-cache hit on a block registered when allocated, as
     kv_cache_manager does), which the layer loop orders (every row's K/V of a
     layer is written before any row attends) and separate threads would not.
-    A decode reads only blocks computed in earlier steps, and its own new slot."""
+    A decode reads only blocks computed in earlier steps, and its own new slot;
+    a speculative verification row also the slots of its request's rows before
+    it (meta.seq_req), so a request's rows go to one thread, which writes all of
+    its rows' K/V of a layer before they attend."""
     if (threads < 2 or meta.num_tokens < min_rows * threads
             or meta.num_decodes != meta.num_reqs):
         return None
     costs = [row_cost + seq_len for seq_len in meta.seq_lens]  # one query row each (decodes)
     total = float(sum(costs))
     bounds, shares, acc, last = [0], [], 0.0, 0.0
+    seq_req = meta.seq_req
     for r, c in enumerate(costs):
-        if len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads:
+        if (len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads
+                and (seq_req is None or r == 0 or seq_req[r] != seq_req[r - 1])):
             bounds.append(r)  # decodes only: request r is row r
             shares.append(acc - last)
             last = acc

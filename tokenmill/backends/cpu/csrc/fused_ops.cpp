@@ -273,7 +273,9 @@ at::Tensor argmax_rows(at::Tensor logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-#pragma omp parallel for if (worth_threads(rows * n))
+  // A row is ~7 us on one thread; at a few rows, waking the pool costs more
+  // than it saves (and far more when another process holds a core).
+#pragma omp parallel for if (rows >= 8 && worth_threads(rows * n))
   for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(x + r * n, n);
   return out;
 }
