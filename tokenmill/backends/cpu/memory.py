@@ -108,16 +108,17 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks (q int8 [N, K], d float16 [N, K / 32]) -> the layout
     csrc/q8_gemm.cpp reads front to back, zero rows padding N to a multiple of
     16: uint8 [ceil(N/16), K/32, 544], each block the 16 outputs' float16 d
-    (32 bytes) and then their q, input by input (q[16 g + j, 32 kb + k] at byte
-    32 + 16 k + j). On huge pages (mapped_zeros), as pack_weight."""
+    (32 bytes), then for each 4 inputs the 16 outputs' 4 values as q + 128
+    (q[16 g + j, 32 kb + 4 kk + t] + 128 at byte 32 + 64 kk + 4 j + t: a
+    vpdpbusd operand). On huge pages (mapped_zeros), as pack_weight."""
     n, k = q.shape
     groups, kb = -(-n // 16), k // 32
     if groups * 16 != n:
         q = torch.cat([q, q.new_zeros(groups * 16 - n, k)])
         d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)])
     scales = d.reshape(groups, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [G, KB, 32]
-    values = q.reshape(groups, 16, kb, 32).permute(0, 2, 3, 1).reshape(groups, kb, 512).view(torch.uint8)
+    values = (q.reshape(groups, 16, kb, 8, 4).permute(0, 2, 3, 1, 4).to(torch.int16) + 128).to(torch.uint8)
     out = mapped_zeros((groups, kb, 544), torch.uint8)
     out[:, :, :32].copy_(scales)
-    out[:, :, 32:].copy_(values)
+    out[:, :, 32:].copy_(values.reshape(groups, kb, 512))
     return out
