@@ -2,7 +2,7 @@
 passages (tokenmill/bench/data/passages.jsonl, copy or correct, greedy) run B at
 a time offline, with and without speculation, for each B.
 
-    /work/notes/quiet timeout 480 python benchmarks/spec_batch_sweep.py \
+    python benchmarks/spec_batch_sweep.py \
         --batches 1,2,4,8,12,16,32 --max-tokens 160
 
 The default model in bfloat16; speculation's own switch is off

@@ -1,7 +1,7 @@
 """Greedy token ids with and without speculative decoding, passage by passage
 (the editing passages, copy or correct, through the chat template, one at a
 time), offline: which passages differ and at which token. Greedy output must
-not change with speculation, in bfloat16 too (docs/perf-notes/s35.md).
+not change with speculation, in bfloat16 too (docs/perf-notes.md).
 
     python benchmarks/spec_identity.py --num-passages 16 --max-tokens 200
     python benchmarks/spec_identity.py --no-cpp-kernels   # the reference torch path

@@ -40,7 +40,7 @@ class StepTimer:
     def phase(self, phase: StepPhase, label: bool = True) -> Iterator[None]:
         """`label=False` where the code inside labels itself (the model's head).
         Labelled only while a profiler runs: a record_function costs ~10 us
-        even with none (six a step; docs/perf-notes/s34s.md)."""
+        even with none (six a step; docs/perf-notes.md)."""
         start = time.perf_counter()
         try:
             if label and _profiler_enabled():
