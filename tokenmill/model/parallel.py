@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from tokenmill.config import ModelSpec
 from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
 
-AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
+# Sums a tensor over the ranks, in place. distributed/group.py's also carries
+# `native` (a shared-memory group the C++ layer loop all-reduces with, or None)
+# and `stopped(e)` (the error a failure inside that loop becomes): plan.py reads both.
+AllReduce = Callable[[torch.Tensor], None]
 
 
 def split_range(total: int, rank: int, size: int, unit: int = 1) -> tuple[int, int]:

@@ -264,10 +264,10 @@ void shm_wait(const ShmGroup& g, int64_t q, int64_t seq, bool idle = false) {
     const Clock::time_point now = Clock::now();
     if (now - check < std::chrono::milliseconds(5)) continue;
     check = now;
-    TORCH_CHECK(!process_gone(g.pids[q]), "tensor-parallel shared-memory all-reduce: rank ", q, " (pid ",
+    TORCH_CHECK(!process_gone(g.pids[q]), "tensor-parallel shared memory: rank ", q, " (pid ",
                 g.pids[q], ") is gone");
     TORCH_CHECK(idle || std::chrono::duration<double>(now - start).count() < g.timeout_s,
-                "tensor-parallel shared-memory all-reduce: no answer from rank ", q, " within ", g.timeout_s,
+                "tensor-parallel shared memory: no answer from rank ", q, " within ", g.timeout_s,
                 " s");
   }
 }
