@@ -329,3 +329,15 @@ def test_bad_quantization_values_are_refused(q8_case: dict[str, Any]) -> None:
     assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "q8_0"])).quantization == "q8_0"
     with pytest.raises(argparse.ArgumentError, match="invalid choice: 'int4'"):
         parser.parse_args(["--quantization", "int4"])
+
+
+def test_bench_interactive_has_a_q8_0_tokenmill_column() -> None:
+    """`bench interactive --servers tokenmill-q8_0` starts `tokenmill serve --quantization q8_0`."""
+    from tokenmill.bench import interactive
+
+    parser = argparse.ArgumentParser()
+    interactive.add_args(parser)
+    args = parser.parse_args(["--servers", "tokenmill-q8_0"])
+    (spec,) = interactive.server_specs(args, ["tokenmill-q8_0"])
+    assert spec.label == "tokenmill-q8_0"
+    assert spec.cmd[-2:] == ["--quantization", "q8_0"] and "--quantization q8_0" in spec.settings
