@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 import torch
@@ -106,4 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without C++ teardown: once the peers have closed their sockets, a
+    # gloo/thread destructor at exit can abort the process ("terminate called").
+    os._exit(code)
