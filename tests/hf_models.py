@@ -4,9 +4,12 @@ temp dir, for tests that use transformers as the oracle. Nothing is downloaded."
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
 import transformers
 
@@ -90,3 +93,73 @@ def hf_greedy(
         for step_logits, tok in zip(out.logits, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+# --- writing a tiny HF model as a GGUF file, as llama.cpp would ----------------
+
+HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWriter:
+    """A GGUFWriter with hf_model's metadata (and a made-up tokenizer) added."""
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)  # (transformers' default, which the tiny configs keep)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return writer
+
+
+def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarray, torch.Tensor]]:
+    """(GGUF name, part, RoPE heads or None, float32 weight in llama.cpp's row
+    order, the HF parameter) for each tensor a GGUF file holds (a tied head is
+    not written)."""
+    cfg = hf_model.config
+    for name, param in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            part = HF_TO_GGUF[".".join(parts[3:-1])]
+            gguf_name = f"blk.{parts[2]}.{part}.weight"
+        else:
+            part = {
+                "model.embed_tokens": "token_embd",
+                "model.norm": "output_norm",
+                "lm_head": "output",
+            }[".".join(parts[:-1])]
+            gguf_name = f"{part}.weight"
+        weight = param.float().numpy()
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
+        if heads is not None:  # llama.cpp's permutation for its RoPE layout
+            weight = (
+                weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
+            )
+        yield gguf_name, part, heads, weight, param
+
+
+def finish_gguf(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -17,6 +17,7 @@ import transformers
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
+from tests.hf_models import finish_gguf, gguf_tensors, gguf_writer
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
@@ -373,57 +374,11 @@ GGUF_TYPES = {  # a mix of storage types, as real files have
     "ffn_up": gguf.GGMLQuantizationType.Q4_1,
     "ffn_down": gguf.GGMLQuantizationType.F16,
 }
-HF_TO_GGUF = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
 def _write_gguf(hf_model: Any, path: Path, arch: str = "llama") -> None:
     """Write `hf_model` as llama.cpp would, and set its weights to the
     quantize-dequantize round trip so it stays an exact oracle."""
-    cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, param in hf_model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        parts = name.split(".")
-        if name.startswith("model.layers."):
-            part = HF_TO_GGUF[".".join(parts[3:-1])]
-            gguf_name = f"blk.{parts[2]}.{part}.weight"
-        else:
-            part = {
-                "model.embed_tokens": "token_embd",
-                "model.norm": "output_norm",
-                "lm_head": "output",
-            }[".".join(parts[:-1])]
-            gguf_name = f"{part}.weight"
-        weight = param.float().numpy()
-        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
-        if heads is not None:  # llama.cpp's permutation for its RoPE layout
-            weight = (
-                weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
-            )
+    writer = gguf_writer(hf_model, path, arch)
+    for gguf_name, part, heads, weight, param in gguf_tensors(hf_model):
         qtype = GGUF_TYPES.get(part, gguf.GGMLQuantizationType.F32)
         data = quantize(weight, qtype)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
@@ -431,10 +386,7 @@ def _write_gguf(hf_model: Any, path: Path, arch: str = "llama") -> None:
         if heads is not None:
             round_trip = unpermute_rope_rows(round_trip, heads)
         param.copy_(round_trip)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 @pytest.mark.parametrize("tied", [False, True])

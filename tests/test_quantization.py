@@ -29,7 +29,16 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_models import COMMON, TEST_DEVICE, build_hf_model, hf_greedy, save_hf_model
+from tests.hf_models import (
+    COMMON,
+    TEST_DEVICE,
+    build_hf_model,
+    finish_gguf,
+    gguf_tensors,
+    gguf_writer,
+    hf_greedy,
+    save_hf_model,
+)
 from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
 from tests.test_correctness import PROMPTS as ALL_PROMPTS
 from tokenmill import LLM, SamplingParams
@@ -183,58 +192,19 @@ def test_bf16_logprobs_near_the_dequantized_reference(q8_case: dict[str, Any]) -
 
 # --- a GGUF file's own Q8_0 blocks ------------------------------------------------
 
-_GGUF_PARTS = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
 def _write_q8_0_gguf(hf_model: Any, path: Path) -> dict[str, np.ndarray]:
     """hf_model as a GGUF file with every matrix in Q8_0 (norms float32, as
     llama.cpp writes them); returns each Q8_0 tensor's blocks as written."""
-    cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)  # (transformers' default, which _tiny_llama keeps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(hf_model, path)
     written: dict[str, np.ndarray] = {}
-    for name, param in hf_model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        parts = name.split(".")
-        if name.startswith("model.layers."):
-            part = _GGUF_PARTS[".".join(parts[3:-1])]
-            gguf_name = f"blk.{parts[2]}.{part}.weight"
-        else:
-            part = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                    "lm_head": "output"}[".".join(parts[:-1])]
-            gguf_name = f"{part}.weight"
-        weight = param.float().numpy()
-        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
-        if heads is not None:  # llama.cpp's permutation for its RoPE layout
-            weight = weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
+    for gguf_name, _, _, weight, _ in gguf_tensors(hf_model):
         if weight.ndim == 2:
             data = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             written[gguf_name] = data
         else:
             writer.add_tensor(gguf_name, weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return written
 
 
