@@ -184,8 +184,9 @@ def main() -> None:
     p.add_argument("--server-prefix", default="", help="server: run it under this command")
     p.add_argument("--cpu", action="store_true", help="server: CPU time per token, by thread")
     p.add_argument("--small", action="store_true", help="engine: with small_decode")
-    p.add_argument("--quantization", default=None, choices=("q8_0",),
-                   help="engine: the weights kept as Q8_0 blocks (server: pass it in --serve-args)")
+    p.add_argument("--quantization", default=None, choices=("q8_0", "gguf"),
+                   help="engine: the weights kept as Q8_0 blocks, or the file's own (gguf) "
+                        "(server: pass it in --serve-args)")
     args = p.parse_args()
     if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
         from tokenmill.engine.openmp_wait import apply_openmp_wait_policy
