@@ -182,8 +182,9 @@ def main() -> None:
     p.add_argument("--server-prefix", default="", help="server: run it under this command")
     p.add_argument("--cpu", action="store_true", help="server: CPU time per token, by thread")
     p.add_argument("--small", action="store_true", help="engine: with small_decode")
-    p.add_argument("--quantization", default=None, choices=("q8_0",),
-                   help="the weights kept as Q8_0 blocks (engine; server: passed to serve)")
+    p.add_argument("--quantization", default=None, choices=("q8_0", "gguf"),
+                   help="the weights kept as Q8_0 blocks, or the file's own (gguf) "
+                        "(engine; server: passed to serve)")
     args = p.parse_args()
     if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
         from tokenmill.engine.openmp_wait import apply_openmp_wait_policy

@@ -372,7 +372,7 @@ def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any]) -> None
 
 
 def test_bad_quantization_values_are_refused(q8_case: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0'\)"):
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0', 'gguf'\)"):
         LLM(q8_case["path"], quantization="int4", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization='q8_0' runs on the CPU only"):
         ModelConfig(quantization="q8_0", device="cuda")
