@@ -224,6 +224,37 @@ def test_greedy_matches_the_dequantized_reference(q8_case: dict[str, Any], scena
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_a_changed_or_replaced_q8_0_block_is_repacked(q8_case: dict[str, Any]) -> None:
+    """CpuPlan.fresh() watches the Q8_0 blocks (buffers) as it watches float
+    weights: one changed in place or replaced is packed again before the next
+    forward, and the outputs follow it."""
+    llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    plan = llm.engine.runner.forward
+    if not isinstance(plan, CpuPlan):
+        pytest.skip("the C++ kernels are not built here")
+    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
+
+    def logprobs() -> list[float]:
+        return [e[t].logprob for out in _generate(llm)
+                for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)]
+
+    def packed_now() -> bool:
+        return torch.equal(plan.layers[1].down.packed, pack_q8_0(down.qweight, down.qscale))
+
+    before = logprobs()
+    assert plan.fresh() and packed_now()
+    with torch.no_grad():
+        down.qweight.mul_(-1)  # in place
+    assert not plan.fresh()
+    flipped = logprobs()
+    assert plan.fresh() and packed_now() and flipped != before
+    down.qscale = down.qscale * 2  # replaced (nn.Module puts it in _buffers)
+    assert not plan.fresh()
+    assert logprobs() != flipped
+    assert plan.fresh() and packed_now()
+
+
 def test_bf16_logprobs_near_the_dequantized_reference(q8_case: dict[str, Any]) -> None:
     llm = LLM(q8_case["path"], dtype="bfloat16", quantization="q8_0", skip_tokenizer_init=True,
               num_kv_blocks=512)
@@ -341,7 +372,7 @@ def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any]) -> None
 
 
 def test_bad_quantization_values_are_refused(q8_case: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0'\)"):
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0', 'gguf'\)"):
         LLM(q8_case["path"], quantization="int4", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization='q8_0' runs on the CPU only"):
         ModelConfig(quantization="q8_0", device="cuda")

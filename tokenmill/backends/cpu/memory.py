@@ -139,3 +139,30 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
             stretch = stretch[:, : -512 * nb]
         flat[g0 * group_bytes:g1 * group_bytes].copy_(stretch.reshape(-1))
     return out
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks (uint8 [N, K / 32, 20]: float16 d, float16 m, 16 bytes
+    of nibbles, value k < 16 the low nibble of byte k, k >= 16 the high one of
+    byte k - 16) -> the layout csrc/q4_gemm.cpp reads front to back, zero rows
+    padding N to a multiple of 16: uint8 [ceil(N/16), K/32, 320], each block
+    the 16 outputs' d (32 bytes), their m (32 bytes), then for each 8 inputs 64
+    bytes, byte 4 j + t holding q[16 g + j, 32 kb + 8 kk + t] in its low nibble
+    and q[.., 32 kb + 8 kk + 4 + t] in its high one (two vpdpbusd operands once
+    unpacked). On huge pages (mapped_zeros), as pack_weight."""
+    n, kb = blocks.shape[0], blocks.shape[1]
+    groups = -(-n // 16)
+    if groups * 16 != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, kb, 20)])
+    grouped = blocks.reshape(groups, 16, kb, 20)
+    d = grouped[..., 0:2].permute(0, 2, 1, 3).reshape(groups, kb, 32)
+    m = grouped[..., 2:4].permute(0, 2, 1, 3).reshape(groups, kb, 32)
+    qs = grouped[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # [G, 16, KB, 32]: the values 0..15 in order
+    q = q.reshape(groups, 16, kb, 4, 2, 4)  # (g, j, kb, kk, low/high, t)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # (g, kb, kk, j, t)
+    out = mapped_zeros((groups, kb, 320), torch.uint8)
+    out[:, :, :32].copy_(d)
+    out[:, :, 32:64].copy_(m)
+    out[:, :, 64:].copy_(nibbles.reshape(groups, kb, 256))
+    return out
