@@ -644,7 +644,7 @@ at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bi
 at::Tensor q8_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 at::Tensor q4_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
 at::Tensor q4_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
-// Q4_1 blocks (q4_gemm.cpp) are 320 bytes a group and block, Q8_0's (q8_gemm.cpp) 544.
+// Q4_1 blocks (q4_gemm.cpp): [groups, K/32, 320]; Q8_0 (q8_gemm.cpp): 2-D [groups, bytes].
 inline bool is_q4_1(const at::Tensor& packed) { return packed.dim() == 3 && packed.size(2) == 320; }
 
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
