@@ -408,6 +408,34 @@ def test_heads_sharing_a_kv_head_get_the_bits_of_one_head_alone(
     assert torch.equal(grouped, alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (6, 2), (4, 1)])
+@pytest.mark.parametrize("sliding_window", [0, 7])
+def test_fewer_queries_than_threads_give_the_bits_of_a_full_step(
+    kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int, sliding_window: int
+) -> None:
+    """With fewer queries than threads the threads split each query's KV heads
+    (paged_decode_avx512bf16); every query still gets the bits it gets among
+    eight, where each thread takes whole queries."""
+    kernel = kernels.paged_decode_kernel()
+    assert kernel is not None
+    q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, None, 64)
+    none = torch.empty(0, dtype=torch.int64)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            whole = kernel(q, kv_cache, meta.block_tables, meta.decode_seq_lens, 0.125, sliding_window, none)
+            for b in range(q.shape[0]):
+                for width in range(1, threads):
+                    rows = slice(b, min(b + width, q.shape[0]))
+                    part = kernel(q[rows], kv_cache, meta.block_tables[rows], meta.decode_seq_lens[rows], 0.125,
+                                  sliding_window, none)
+                    assert torch.equal(part, whole[rows]), (threads, b, width)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None) -> None:
     """A query of a prefill chunk gets the same bits whichever queries share its
     tile: here the chunk alone, and the chunk after other requests' queries

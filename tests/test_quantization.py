@@ -108,7 +108,7 @@ def test_q8_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
     n, k = 40, 96
     q, d = quantize_q8_0(torch.randn(n, k))
     packed = pack_q8_0(q, d)
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 3, 544)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 64 * 2 + 16 * k)
     weight = dequantize_q8_0(q, d)
     bias = torch.randn(n).to(dtype)
     x = torch.randn(13, k).to(dtype)
@@ -125,8 +125,60 @@ def test_q8_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
     y16 = ops.packed_gemm(x, packed, n, bias, False)
     assert y16.dtype == dtype
     assert torch.equal(y16, full.to(dtype))
-    gate_up = ops.packed_gemm(x, packed[:2], 32, torch.empty(0), False)
-    assert torch.equal(ops.packed_gemm_silu(x, packed[:2], 16), ops.silu_and_mul(gate_up))
+    packed_32 = pack_q8_0(q[:32], d[:32])
+    gate_up = ops.packed_gemm(x, packed_32, 32, torch.empty(0), False)
+    assert torch.equal(ops.packed_gemm_silu(x, packed_32, 16), ops.silu_and_mul(gate_up))
+
+
+def _unpack_q8_0(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K], d [N, K/32] read back from pack_q8_0's bytes by the layout's
+    rule (csrc/q8_gemm.cpp's header), one value at a time."""
+    raw = packed.reshape(-1).tolist()
+    groups, kb_count = packed.shape[0], k // 32
+    group_bytes = packed.shape[1]
+    q = torch.zeros(n, k, dtype=torch.int16)
+    d = torch.zeros(n, kb_count, dtype=torch.float16)
+    for out in range(n):
+        g = out // 16
+        t, j, i = g // 3, g % 3, out % 16
+        nb = min(3, groups - 3 * t)
+        task = 3 * t * group_bytes
+        for kb in range(kb_count):
+            pair = task + kb // 2 * nb * 1088
+            at = pair + (kb % 2 * nb + j) * 32 + 2 * i
+            d[out, kb] = torch.tensor([raw[at] | raw[at + 1] << 8], dtype=torch.int16).view(torch.float16)
+            for kk in range(8):
+                at = pair + 64 * nb + ((kb % 2 * 8 + kk) * nb + j) * 64 + 4 * i
+                for b in range(4):
+                    q[out, kb * 32 + 4 * kk + b] = raw[at + b] - 128
+    return q.to(torch.int8), d
+
+
+@NEEDS_KERNELS
+def test_q8_layout_and_row_counts() -> None:
+    """pack_q8_0's bytes follow the documented layout (three groups a task,
+    the last task partial, an odd number of blocks), and q8_gemm gives each
+    row the same bits at 1, 3, 4, 17 and 64 rows (the row tiles and the
+    prefetch stream change no bits), within x's int8 rounding of the reference."""
+    ops = kernels.packed_gemm_ops(torch.empty(1, 2, dtype=torch.bfloat16))
+    if ops is None:
+        pytest.skip("no bfloat16 GEMM in this build")
+    torch.manual_seed(1)
+    n, k = 16 * 7 + 5, 160  # 8 groups: tasks of 3, 3, 2; 5 blocks
+    q, d = quantize_q8_0(torch.randn(n, k))
+    packed = pack_q8_0(q, d)
+    assert tuple(packed.shape) == (8, 64 * 3 + 16 * k)
+    back_q, back_d = _unpack_q8_0(packed, n, k)
+    assert torch.equal(back_q, q) and torch.equal(back_d, d)
+    weight = dequantize_q8_0(q, d)
+    x = torch.randn(64, k).to(torch.bfloat16)
+    full = ops.packed_gemm(x, packed, n, torch.empty(0), True)
+    ref = torch.nn.functional.linear(x.double(), weight.double())
+    assert bool(((full.double() - ref).abs() <= 1e-4 + _x_rounding_bound(x, weight) + 1e-5 * ref.abs()).all())
+    for m in (1, 3, 4, 17):
+        for start in (0, 64 - m):
+            assert torch.equal(ops.packed_gemm(x[start:start + m], packed, n, torch.empty(0), True),
+                               full[start:start + m])
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2"])
@@ -170,6 +222,37 @@ def test_greedy_matches_the_dequantized_reference(q8_case: dict[str, Any], scena
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
     if scenario == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_changed_or_replaced_q8_0_block_is_repacked(q8_case: dict[str, Any]) -> None:
+    """CpuPlan.fresh() watches the Q8_0 blocks (buffers) as it watches float
+    weights: one changed in place or replaced is packed again before the next
+    forward, and the outputs follow it."""
+    llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    plan = llm.engine.runner.forward
+    if not isinstance(plan, CpuPlan):
+        pytest.skip("the C++ kernels are not built here")
+    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
+
+    def logprobs() -> list[float]:
+        return [e[t].logprob for out in _generate(llm)
+                for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)]
+
+    def packed_now() -> bool:
+        return torch.equal(plan.layers[1].down.packed, pack_q8_0(down.qweight, down.qscale))
+
+    before = logprobs()
+    assert plan.fresh() and packed_now()
+    with torch.no_grad():
+        down.qweight.mul_(-1)  # in place
+    assert not plan.fresh()
+    flipped = logprobs()
+    assert plan.fresh() and packed_now() and flipped != before
+    down.qscale = down.qscale * 2  # replaced (nn.Module puts it in _buffers)
+    assert not plan.fresh()
+    assert logprobs() != flipped
+    assert plan.fresh() and packed_now()
 
 
 def test_bf16_logprobs_near_the_dequantized_reference(q8_case: dict[str, Any]) -> None:

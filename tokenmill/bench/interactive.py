@@ -359,7 +359,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_interactive(args: argparse.Namespace) -> int:
-    extras.require("httpx")
+    extras.require("aiohttp", "httpx")
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [n for n in names if n not in SERVERS]
     if unknown or not names:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -30,7 +30,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
                                       "packed_gemm.cpp",
                                       "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
-_HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h")]
+_HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
+                                      "weight_watch.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a
@@ -55,6 +56,12 @@ class CppLayerWeights(Protocol):
     down_n: int
     sliding_window: int  # 0: none
     scale: float
+
+
+class CppWeightWatch(Protocol):
+    """csrc/weight_watch.h: the tensors a plan packed, and whether any was replaced or changed since."""
+
+    def unchanged(self) -> bool: ...
 
 
 class CppModelWeights(Protocol):
@@ -122,6 +129,9 @@ class CpuOps(Protocol):
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                    seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
                    all_rows: bool) -> torch.Tensor: ...
+
+    def WeightWatch(self, dicts: list[dict[str, Any]], names: list[str],
+                    tensors: list[torch.Tensor]) -> CppWeightWatch: ...
 
     def ShmGroup(self, *, region: torch.Tensor, rank: int, size: int, capacity: int, pids: list[int],
                  timeout_s: float) -> CppShmGroup: ...

@@ -107,20 +107,37 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks (q int8 [N, K], d float16 [N, K / 32]) -> the layout
     csrc/q8_gemm.cpp reads front to back, zero rows padding N to a multiple of
-    16: uint8 [ceil(N/16), K/32, 544], each block the 16 outputs' float16 d
-    (32 bytes), then for each 4 inputs the 16 outputs' 4 values as q + 128
-    (q[16 g + j, 32 kb + 4 kk + t] + 128 at byte 32 + 64 kk + 4 j + t: a
-    vpdpbusd operand). On huge pages (mapped_zeros), as pack_weight."""
+    16: uint8 [ceil(N/16), 64 ceil(K/64) + 16 K]. Groups of 16 outputs, three
+    to a task (the last task 1-3); a task's groups interleaved, a pair of blocks
+    (64 inputs) at a time: the float16 d of both blocks (block, group, lane:
+    64 bytes a group), then for each block and 4 inputs kk the groups' 64-byte
+    vpdpbusd operands (lane i's 4 values q + 128 at 4 i). An odd last block
+    leaves out the pair's second block (its scales are zero padding). Every
+    line holds one operand or scales. On huge pages (mapped_zeros), as pack_weight."""
     n, k = q.shape
     groups, kb = -(-n // 16), k // 32
-    if groups * 16 != n:
-        q = torch.cat([q, q.new_zeros(groups * 16 - n, k)])
-        d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)])
-    scales = d.reshape(groups, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [G, KB, 32]
-    values = (q.reshape(groups, 16, kb, 8, 4).permute(0, 2, 3, 1, 4).to(torch.int16) + 128).to(torch.uint8)
-    out = mapped_zeros((groups, kb, 544), torch.uint8)
-    out[:, :, :32].copy_(scales)
-    out[:, :, 32:].copy_(values.reshape(groups, kb, 512))
+    pairs = -(-kb // 2)
+    group_bytes = 64 * pairs + 512 * kb
+    q = torch.cat([q, q.new_zeros(groups * 16 - n, k)]) if groups * 16 != n else q
+    d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)]) if groups * 16 != n else d
+    if kb % 2:  # a zero block completing the last pair (dropped below)
+        q = torch.cat([q, q.new_zeros(groups * 16, 32)], 1)
+        d = torch.cat([d, d.new_zeros(groups * 16, 1)], 1)
+    out = mapped_zeros((groups, group_bytes), torch.uint8)
+    flat = out.view(-1)
+    full = groups // 3 * 3
+    for g0, g1, nb in ((0, full, 3), (full, groups, groups - full)):
+        if g1 == g0:
+            continue
+        tasks = (g1 - g0) // nb
+        scales = d[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2).permute(0, 3, 4, 1, 2)  # [t, pair, l, j, i]
+        scales = scales.contiguous().view(torch.uint8).reshape(tasks, pairs, 64 * nb)
+        values = q[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2, 8, 4).permute(0, 3, 4, 5, 1, 2, 6)
+        values = (values.to(torch.int16) + 128).to(torch.uint8).reshape(tasks, pairs, 1024 * nb)
+        stretch = torch.cat([scales, values], 2).reshape(tasks, pairs * 1088 * nb)
+        if kb % 2:
+            stretch = stretch[:, : -512 * nb]
+        flat[g0 * group_bytes:g1 * group_bytes].copy_(stretch.reshape(-1))
     return out
 
 

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "layer_stack.h"
+#include "weight_watch.h"
 
 namespace py = pybind11;
 
@@ -57,6 +58,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_s"))
       .def_readonly("rank", &ShmGroup::rank)
       .def_readonly("size", &ShmGroup::size);
+
+  py::class_<WeightWatch>(m, "WeightWatch")
+      .def(py::init<py::list, py::list, py::list>(), py::arg("dicts"), py::arg("names"), py::arg("tensors"))
+      .def("unchanged", &WeightWatch::unchanged);
 
   TOKENMILL_DEF(paged_decode, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
                 py::arg("scale"), py::arg("sliding_window"), py::arg("query_req"));

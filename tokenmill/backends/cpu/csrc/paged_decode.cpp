@@ -517,6 +517,14 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   // next query's K/V rows from memory: a row per 8 keys of each score pass and
   // a row per 4 tokens of each V pass, spread over the whole query: the
   // hardware's prefetchers alone do not keep up (docs/perf-notes.md).
+  //
+  // Fewer queries than threads (a decode step of one request on two cores):
+  // each thread takes every query but only its share of the KV heads, so the
+  // other threads do not wait through a query read by one core's misses in
+  // flight. A head's sums are computed the same way either way: the same bits.
+  bool split_heads = num_kv_heads > 1 && num_decodes < omp_get_max_threads();
+  for (int64_t b = 1; b < num_decodes && split_heads; ++b)
+    split_heads = !(req && sliding_window <= 0 && follows(b));  // (no prefill tiles: they take all heads)
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -529,6 +537,17 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
     // Contiguous ranges of queries of about equal work (kv_prefetch.h).
     int64_t lo = 0, hi = 0;
     query_range(lens, num_decodes, sliding_window, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
+    int64_t kvh_lo = 0, kvh_hi = num_kv_heads;  // the KV heads this thread takes
+    if (split_heads) {
+      const int64_t t = omp_get_thread_num(), nth = omp_get_num_threads();
+      lo = 0;
+      hi = num_decodes;
+      kvh_lo = t * num_kv_heads / nth;
+      kvh_hi = (t + 1) * num_kv_heads / nth;
+    }
+    // The part of a context row (K, and V at kv_bytes) that this thread's heads read.
+    const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t own_off = kvh_lo * head_bytes, own_bytes = (kvh_hi - kvh_lo) * head_bytes;
     int64_t pf_t = 0, pf_end = 0;  // next query's tokens [pf_t, pf_end) not yet prefetched
     int64_t pf_blk = 0, pf_off = 0;  // pf_t's block (in the table) and offset in it
     const int64_t* pf_table = nullptr;
@@ -577,8 +596,8 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
       }
       if (!prefetched)
         for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j)
-          prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]) + own_off, kv_bytes, own_bytes);
+      for (int64_t kvh = kvh_lo; kvh < kvh_hi; ++kvh) {
         const int64_t kv_off = kvh * head_dim;
         // Scores of every query head that reads this KV head, up to 3 heads a pass over K.
         for (int64_t g0 = 0; g0 < group; g0 += 3) {
@@ -587,9 +606,9 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
           float* s0 = scores.data() + g0 * n_pad;
           auto pf = [&](int64_t t0) {
             prefetch_rows(1);
-            if (kvh == 0 && g0 == 0 && !prefetched && (t0 & 15) == 0)  // the next 16 tokens' rows, all heads
+            if (kvh == kvh_lo && g0 == 0 && !prefetched && (t0 & 15) == 0)  // the next 16 tokens' rows, own heads
               for (int64_t j = t0 + 16; j < std::min(t0 + 32, n); ++j)
-                prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]), kv_bytes, row_bytes);
+                prefetch_kv_row<_MM_HINT_T0>(reinterpret_cast<const char*>(rows[j]) + own_off, kv_bytes, own_bytes);
           };
           const __m256 vs8 = _mm512_castps512_ps256(vscale);
           if (gc == 3) group_scores<P, 3>(rows.data(), n, n_pad, kv_off, q0, head_dim, s0, vs8, pf);
