@@ -216,6 +216,9 @@ class CpuPlan:
         if q8 is not None:  # (Q8_0 blocks are buffers: model/quantization.py)
             for name, tensor in zip(("qweight", "qscale"), q8, strict=True):
                 self.sources.append((module._buffers, name, tensor))
+        q4 = q4_1_of(module)
+        if q4 is not None:  # (quantization="gguf": Q4_1 blocks, a buffer too)
+            self.sources.append((module._buffers, "q4_1", q4))
 
     def fresh(self) -> bool:
         """No parameter or Q8_0 block replaced or changed in place since the
