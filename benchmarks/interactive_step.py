@@ -17,6 +17,8 @@ spent per generated token (/proc/PID/task/*/schedstat; the main thread runs
 the event loop, the busiest other one is the engine thread, which is also
 OpenMP's thread 0).
 `--server-prefix CMD`: run the server under CMD (e.g. a py-spy record ...).
+The client is the benchmarks' own (bench.serve.client_session: aiohttp);
+`--cpu`'s client column is its CPU a token.
 
 `--busy N` starts N processes that spin on a core each (bounded by the run).
 `--small` (engine): decode steps of <= 8 requests on csrc/small_decode.cpp
@@ -36,10 +38,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.serve import free_port, send_one, spawn_server, wait_healthy
+from tokenmill.bench.serve import client_session, free_port, send_one, spawn_server, wait_healthy
 from tokenmill.bench.workloads import throughput_a
 
 
@@ -83,20 +86,17 @@ def engine(args: argparse.Namespace) -> None:
 
 
 async def streams(url: str, num: int, rounds: int, max_tokens: int) -> list[tuple[float, float]]:
-    import httpx
-
     prompts = throughput_a(128).prompts
     out: list[tuple[float, float]] = []
 
-    async def stream(i: int, client: httpx.AsyncClient) -> None:
+    async def stream(i: int, client: Any) -> None:
         for r in range(rounds):
             res = await send_one(client, url, "default", prompts[(i * rounds + r) % 128],
                                  max_tokens, {}, 600.0)
             assert res.ok, res.error
             out.append((res.ttft_s, (res.output_tokens - 1) / (res.e2e_s - res.ttft_s)))
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=600.0) as client:
+    async with client_session(600.0) as client:
         await asyncio.gather(*(stream(i, client) for i in range(num)))
     return out
 
@@ -124,11 +124,9 @@ def cpu_report(pid: int, before: dict[int, int], after: dict[int, int], client_s
 
 
 async def long_prompt(url: str, times: int) -> list[float]:
-    import httpx
-
     rng = np.random.default_rng(7)
     out = []
-    async with httpx.AsyncClient(timeout=600.0) as client:
+    async with client_session(600.0) as client:
         for _ in range(times):
             prompt = rng.integers(100, 49000, size=2048).tolist()
             res = await send_one(client, url, "default", prompt, 1, {}, 600.0)
@@ -142,7 +140,7 @@ def server(args: argparse.Namespace) -> None:
     base = f"http://127.0.0.1:{port}"
     cmd = [*args.server_prefix.split(), sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
            "--dtype", "bfloat16", "--no-enable-prefix-caching", "--served-model-name", "default",
-           *args.serve_args.split()]
+           *(["--quantization", args.quantization] if args.quantization else []), *args.serve_args.split()]
     log = Path(os.environ.get("LOG", "/tmp/interactive_server.log"))
     proc = spawn_server(cmd, dict(os.environ), log)
     try:
@@ -184,8 +182,9 @@ def main() -> None:
     p.add_argument("--server-prefix", default="", help="server: run it under this command")
     p.add_argument("--cpu", action="store_true", help="server: CPU time per token, by thread")
     p.add_argument("--small", action="store_true", help="engine: with small_decode")
-    p.add_argument("--quantization", default=None, choices=("q8_0",),
-                   help="engine: the weights kept as Q8_0 blocks (server: pass it in --serve-args)")
+    p.add_argument("--quantization", default=None, choices=("q8_0", "gguf"),
+                   help="the weights kept as Q8_0 blocks, or the file's own (gguf) "
+                        "(engine; server: passed to serve)")
     args = p.parse_args()
     if args.mode == "engine":  # as `tokenmill serve` does, before torch loads
         from tokenmill.engine.openmp_wait import apply_openmp_wait_policy

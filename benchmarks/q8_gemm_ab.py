@@ -1,7 +1,9 @@
 """A/B of two kernel builds' q8_gemm over the default model's 120 projections + head, alternating (a process each run), min of R rounds: PYTHONPATH=. python benchmarks/q8_gemm_ab.py name_a,name_b [1,4]."""
 
 # name_a, name_b: builds as kernels.load() names them (tokenmill_cpu_kernels_<digest>),
-# found under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Random
+# found under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); name@tree
+# packs the weights with that source tree's memory.pack_q8_0 (its PYTHONPATH: a
+# build of another layout than this tree's). Random
 # Q8_0 weights, distinct for each of the 30 layers (cold, as in a decode step),
 # bf16 x (the served path: VNNI). Checks first that both builds give the same
 # bits. A step: every projection then the head, one call each, in layer order.
@@ -89,8 +91,10 @@ def main() -> None:
     runs: dict[str, list[dict[str, list]]] = {n: [] for n in names}
     for _ in range(rounds):
         for name in names:
-            out = subprocess.run([sys.executable, __file__, "--one", name, rows], check=True,
-                                 capture_output=True, text=True).stdout
+            build, _, tree = name.partition("@")
+            env = dict(os.environ, PYTHONPATH=tree) if tree else None
+            out = subprocess.run([sys.executable, __file__, "--one", build, rows], check=True,
+                                 capture_output=True, text=True, env=env).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     for m in rows.split(","):
         digests = {name: {r[m][1] for r in runs[name]} for name in names}

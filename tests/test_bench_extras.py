@@ -14,4 +14,4 @@ def test_require_names_the_install_command() -> None:
 
 
 def test_the_extra_lists_what_bench_imports() -> None:
-    assert set(extras.BENCH_PACKAGES) == {"matplotlib", "httpx"}
+    assert set(extras.BENCH_PACKAGES) == {"matplotlib", "aiohttp", "httpx"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -53,13 +54,23 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        if request["max_tokens"] == 17:  # silent past the client's read timeout
+            time.sleep(1.0)
+            return
+        # Prompt [9, 9, 9]: every event sent in 5-byte pieces, each its own segment,
+        # so the client sees lines split across reads.
+        piece = 5 if request["prompt"] == [9, 9, 9] else 0
+        if piece:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         time.sleep(FIRST_DELAY_S)
         for i in range(request["max_tokens"]):
             if i:
                 time.sleep(GAP_S)
             chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
+            event = f"data: {json.dumps(chunk)}\n\n".encode()
+            for at in range(0, len(event), piece or len(event)):
+                self.wfile.write(event[at:at + (piece or len(event))])
+                self.wfile.flush()
         usage = {"choices": [], "usage": {"prompt_tokens": len(request["prompt"]),
                                           "completion_tokens": request["max_tokens"]}}
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -122,3 +133,20 @@ def test_client_measures_a_fake_servers_known_timings(fake_server: str) -> None:
     assert GAP_S * 1000 * 0.8 <= report.tpot_ms["p50"] < (GAP_S + 0.2) * 1000
     assert report.num_requests == 6
 
+
+
+def test_client_joins_lines_split_across_reads(fake_server: str) -> None:
+    results, _ = asyncio.run(
+        run_rate(fake_server, "fake-model", [[9, 9, 9]], [6], rate=float("inf"), timeout_s=30))
+    r = results[0]
+    assert r.ok, r.error
+    assert r.text == "t0t1t2t3t4t5" and r.output_tokens == 6 and r.prompt_tokens == 3
+    assert len(r.itl_s) == 5 and r.ttft_s >= FIRST_DELAY_S
+
+
+def test_a_read_timeout_is_reported_not_fatal(fake_server: str) -> None:
+    results, _ = asyncio.run(
+        run_rate(fake_server, "fake-model", [[1, 2], [1, 2]], [17, 2], rate=float("inf"),
+                 timeout_s=0.4))
+    assert not results[0].ok and "Timeout" in results[0].error
+    assert results[1].ok and results[1].output_tokens == 2

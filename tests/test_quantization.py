@@ -114,7 +114,7 @@ def test_q8_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
     n, k = 40, 96
     q, d = quantize_q8_0(torch.randn(n, k))
     packed = pack_q8_0(q, d)
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 3, 544)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 64 * 2 + 16 * k)
     weight = dequantize_q8_0(q, d)
     bias = torch.randn(n).to(dtype)
     x = torch.randn(13, k).to(dtype)
@@ -131,8 +131,60 @@ def test_q8_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
     y16 = ops.packed_gemm(x, packed, n, bias, False)
     assert y16.dtype == dtype
     assert torch.equal(y16, full.to(dtype))
-    gate_up = ops.packed_gemm(x, packed[:2], 32, torch.empty(0), False)
-    assert torch.equal(ops.packed_gemm_silu(x, packed[:2], 16), ops.silu_and_mul(gate_up))
+    packed_32 = pack_q8_0(q[:32], d[:32])
+    gate_up = ops.packed_gemm(x, packed_32, 32, torch.empty(0), False)
+    assert torch.equal(ops.packed_gemm_silu(x, packed_32, 16), ops.silu_and_mul(gate_up))
+
+
+def _unpack_q8_0(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K], d [N, K/32] read back from pack_q8_0's bytes by the layout's
+    rule (csrc/q8_gemm.cpp's header), one value at a time."""
+    raw = packed.reshape(-1).tolist()
+    groups, kb_count = packed.shape[0], k // 32
+    group_bytes = packed.shape[1]
+    q = torch.zeros(n, k, dtype=torch.int16)
+    d = torch.zeros(n, kb_count, dtype=torch.float16)
+    for out in range(n):
+        g = out // 16
+        t, j, i = g // 3, g % 3, out % 16
+        nb = min(3, groups - 3 * t)
+        task = 3 * t * group_bytes
+        for kb in range(kb_count):
+            pair = task + kb // 2 * nb * 1088
+            at = pair + (kb % 2 * nb + j) * 32 + 2 * i
+            d[out, kb] = torch.tensor([raw[at] | raw[at + 1] << 8], dtype=torch.int16).view(torch.float16)
+            for kk in range(8):
+                at = pair + 64 * nb + ((kb % 2 * 8 + kk) * nb + j) * 64 + 4 * i
+                for b in range(4):
+                    q[out, kb * 32 + 4 * kk + b] = raw[at + b] - 128
+    return q.to(torch.int8), d
+
+
+@NEEDS_KERNELS
+def test_q8_layout_and_row_counts() -> None:
+    """pack_q8_0's bytes follow the documented layout (three groups a task,
+    the last task partial, an odd number of blocks), and q8_gemm gives each
+    row the same bits at 1, 3, 4, 17 and 64 rows (the row tiles and the
+    prefetch stream change no bits), within x's int8 rounding of the reference."""
+    ops = kernels.packed_gemm_ops(torch.empty(1, 2, dtype=torch.bfloat16))
+    if ops is None:
+        pytest.skip("no bfloat16 GEMM in this build")
+    torch.manual_seed(1)
+    n, k = 16 * 7 + 5, 160  # 8 groups: tasks of 3, 3, 2; 5 blocks
+    q, d = quantize_q8_0(torch.randn(n, k))
+    packed = pack_q8_0(q, d)
+    assert tuple(packed.shape) == (8, 64 * 3 + 16 * k)
+    back_q, back_d = _unpack_q8_0(packed, n, k)
+    assert torch.equal(back_q, q) and torch.equal(back_d, d)
+    weight = dequantize_q8_0(q, d)
+    x = torch.randn(64, k).to(torch.bfloat16)
+    full = ops.packed_gemm(x, packed, n, torch.empty(0), True)
+    ref = torch.nn.functional.linear(x.double(), weight.double())
+    assert bool(((full.double() - ref).abs() <= 1e-4 + _x_rounding_bound(x, weight) + 1e-5 * ref.abs()).all())
+    for m in (1, 3, 4, 17):
+        for start in (0, 64 - m):
+            assert torch.equal(ops.packed_gemm(x[start:start + m], packed, n, torch.empty(0), True),
+                               full[start:start + m])
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2"])
@@ -343,7 +395,7 @@ def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any]) -> None
 
 
 def test_bad_quantization_values_are_refused(q8_case: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0'\)"):
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0', 'gguf'\)"):
         LLM(q8_case["path"], quantization="int4", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization='q8_0' runs on the CPU only"):
         ModelConfig(quantization="q8_0", device="cuda")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("q8_0",)  # ModelConfig.quantization's values besides None
+QUANTIZATIONS = ("q8_0", "gguf")  # ModelConfig.quantization's values besides None
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
 # Tokens per step: one default offline (LLM, `tokenmill generate`) and a smaller
@@ -48,7 +48,8 @@ class ModelConfig:
     # a folder with a generation_config.json (vLLM's --generation-config).
     generation_config: str = "auto"
     # Weights kept quantized (model/quantization.py): None, or "q8_0" (GGUF's Q8_0
-    # blocks; other weights quantized to it at load). vLLM's `quantization` option.
+    # blocks; other weights quantized to it at load), or "gguf" (a GGUF file's own
+    # Q4_1 / Q4_0 and Q8_0 blocks, other types as Q8_0). vLLM's `quantization` option.
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -271,7 +271,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_editing(args: argparse.Namespace) -> int:
-    extras.require("httpx")
+    extras.require("aiohttp", "httpx")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]

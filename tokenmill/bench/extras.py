@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 # What each package of the extra is for (pyproject.toml, [project.optional-dependencies] bench).
-BENCH_PACKAGES = {"matplotlib": "the plots", "httpx": "the serving benchmark's client"}
+BENCH_PACKAGES = {"matplotlib": "the plots", "aiohttp": "the serving benchmarks' streaming client",
+                  "httpx": "plain requests (health, metrics)"}
 
 
 def require(*names: str) -> None:

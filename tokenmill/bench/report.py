@@ -169,7 +169,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main_all(args: argparse.Namespace) -> int:
     if not args.report_only:
-        extras.require("matplotlib", "httpx")
+        extras.require("matplotlib", "aiohttp", "httpx")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

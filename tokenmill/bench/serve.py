@@ -136,10 +136,32 @@ async def send_one(
     return await stream_one(client, url, body, headers, timeout_s)
 
 
+def client_session(timeout_s: float) -> Any:
+    """The benchmark's HTTP client: one aiohttp session a run, for every server
+    alike. aiohttp, not httpx: on a 2-core machine the client's CPU a token is
+    taken from the server's step, and httpx spends ~10x more of it a chunk
+    (docs/perf-notes.md, "The benchmark's client")."""
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),  # no cap: every stream its own connection
+        timeout=read_timeout(timeout_s),
+    )
+
+
+def read_timeout(timeout_s: float) -> Any:
+    """As httpx's timeout: each connect and each read may take `timeout_s`, a
+    whole stream as long as it keeps sending."""
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+
+
 async def stream_one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
                      timeout_s: float) -> StreamResult:
     """One streamed request to /v1/completions (choices[0].text) or
-    /v1/chat/completions (choices[0].delta.content); times each chunk with text."""
+    /v1/chat/completions (choices[0].delta.content), on `client` (an aiohttp
+    ClientSession: client_session()); times each chunk with text."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     prompt = body.get("prompt")
     result = StreamResult(ok=False, prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
@@ -148,36 +170,46 @@ async def stream_one(client: Any, url: str, body: dict[str, Any], headers: dict[
     usage: dict[str, Any] | None = None
     parts: list[str] = []
     try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+        async with client.post(url, json=body, headers=headers, timeout=read_timeout(timeout_s)) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                result.error = f"HTTP {resp.status}: {text[:200]}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                payload = json.loads(data)
-                if payload.get("usage"):
-                    usage = payload["usage"]
-                for choice in payload.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-                    piece = choice.get("text")
-                    if piece is None:
-                        piece = (choice.get("delta") or {}).get("content")
-                    if not piece:
+            pending = b""
+            done = False
+            # Lines split by hand from whatever the socket gave (one SSE event a
+            # line that starts with "data:"; others, and blank lines, skipped).
+            async for data in resp.content.iter_any():
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()
+                for raw in lines:
+                    if not raw.startswith(b"data:"):
                         continue
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-                    chunks += 1
-                    parts.append(piece)
+                    line = raw[5:].strip()
+                    if line == b"[DONE]":
+                        done = True
+                        break
+                    payload = json.loads(line)
+                    if payload.get("usage"):
+                        usage = payload["usage"]
+                    for choice in payload.get("choices") or []:
+                        if choice.get("finish_reason"):
+                            result.finish_reason = choice["finish_reason"]
+                        piece = choice.get("text")
+                        if piece is None:
+                            piece = (choice.get("delta") or {}).get("content")
+                        if not piece:
+                            continue
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            result.ttft_s = now - start
+                        else:
+                            result.itl_s.append(now - last)
+                        last = now
+                        chunks += 1
+                        parts.append(piece)
+                if done:
+                    break
     except Exception as e:  # a failed request is reported, never fatal to the run
         result.error = f"{type(e).__name__}: {e}"[:200]
         return result
@@ -199,15 +231,12 @@ async def run_rate(
     seed: int = 2, api_key: str | None = None, timeout_s: float = 600.0,
 ) -> tuple[list[RequestResult], float]:
     """Send every request at its Poisson arrival time; wait for all."""
-    import httpx
-
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, size=len(prompts)) if np.isfinite(rate) else np.zeros(len(prompts))
     gaps[0] = 0.0
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+    async with client_session(timeout_s) as client:
         start = time.perf_counter()
         tasks = []
         for prompt, n, gap in zip(prompts, output_lens, gaps, strict=True):
@@ -284,7 +313,7 @@ def _first_model(base_url: str, api_key: str | None) -> str:
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    extras.require("httpx", "matplotlib")
+    extras.require("aiohttp", "httpx", "matplotlib")
     workload = throughput_a(128)
     n = args.num_requests
     prompts, lens = workload.prompts[:n], workload.output_lens[:n]
@@ -355,7 +384,7 @@ def run_against_server(
 ) -> list[RateReport]:
     """Start a server (`cmd`), wait until its /health answers, run serve-B at
     args.rates against it (out/serve-LABEL.json), stop it."""
-    extras.require("httpx", "matplotlib")
+    extras.require("aiohttp", "httpx", "matplotlib")
 
     out.mkdir(parents=True, exist_ok=True)
     server = spawn_server(cmd, {**os.environ, **(env or {})}, log_path)

@@ -29,6 +29,7 @@ from typing import Any
 
 from tokenmill.bench.serve import (
     StreamResult,
+    client_session,
     free_port,
     spawn_server,
     stream_one,
@@ -74,16 +75,13 @@ async def closed_loop(base_url: str, path: str, bodies_per_stream: Sequence[Sequ
                       ) -> tuple[list[list[StreamResult]], float]:
     """Every stream at once, each sending its bodies one after another; returns
     the results per stream (in order) and the wall time of the whole phase."""
-    import httpx
-
     url = base_url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
     async def one_stream(client: Any, bodies: Sequence[dict[str, Any]]) -> list[StreamResult]:
         return [await stream_one(client, url, b, headers, timeout_s) for b in bodies]
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+    async with client_session(timeout_s) as client:
         start = time.perf_counter()
         per_stream = await asyncio.gather(*(one_stream(client, b) for b in bodies_per_stream))
         return list(per_stream), time.perf_counter() - start

@@ -54,7 +54,7 @@ class EngineArgs:
     master_port: int | None = None
     nnodes: int = 1
     node_rank: int = 0
-    # Weights kept quantized: None or "q8_0" (config.ModelConfig.quantization).
+    # Weights kept quantized: None, "q8_0" or "gguf" (config.ModelConfig.quantization).
     quantization: str | None = None
     distributed_executor_backend: str = "mp"  # "ray": ranks as Ray actors (serve-ray)
 
@@ -147,7 +147,8 @@ class EngineArgs:
         parser.add_argument(
             "--quantization", "-q", default=None, choices=QUANTIZATIONS,
             help="keep the weights quantized: q8_0 (GGUF Q8_0 blocks, other weights quantized "
-                 "to it at load; the CPU only). Default: the weights in --dtype")
+                 "to it at load; the CPU only), gguf (a GGUF file's own Q4_1/Q4_0 and Q8_0 "
+                 "blocks, other types as Q8_0). Default: the weights in --dtype")
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")

@@ -8,7 +8,7 @@
                                               engine.schedule()
     stats() <------------------------------- scheduler state published
                                               engine.execute()
-    async for out in stream <-- deltas ------ call_soon_threadsafe(queue.put)
+    async for out in stream <-- deltas ------ call_soon_threadsafe(stream.push)
 
 The event loop never waits on the engine: commands go through a thread-safe
 queue and outputs come back through `loop.call_soon_threadsafe`, so /health
@@ -23,6 +23,7 @@ EngineError), frees their blocks, and the loop goes on serving.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -61,22 +62,43 @@ _Item = object  # a RequestOutput, an exception to raise, or _ACCEPTED
 
 
 class _Stream:
-    """One request's outputs, written by the engine thread, read by the event loop."""
+    """One request's outputs, written by the engine thread, read by the event
+    loop (one reader): a deque and the reader's future while it waits. Not an
+    asyncio.Queue: its bookkeeping runs on the event loop for every token, and
+    on 2 cores the loop's CPU a token is the step's (docs/perf-notes.md)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.items: collections.deque[_Item] = collections.deque()
+        self.waiter: asyncio.Future[_Item] | None = None
 
     def put(self, item: _Item) -> None:  # engine thread
         # The event loop may be gone (server shutting down); nobody is listening then.
         with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
+
+    def push(self, item: _Item) -> None:  # event loop
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():  # (done: its reader was cancelled)
+            self.waiter = None
+            waiter.set_result(item)
+        else:
+            self.items.append(item)
+
+    async def get(self) -> _Item:  # event loop
+        if self.items:
+            return self.items.popleft()
+        self.waiter = self.loop.create_future()
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
 
 
 def _put_all(items: list[tuple[_Stream, _Item]]) -> None:  # event loop
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.push(item)
 
 
 def _deliver(items: list[tuple[_Stream, _Item]]) -> None:  # engine thread
@@ -268,7 +290,7 @@ class AsyncEngine:
             self._num_pending += 1
         self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), stream))
         try:
-            first = await stream.queue.get()
+            first = await stream.get()
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
@@ -281,7 +303,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 from tokenmill.config import ModelSpec
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.quantization import dense_weight, embed_rows, q8_0_of
+from tokenmill.model.quantization import dense_weight, embed_rows, is_quantized
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
@@ -62,8 +62,7 @@ class Embedding(nn.Embedding):
         pass
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        q8 = q8_0_of(self)
-        if q8 is None:
+        if not is_quantized(self):
             return super().forward(input)
         return embed_rows(self, input, self.compute_dtype)
 

@@ -30,7 +30,15 @@ from torch import nn
 
 from tokenmill.config import ModelConfig, ModelSpec
 from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
-from tokenmill.model.quantization import Q8_0_BLOCK, quantize_q8_0, set_q8_0
+from tokenmill.model.quantization import (
+    Q4_1_BYTES,
+    Q8_0_BLOCK,
+    dequantize_q4_1,
+    q4_0_as_q4_1,
+    quantize_q8_0,
+    set_q4_1,
+    set_q8_0,
+)
 from tokenmill.model.source import ModelSource
 from tokenmill.model.spec import eos_token_ids, spec_from_gguf, spec_from_hf_config
 
@@ -64,9 +72,25 @@ _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# A checkpoint tensor: float values, or (with quantization="q8_0") a GGUF Q8_0
-# tensor's own blocks as (q int8 [out, in], d float16 [out, in / 32]).
-TensorThunk = Callable[[], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4_1Blocks:
+    """A GGUF Q4_1 (or Q4_0, made Q4_1) tensor's blocks: uint8 [out, in / 32, 20]."""
+
+    blocks: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.blocks.shape[1] * Q8_0_BLOCK)
+
+
+# A checkpoint tensor: float values, or (with quantization="q8_0" / "gguf") a GGUF
+# Q8_0 tensor's own blocks as (q int8 [out, in], d float16 [out, in / 32]), or
+# (with "gguf") a Q4_1 / Q4_0 tensor's blocks.
+TensorThunk = Callable[[], "torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Q4_1Blocks"]
+# GGUF types quantization="gguf" keeps as Q4_1 blocks (model/quantization.py).
+_Q4_TYPES = ("Q4_0", "Q4_1")
 
 
 class WeightLoadError(ValueError):
@@ -106,6 +130,10 @@ def load_model(
     model_config: ModelConfig, source: ModelSource
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Build the model on `model_config.device` and fill every weight from `source`."""
+    if model_config.quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization='gguf' runs a GGUF file's own quantized blocks, but "
+                         f"{source.path} is a Hugging Face checkpoint; use quantization='q8_0' "
+                         "(its weights quantized at load) or None")
     if source.kind == "gguf":
         return _load_gguf(model_config, source)
     return _load_hf(model_config, source)
@@ -130,13 +158,16 @@ def checkpoint_targets(model: nn.Module) -> dict[str, tuple[str, str | None]]:
 
 def load_weights(
     model: nn.Module, tensors: Mapping[str, TensorThunk], ignored: Callable[[str], bool],
-    quantization: str | None = None,
+    quantization: str | None = None, storage: Mapping[str, str] | None = None,
 ) -> None:
     """Copy each checkpoint tensor (name -> loader) into its parameter or shard.
     Names are checked before any tensor is read. With quantization="q8_0" the
     projections, the embedding and the head are kept as Q8_0 blocks
     (model/quantization.py): a GGUF Q8_0 tensor's own blocks as they are, any
-    other tensor quantized here; their float Parameters are never written."""
+    other tensor quantized here; their float Parameters are never written.
+    With "gguf" (`storage`: checkpoint name -> GGUF type) a module whose
+    tensors are all Q4_1 / Q4_0 keeps them as Q4_1 blocks, the others are
+    Q8_0 as above (a fused module mixing Q4 and other types: Q8_0)."""
     targets = checkpoint_targets(model)
     unexpected = sorted(n for n in tensors if n not in targets and not ignored(n))
     missing = sorted(n for n in targets if n not in tensors)
@@ -151,7 +182,10 @@ def load_weights(
             + "; ".join(problems)
         )
     params = dict(model.named_parameters())
-    blocks = _q8_0_destinations(model, params) if quantization == "q8_0" else {}
+    blocks = _q8_0_destinations(model, params, quantization) if quantization is not None else {}
+    q4_blocks: dict[str, torch.Tensor] = {}
+    if quantization == "gguf":
+        q4_blocks = _q4_1_destinations(targets, blocks, storage or {})
     with torch.no_grad():
         for name, (param_name, shard) in targets.items():
             dest: torch.Tensor = params[param_name]  # not .data: the copy counts as a change of the weight
@@ -167,24 +201,57 @@ def load_weights(
                 raise WeightLoadError(
                     f"tensor {name} has shape {shape}, expected {tuple(dest.shape)}"
                 )
-            if param_name in blocks:
+            if param_name in q4_blocks:
+                assert isinstance(tensor, Q4_1Blocks), name
+                q4_blocks[param_name][rows].copy_(tensor.blocks)
+            elif param_name in blocks:
+                if isinstance(tensor, Q4_1Blocks):  # (a fused module that is not all Q4)
+                    tensor = dequantize_q4_1(tensor.blocks)
                 q, d = tensor if isinstance(tensor, tuple) else quantize_q8_0(tensor)
                 blocks[param_name][0][rows].copy_(q)
                 blocks[param_name][1][rows].copy_(d)
             else:
-                assert not isinstance(tensor, tuple), name
+                assert isinstance(tensor, torch.Tensor), name
                 dest.copy_(tensor)  # casts to the model's dtype and moves to its device
+    for param_name, q4 in q4_blocks.items():
+        module = model.get_submodule(param_name.rpartition(".")[0])
+        set_q4_1(module, q4)
+        if isinstance(module, Embedding):
+            module.compute_dtype = params[param_name].dtype
     for param_name, (q, d) in blocks.items():
         module = model.get_submodule(param_name.rpartition(".")[0])
         set_q8_0(module, q, d)
         if isinstance(module, Embedding):
             module.compute_dtype = params[param_name].dtype
-    if blocks and isinstance(model, LlamaForCausalLM) and "lm_head.weight" not in blocks:
-        set_q8_0(model.lm_head, *blocks["model.embed_tokens.weight"])  # tied: the same blocks
+    tied = "lm_head.weight" not in blocks and "lm_head.weight" not in q4_blocks
+    if (blocks or q4_blocks) and isinstance(model, LlamaForCausalLM) and tied:
+        embed = "model.embed_tokens.weight"  # tied: the head shares the embedding's blocks
+        if embed in q4_blocks:
+            set_q4_1(model.lm_head, q4_blocks[embed])
+        else:
+            set_q8_0(model.lm_head, *blocks[embed])
+
+
+def _q4_1_destinations(
+    targets: Mapping[str, tuple[str, str | None]],
+    blocks: dict[str, tuple[torch.Tensor, torch.Tensor]], storage: Mapping[str, str],
+) -> dict[str, torch.Tensor]:
+    """quantization="gguf": parameter name -> empty Q4_1 blocks for each quantized
+    weight whose checkpoint tensors are all Q4_1 / Q4_0 (taken out of `blocks`,
+    the Q8_0 destinations)."""
+    parts: dict[str, list[str]] = {}
+    for name, (param_name, _) in targets.items():
+        parts.setdefault(param_name, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for param_name in list(blocks):
+        if all(storage.get(name) in _Q4_TYPES for name in parts.get(param_name, [])):
+            rows, k = blocks.pop(param_name)[0].shape
+            out[param_name] = torch.empty(rows, k // Q8_0_BLOCK, Q4_1_BYTES, dtype=torch.uint8)
+    return out
 
 
 def _q8_0_destinations(
-    model: nn.Module, params: Mapping[str, torch.Tensor]
+    model: nn.Module, params: Mapping[str, torch.Tensor], quantization: str | None = "q8_0",
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Parameter name -> empty (q, d) for each weight Q8_0 keeps quantized: every
     Linear's and the Embedding's (norms and biases stay float)."""
@@ -195,7 +262,7 @@ def _q8_0_destinations(
             continue
         rows, k = param.shape
         if k % Q8_0_BLOCK:
-            raise ValueError(f"quantization='q8_0' needs every projection's input size to be a "
+            raise ValueError(f"quantization={quantization!r} needs every projection's input size to be a "
                              f"multiple of {Q8_0_BLOCK} (Q8_0 blocks); {name} has {k}")
         out[name] = (torch.empty(rows, k, dtype=torch.int8),
                      torch.empty(rows, k // Q8_0_BLOCK, dtype=torch.float16))
@@ -307,15 +374,18 @@ def _load_gguf(
     )
     _check_gguf_tensors(reader, model, spec)
     tensors: dict[str, TensorThunk] = {}
+    storage: dict[str, str] = {}
+    quantization = model_config.quantization
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
         # llama.cpp permutes Q/K rows for its interleaved RoPE; undo it.
         num_heads = {".q_proj.": spec.num_heads, ".k_proj.": spec.num_kv_heads}
         heads = next((n for frag, n in num_heads.items() if frag in name), None)
-        tensors[name] = _gguf_thunk(tensor, heads, model_config.quantization == "q8_0")
+        tensors[name] = _gguf_thunk(tensor, heads, quantization in ("q8_0", "gguf"), quantization == "gguf")
+        storage[name] = tensor.tensor_type.name
     # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
     load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight",
-                 quantization=model_config.quantization)
+                 quantization=quantization, storage=storage)
     return _finish(model), spec
 
 
@@ -368,8 +438,13 @@ def gguf_to_hf_name(name: str) -> str:
     return name
 
 
-def _gguf_thunk(tensor: Any, rope_heads: int | None, q8_0_blocks: bool = False) -> TensorThunk:
-    def load() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _gguf_thunk(
+    tensor: Any, rope_heads: int | None, q8_0_blocks: bool = False, q4_blocks: bool = False
+) -> TensorThunk:
+    def load() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Q4_1Blocks:
+        if q4_blocks and tensor.tensor_type.name in _Q4_TYPES:
+            blocks = q4_gguf_blocks(tensor)
+            return Q4_1Blocks(blocks if rope_heads is None else unpermute_rope_rows(blocks, rope_heads))
         if q8_0_blocks and tensor.tensor_type.name == "Q8_0":
             q, d = q8_0_gguf_blocks(tensor)
             if rope_heads is None:
@@ -390,6 +465,18 @@ def q8_0_gguf_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
     d = torch.from_numpy(np.ascontiguousarray(raw[:, :, :2]).view(np.float16).reshape(rows, -1))
     q = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, k))
     return q, d
+
+
+def q4_gguf_blocks(tensor: Any) -> torch.Tensor:
+    """A GGUF Q4_1 tensor's blocks as they are in the file (20 bytes each:
+    float16 d, float16 m, 16 bytes of nibbles), uint8 [out, in / 32, 20]; a
+    Q4_0 tensor's (18 bytes) made Q4_1 with m = -8 d (the same values)."""
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))  # [out, in]
+    rows, k = int(np.prod(shape[:-1])), shape[-1]
+    size = Q4_1_BYTES if tensor.tensor_type.name == "Q4_1" else Q4_1_BYTES - 2
+    raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, k // Q8_0_BLOCK, size)  # (a copy)
+    blocks = torch.from_numpy(raw)
+    return blocks if size == Q4_1_BYTES else q4_0_as_q4_1(blocks)
 
 
 def dequantize_gguf_tensor(tensor: Any) -> torch.Tensor:

@@ -4,11 +4,10 @@ choice set, streamed as chat.completion.chunk objects."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS
@@ -36,6 +35,7 @@ from tokenmill.server.serving import (
     LogprobEntries,
     Prompt,
     Serving,
+    SSEResponse,
     StreamChunks,
     engine_error_to_api,
     logprob_value,
@@ -144,7 +144,7 @@ async def create_chat_completion(
     outputs = merge(streams)
     if request.stream:
         body = _stream(serving, request, request_id, outputs, top_k, plan)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return SSEResponse(body)
     try:
         response = await unless_disconnected(
             raw, _collect(serving, request_id, outputs, params.n, top_k, request.prompt_logprobs, plan)
@@ -210,7 +210,7 @@ async def _stream(
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     top_k: int | None,
     plan: ToolPlan | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     model = serving.model_name
     started: set[int] = set()
     tool_streams: dict[int, ToolStream] = {}

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
 from tokenmill.outputs import PromptLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -28,6 +27,7 @@ from tokenmill.server.serving import (
     LogprobEntries,
     Prompt,
     Serving,
+    SSEResponse,
     StreamChunks,
     engine_error_to_api,
     logprob_value,
@@ -156,7 +156,7 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
     outputs = merge(streams)
     if request.stream:
         body = _stream(serving, request, request_id, outputs, echoes, n)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return SSEResponse(body)
     try:
         choices, usage = await unless_disconnected(raw, _collect(serving, outputs, echoes, n))
     except ClientDisconnected:
@@ -229,7 +229,7 @@ async def _stream(
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     echoes: _Echo,
     n: int,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     model = serving.model_name
     choices: dict[int, _Choice] = {}
     num_prompt_tokens = [0] * len(echoes.prompts)

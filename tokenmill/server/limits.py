@@ -1,7 +1,12 @@
 """Limits at the server's edge, before a request reaches the app: the size of its
 headers (431) and of its body (413, counted as the body streams in, so a huge
 body is refused without being held), errors of the HTTP layer itself in
-OpenAI's JSON shape, and memory given back after a big request."""
+OpenAI's JSON shape, and memory given back after a big request.
+
+The HTTP layer is uvicorn's httptools protocol where httptools is installed
+(HTTP_PROTOCOL), else its h11 one: h11's framing of each streamed chunk costs
+the event loop ~10-15 us a token, which on 2 cores is the step's
+(docs/perf-notes.md). Both refuse a head past MAX_HEADER_BYTES with a 431."""
 
 from __future__ import annotations
 
@@ -172,3 +177,66 @@ class JSONErrorsH11Protocol(H11Protocol):
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+def error_response_bytes(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 error response that closes the connection."""
+    body = error_bytes(status, message, code)
+    return b"".join([
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode(),
+        b"content-type: application/json\r\n",
+        f"content-length: {len(body)}\r\n".encode(),
+        b"connection: close\r\n\r\n", body,
+    ])
+
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools not installed: h11
+    HTTP_PROTOCOL: type[asyncio.Protocol] = JSONErrorsH11Protocol
+else:
+
+    class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
+        """uvicorn's httptools protocol with JSONErrorsH11Protocol's errors: a
+        head still incomplete after MAX_HEADER_BYTES is a 431 (httptools
+        itself would hold a header of any size), one httptools cannot parse a
+        400, both in OpenAI's JSON shape."""
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            size = config.h11_max_incomplete_event_size
+            self.max_header_bytes = MAX_HEADER_BYTES if size is None else size
+            self.in_head = True  # between a message's first byte and its headers' end
+            self.head_bytes = 0  # fed while the head was incomplete
+            self.head_too_large = False
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.in_head = True
+
+        def on_headers_complete(self) -> None:
+            self.in_head = False
+            self.head_bytes = 0
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # Counted after the parser saw it: a chunk that ends the head is never counted.
+            if self.in_head and not self.transport.is_closing():
+                self.head_bytes += len(data)
+                if self.head_bytes > self.max_header_bytes:
+                    self.head_too_large = True
+                    self.send_400_response("")
+
+        def send_400_response(self, msg: str) -> None:
+            if self.head_too_large:
+                reply = error_response_bytes(
+                    431, f"the request's headers are over this server's limit of "
+                    f"{self.max_header_bytes} bytes", "request_header_fields_too_large")
+            else:
+                reply = error_response_bytes(400, f"invalid HTTP request: {msg:.200}",
+                                             "invalid_http_request")
+            self.transport.write(reply)
+            self.transport.close()
+
+    HTTP_PROTOCOL = JSONErrorsHttpToolsProtocol

@@ -17,7 +17,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.process_settings import apply_process_settings
 from tokenmill.server.app import build_app
-from tokenmill.server.limits import MAX_HEADER_BYTES, JSONErrorsH11Protocol
+from tokenmill.server.limits import HTTP_PROTOCOL, MAX_HEADER_BYTES
 from tokenmill.server.serving import Serving
 
 logger = logging.getLogger("tokenmill")
@@ -62,7 +62,7 @@ def run_server(
         app, host=config.host, port=config.port, log_level="info",
         timeout_graceful_shutdown=graceful_shutdown_timeout_s + END_REQUESTS_TIMEOUT_S,  # type: ignore[arg-type]
         # HTTP-layer errors (431, 400) in OpenAI's JSON shape (server/limits.py).
-        http=JSONErrorsH11Protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        http=HTTP_PROTOCOL, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     ), serving, graceful_shutdown_timeout_s)
 
     # uvicorn handles the signal (graceful shutdown) and then raises it again

@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pydantic_core
-from fastapi import Request
+from fastapi import Request, Response
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
@@ -25,6 +27,8 @@ from tokenmill.server.protocol import now_s
 from tokenmill.server.templates import TemplateRenderer
 
 T = TypeVar("T")
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass
@@ -290,7 +294,7 @@ def sse(data: BaseModel | str) -> str:
 
 
 def _json(value: str | int | None) -> str:
-    return pydantic_core.to_json(value).decode()
+    return "null" if value is None else pydantic_core.to_json(value).decode()
 
 
 class StreamChunks:
@@ -322,11 +326,59 @@ def sse_error(e: APIError) -> str:
     return sse(json.dumps(e.body().model_dump()))
 
 
-async def wait_for_disconnect(request: Request) -> None:
+class SSEResponse(Response):
+    """An ASGI response for a stream of prebuilt SSE chunks: each chunk goes to
+    `send` as it comes, and nothing else runs per chunk. (starlette's
+    StreamingResponse runs its loop in an anyio task group; on 2 cores every
+    microsecond of the event loop a token is one of the step's:
+    docs/perf-notes.md.) A client that goes away cancels the stream, whose
+    generators' `finally` abort its requests; an error after the status line
+    went out ends the stream with an error event and [DONE]."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not pump.done():
+                pump.cancel()
+                with contextlib.suppress(BaseException):
+                    await pump
+
+    async def _pump(self, send: Send) -> None:
+        chunks = self.chunks
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        except Exception:
+            logger.exception("a stream failed after its first byte")
+            end = sse_error(APIError(500, INTERNAL_ERROR_MESSAGE)) + sse("[DONE]")
+            await send({"type": "http.response.body", "body": end.encode(), "more_body": True})
+        finally:
+            await chunks.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    await _wait_for_disconnect(request.receive)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -107,18 +107,62 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks (q int8 [N, K], d float16 [N, K / 32]) -> the layout
     csrc/q8_gemm.cpp reads front to back, zero rows padding N to a multiple of
-    16: uint8 [ceil(N/16), K/32, 544], each block the 16 outputs' float16 d
-    (32 bytes), then for each 4 inputs the 16 outputs' 4 values as q + 128
-    (q[16 g + j, 32 kb + 4 kk + t] + 128 at byte 32 + 64 kk + 4 j + t: a
-    vpdpbusd operand). On huge pages (mapped_zeros), as pack_weight."""
+    16: uint8 [ceil(N/16), 64 ceil(K/64) + 16 K]. Groups of 16 outputs, three
+    to a task (the last task 1-3); a task's groups interleaved, a pair of blocks
+    (64 inputs) at a time: the float16 d of both blocks (block, group, lane:
+    64 bytes a group), then for each block and 4 inputs kk the groups' 64-byte
+    vpdpbusd operands (lane i's 4 values q + 128 at 4 i). An odd last block
+    leaves out the pair's second block (its scales are zero padding). Every
+    line holds one operand or scales. On huge pages (mapped_zeros), as pack_weight."""
     n, k = q.shape
     groups, kb = -(-n // 16), k // 32
+    pairs = -(-kb // 2)
+    group_bytes = 64 * pairs + 512 * kb
+    q = torch.cat([q, q.new_zeros(groups * 16 - n, k)]) if groups * 16 != n else q
+    d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)]) if groups * 16 != n else d
+    if kb % 2:  # a zero block completing the last pair (dropped below)
+        q = torch.cat([q, q.new_zeros(groups * 16, 32)], 1)
+        d = torch.cat([d, d.new_zeros(groups * 16, 1)], 1)
+    out = mapped_zeros((groups, group_bytes), torch.uint8)
+    flat = out.view(-1)
+    full = groups // 3 * 3
+    for g0, g1, nb in ((0, full, 3), (full, groups, groups - full)):
+        if g1 == g0:
+            continue
+        tasks = (g1 - g0) // nb
+        scales = d[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2).permute(0, 3, 4, 1, 2)  # [t, pair, l, j, i]
+        scales = scales.contiguous().view(torch.uint8).reshape(tasks, pairs, 64 * nb)
+        values = q[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2, 8, 4).permute(0, 3, 4, 5, 1, 2, 6)
+        values = (values.to(torch.int16) + 128).to(torch.uint8).reshape(tasks, pairs, 1024 * nb)
+        stretch = torch.cat([scales, values], 2).reshape(tasks, pairs * 1088 * nb)
+        if kb % 2:
+            stretch = stretch[:, : -512 * nb]
+        flat[g0 * group_bytes:g1 * group_bytes].copy_(stretch.reshape(-1))
+    return out
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks (uint8 [N, K / 32, 20]: float16 d, float16 m, 16 bytes
+    of nibbles, value k < 16 the low nibble of byte k, k >= 16 the high one of
+    byte k - 16) -> the layout csrc/q4_gemm.cpp reads front to back, zero rows
+    padding N to a multiple of 16: uint8 [ceil(N/16), K/32, 320], each block
+    the 16 outputs' d (32 bytes), their m (32 bytes), then for each 8 inputs 64
+    bytes, byte 4 j + t holding q[16 g + j, 32 kb + 8 kk + t] in its low nibble
+    and q[.., 32 kb + 8 kk + 4 + t] in its high one (two vpdpbusd operands once
+    unpacked). On huge pages (mapped_zeros), as pack_weight."""
+    n, kb = blocks.shape[0], blocks.shape[1]
+    groups = -(-n // 16)
     if groups * 16 != n:
-        q = torch.cat([q, q.new_zeros(groups * 16 - n, k)])
-        d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)])
-    scales = d.reshape(groups, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [G, KB, 32]
-    values = (q.reshape(groups, 16, kb, 8, 4).permute(0, 2, 3, 1, 4).to(torch.int16) + 128).to(torch.uint8)
-    out = mapped_zeros((groups, kb, 544), torch.uint8)
-    out[:, :, :32].copy_(scales)
-    out[:, :, 32:].copy_(values.reshape(groups, kb, 512))
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, kb, 20)])
+    grouped = blocks.reshape(groups, 16, kb, 20)
+    d = grouped[..., 0:2].permute(0, 2, 1, 3).reshape(groups, kb, 32)
+    m = grouped[..., 2:4].permute(0, 2, 1, 3).reshape(groups, kb, 32)
+    qs = grouped[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # [G, 16, KB, 32]: the values 0..15 in order
+    q = q.reshape(groups, 16, kb, 4, 2, 4)  # (g, j, kb, kk, low/high, t)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # (g, kb, kk, j, t)
+    out = mapped_zeros((groups, kb, 320), torch.uint8)
+    out[:, :, :32].copy_(d)
+    out[:, :, 32:64].copy_(m)
+    out[:, :, 64:].copy_(nibbles.reshape(groups, kb, 256))
     return out

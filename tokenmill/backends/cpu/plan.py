@@ -42,11 +42,11 @@ from torch.profiler import record_function
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend, KernelCall
 from tokenmill.backends.cpu.kernels import CpuOps
-from tokenmill.backends.cpu.memory import pack_q8_0, pack_weight
+from tokenmill.backends.cpu.memory import pack_q4_1, pack_q8_0, pack_weight
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
-from tokenmill.model.quantization import q8_0_of
+from tokenmill.model.quantization import is_quantized, q4_1_of, q8_0_of
 
 _NO_BIAS = torch.empty(0)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
@@ -55,7 +55,7 @@ _NO_ROWS = torch.empty(0, dtype=torch.int64)
 class _Proj(NamedTuple):
     """A projection: its packed weight for packed_gemm, and the original for torch's matmul."""
 
-    packed: torch.Tensor  # uint8: Q8_0 blocks (memory.pack_q8_0), which packed_gemm takes too
+    packed: torch.Tensor  # uint8: Q8_0 / Q4_1 blocks (memory.pack_q8_0 / pack_q4_1), which packed_gemm takes too
     n: int  # output features
     bias: torch.Tensor  # empty: none
     weight: torch.Tensor  # empty where quantized: `ref` then
@@ -80,9 +80,11 @@ class _Layer(NamedTuple):
 
 def _proj(lin: Linear) -> _Proj:
     bias = _NO_BIAS if lin.bias is None else lin.bias.detach()
-    q8 = q8_0_of(lin)
+    q8, q4 = q8_0_of(lin), q4_1_of(lin)
     if q8 is not None:  # kept quantized: no float copy of the weight at all
         return _Proj(pack_q8_0(*q8), lin.out_features, bias, _NO_BIAS, lin)
+    if q4 is not None:
+        return _Proj(pack_q4_1(q4), lin.out_features, bias, _NO_BIAS, lin)
     weight = lin.weight.detach()
     return _Proj(pack_weight(weight), lin.out_features, bias, weight)
 
@@ -127,8 +129,8 @@ class CpuPlan:
         self.eps = float(spec.rms_norm_eps)
         self.rotary = model.model.rotary_emb
         self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
-        self.quantized = q8_0_of(model.lm_head) is not None  # (the loader quantizes all or none)
-        if self.quantized:  # q8_gemm serves any number of rows (torch would dequantize every call)
+        self.quantized = is_quantized(model.lm_head)  # (the loader quantizes all or none)
+        if self.quantized:  # q8_gemm / q4_gemm serve any number of rows (torch would dequantize every call)
             self.max_rows = 1 << 62
         self.sources: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self.layers: list[_Layer] = []
@@ -214,6 +216,9 @@ class CpuPlan:
         if q8 is not None:  # (Q8_0 blocks are buffers: model/quantization.py)
             for name, tensor in zip(("qweight", "qscale"), q8, strict=True):
                 self.sources.append((module._buffers, name, tensor))
+        q4 = q4_1_of(module)
+        if q4 is not None:  # (quantization="gguf": Q4_1 blocks, a buffer too)
+            self.sources.append((module._buffers, "q4_1", q4))
 
     def fresh(self) -> bool:
         """No parameter or Q8_0 block replaced or changed in place since the

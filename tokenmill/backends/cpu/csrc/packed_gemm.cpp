@@ -642,10 +642,15 @@ int64_t packed_gemm_max_rows() { return TOKENMILL_GEMM_BF16 ? 4096 : std::numeri
 
 at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
 at::Tensor q8_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
+at::Tensor q4_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
+at::Tensor q4_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
+// Q4_1 blocks (q4_gemm.cpp) are 320 bytes a group and block, Q8_0's (q8_gemm.cpp) 544.
+inline bool is_q4_1(const at::Tensor& packed) { return packed.dim() == 3 && packed.size(2) == 320; }
 
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
   // Q8_0 weights (uint8 blocks: q8_gemm.cpp), the same call from every caller.
-  if (packed.scalar_type() == at::kByte) return q8_gemm(x, packed, n_out, bias, float32_out);
+  if (packed.scalar_type() == at::kByte)
+    return is_q4_1(packed) ? q4_gemm(x, packed, n_out, bias, float32_out) : q8_gemm(x, packed, n_out, bias, float32_out);
   NoGil no_gil;
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_gemm runs on the CPU");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -687,7 +692,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up);  // (fused_ops.cpp)
 // AVX512-BF16; float32 with AVX2 (the AVX-512 build runs float32 in those two
 // steps: its tile's activation rounds to bf16).
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
-  if (packed.scalar_type() == at::kByte) return q8_gemm_silu(x, packed, inter);
+  if (packed.scalar_type() == at::kByte) return is_q4_1(packed) ? q4_gemm_silu(x, packed, inter) : q8_gemm_silu(x, packed, inter);
   NoGil no_gil;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),

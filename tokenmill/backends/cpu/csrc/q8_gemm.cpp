@@ -2,14 +2,22 @@
 // model/quantization.py): GGUF's blocks of 32 int8 q and a float16 scale d,
 // standing for q * d.
 //
-// Packed layout (memory.pack_q8_0; zero rows pad N to a multiple of 16):
-//   packed[g][kb] = 544 bytes: 16 float16 d (lane j: output 16 g + j), then
-//                   for each 4 inputs (kk = 0..7) and lane j, 4 bytes q + 128
-//                   (unsigned): q[16 g + j][32 kb + 4 kk + t] + 128, t = 0..3
-//   shape [ceil(N/16), K/32, 544] uint8
-// so a group g (16 outputs, all of K) is one stretch read front to back, 1.0625
-// bytes a weight (bf16: 2), and 64 bytes are one vpdpbusd operand: 4 inputs for
-// each of 16 outputs.
+// Packed layout (memory.pack_q8_0; zero rows pad N to a multiple of 16): a
+// group is 16 outputs, a task 3 groups (the last task of an N that is not a
+// multiple of 48: 1 or 2, nb), and a task's groups are interleaved into one
+// stretch read front to back: for each pair of blocks (kb = 2 s, 2 s + 1; 64
+// inputs) of the task,
+//   nb * 64 bytes   the float16 d: block l = 0, 1 of the pair, group j, lane i
+//                   at (l * nb + j) * 32 + 2 i (output 48 t + 16 j + i)
+//   nb * 1024 bytes for l = 0, 1, each 4 inputs kk = 0..7 and group j, 64 bytes:
+//                   lane i's 4 values q + 128 (unsigned), q[48 t + 16 j + i]
+//                   [32 kb + 4 kk + 0..3] at ((l * 8 + kk) * nb + j) * 64 + 4 i
+// (an odd last block: the pair's second block's values left out, its scales
+// padded). A group is 64 ceil(K/64) + 16 K bytes (1.0625 bytes a weight for
+// K a multiple of 64), packed uint8 [ceil(N/16), that]; tasks start at 3 t
+// groups. Every line holds one vpdpbusd operand or scales, never a split
+// load, and each thread reads its tasks (consecutive) as one address-ordered
+// stream (docs/perf-notes.md: 544-byte blocks in 3 streams a task read at ~29 GB/s).
 //
 // Two ways, by the activations' dtype:
 // - bfloat16 x (the served dtype): as llama.cpp's Q8_0 x Q8_0 dot, x is
@@ -60,11 +68,24 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 namespace {
 
 constexpr int64_t kQ8Block = 32;
-constexpr int64_t kQ8Bytes = 32 + kQ8Block * 16;  // 16 float16 scales, 32 x 16 bytes
-constexpr int kMaxGroups = 3;
-// The VNNI tile asks for each group's bytes this far ahead of its loads (a few
-// blocks): at one row the hardware prefetcher alone left the read at ~30 GB/s.
-constexpr int64_t kPrefetchBytes = 2048;
+constexpr int kTaskGroups = 3;          // groups (16 outputs) a task
+constexpr int64_t kPairBytes = 64 + 1024;  // a group's share of a pair of blocks: scales, values
+// Each thread fetches its stretch into L2 this far ahead of its loads: one
+// address-ordered stream across its tasks, started with a burst at its first
+// task (docs/perf-notes.md: 6-32 KB, a T0 prefetch in the tile, or the next
+// call's first lines fetched too measured the same within noise).
+constexpr int64_t kL2Ahead = 16384;
+
+// Bytes of one group (all of K): a task of nb groups is nb times this.
+inline int64_t q8_group_bytes(int64_t kb_count) { return 64 * ((kb_count + 1) / 2) + 512 * kb_count; }
+// Within a task of nb groups: block kb's 16 scales of group j, and its 64-byte
+// values for inputs 32 kb + 4 kk .. + 4 of group j.
+inline const uint8_t* q8_scales(const uint8_t* task, int nb, int64_t kb, int j) {
+  return task + (kb / 2) * nb * kPairBytes + ((kb % 2) * nb + j) * 32;
+}
+inline const uint8_t* q8_values(const uint8_t* task, int nb, int64_t kb, int kk, int j) {
+  return task + (kb / 2) * nb * kPairBytes + 64 * nb + ((kb % 2) * 8 + kk) * nb * 64 + j * 64;
+}
 
 struct Q8Args {
   const float* x;       // [M, K] float32 (the float path)
@@ -78,6 +99,16 @@ struct Q8Args {
   int64_t K, N;
 };
 
+// A thread's L2 prefetch stream: [p, end) the rest of its stretch not yet
+// asked for; ahead(cur) asks for it up to kL2Ahead bytes past cur.
+struct Q8Stream {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  void ahead(const char* cur) {
+    for (const char* goal = std::min(end, cur + kL2Ahead); p < goal; p += 64) __builtin_prefetch(p, 0, 2);  // (T1)
+  }
+};
+
 inline uint16_t bf16_round(float f) {  // nearest even, as torch's .to(bfloat16)
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -85,11 +116,11 @@ inline uint16_t bf16_round(float f) {  // nearest even, as torch's .to(bfloat16)
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// The weight of output lane j, input 32 kb + k, in a block (scalar code and tests).
-inline float q8_weight(const uint8_t* blk, int j, int k) {
+// The weight of group j's lane i, input 32 kb + k, in a task of nb groups (scalar code).
+inline float q8_weight(const uint8_t* task, int nb, int64_t kb, int j, int i, int k) {
   at::Half h;
-  std::memcpy(&h, blk + 2 * j, 2);
-  const int q = static_cast<int>(blk[32 + (k / 4) * 64 + 4 * j + k % 4]) - 128;
+  std::memcpy(&h, q8_scales(task, nb, kb, j) + 2 * i, 2);
+  const int q = static_cast<int>(q8_values(task, nb, kb, k / 4, j)[4 * i + k % 4]) - 128;
   return static_cast<float>(q) * static_cast<float>(h);
 }
 
@@ -118,28 +149,26 @@ inline void q8_store(const Q8Args& a, int64_t m0, int64_t g0, __m512 (&acc)[MT][
   }
 }
 
-// The float path: rows m0 .. m0+MT of float32 x times groups g0 .. g0+NB.
+// The float path: rows m0 .. m0+MT of float32 x times the task at `task` (groups g0 .. g0+NB).
 template <int MT, int NB>
-void q8_tile_float(const Q8Args& a, int64_t m0, int64_t g0) {
-  const int64_t kb_count = a.K / kQ8Block, group_bytes = kb_count * kQ8Bytes;
+void q8_tile_float(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task) {
+  const int64_t kb_count = a.K / kQ8Block;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint8_t* base[NB];
-  for (int j = 0; j < NB; ++j) base[j] = a.w + (g0 + j) * group_bytes;
   const float* xr[MT];
   for (int i = 0; i < MT; ++i) xr[i] = a.x + (m0 + i) * a.K;
   const __m512i flip = _mm512_set1_epi32(int32_t(0x80808080u));  // q + 128 -> q as signed bytes
   for (int64_t kb = 0; kb < kb_count; ++kb) {
     __m512 d[NB];
     for (int j = 0; j < NB; ++j)
-      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[j] + kb * kQ8Bytes)));
+      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8_scales(task, NB, kb, j))));
     const int64_t k0 = kb * kQ8Block;
     for (int kk = 0; kk < 8; ++kk) {
       __m512i v[NB];
       for (int j = 0; j < NB; ++j)
-        v[j] = _mm512_xor_si512(
-            _mm512_loadu_si512(reinterpret_cast<const void*>(base[j] + kb * kQ8Bytes + 32 + 64 * kk)), flip);
+        v[j] = _mm512_xor_si512(_mm512_loadu_si512(reinterpret_cast<const void*>(q8_values(task, NB, kb, kk, j))),
+                                flip);
       for (int t = 0; t < 4; ++t) {
         __m512 w[NB];
         for (int j = 0; j < NB; ++j) {  // byte t of each lane, sign-extended: q exactly; * d exact
@@ -157,34 +186,30 @@ void q8_tile_float(const Q8Args& a, int64_t m0, int64_t g0) {
 }
 
 #if TOKENMILL_Q8_VNNI
-// The VNNI path: rows m0 .. m0+MT of quantized x times groups g0 .. g0+NB.
-// pf, if not null: the next task's groups (pf_bytes, one contiguous stretch),
-// fetched into L2 in address order while this tile runs, a kb_count-th of
-// them a block (NB lines a step, the rest at the block's end), as
-// packed_gemm's tiles fetch their next group: at one row the in-group 2 KB
-// prefetch alone left the read at ~23-30 GB/s. Prefetches change no bits.
+// The VNNI path: rows m0 .. m0+MT of quantized x times the task at `task`
+// (groups g0 .. g0+NB), its lines read in address order. s, if not null:
+// this thread's L2 stream, fed NB lines a step and caught up at each block's
+// end (only the first row tile of a task feeds it; the others read from L2).
+// Prefetches change no bits.
 template <int MT, int NB>
-void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t pf_bytes) {
-  const int64_t kb_count = a.K / kQ8Block, group_bytes = kb_count * kQ8Bytes;
+void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task, Q8Stream* s) {
+  const int64_t kb_count = a.K / kQ8Block;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint8_t* base[NB];
-  for (int j = 0; j < NB; ++j) base[j] = a.w + (g0 + j) * group_bytes;
-  const char* pp = reinterpret_cast<const char*>(pf);  // the next line to fetch
+  const char* pp = s ? s->p : nullptr;  // (in a register through the loop)
+  const char* const pend = s ? s->end : nullptr;
   for (int64_t kb = 0; kb < kb_count; ++kb) {
-    // This block's share of the next task's stretch ends here.
-    const char* const pend = pf ? reinterpret_cast<const char*>(pf) + pf_bytes * (kb + 1) / kb_count : nullptr;
     __m512i sum[MT][NB];
     for (int i = 0; i < MT; ++i) {
       const __m512i start = _mm512_set1_epi32(a.xc[(m0 + i) * kb_count + kb]);
       for (int j = 0; j < NB; ++j) sum[i][j] = start;
     }
+    const uint8_t* v = q8_values(task, NB, kb, 0, 0);
     for (int kk = 0; kk < 8; ++kk) {
       __m512i w[NB];
       for (int j = 0; j < NB; ++j) {
-        const uint8_t* p = base[j] + kb * kQ8Bytes + 32 + 64 * kk;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (past a group's end: harmless)
+        const uint8_t* p = v + (kk * NB + j) * 64;
         w[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
       }
       for (int i = 0; i < MT; ++i) {
@@ -200,10 +225,13 @@ void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* pf, in
         }
       }
     }
-    for (; pp < pend; pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
+    if (s) {
+      s->p = pp;
+      s->ahead(reinterpret_cast<const char*>(v + 8 * NB * 64));
+      pp = s->p;
+    }
     for (int j = 0; j < NB; ++j) {
-      const __m512 d =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[j] + kb * kQ8Bytes)));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8_scales(task, NB, kb, j))));
       for (int i = 0; i < MT; ++i) {
         const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.xs[(m0 + i) * kb_count + kb]));
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][j]), ds, acc[i][j]);
@@ -215,67 +243,64 @@ void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* pf, in
 #endif
 
 template <bool VNNI, int MT>
-void q8_rows(const Q8Args& a, int64_t m0, int64_t g0, int nb, const uint8_t* pf, int64_t pf_bytes) {
+void q8_rows(const Q8Args& a, int64_t m0, int64_t g0, int nb, const uint8_t* task, Q8Stream* s) {
 #if TOKENMILL_Q8_VNNI
   if constexpr (VNNI) {
-    if (nb == 3) q8_tile_vnni<MT, 3>(a, m0, g0, pf, pf_bytes);
-    else if (nb == 2) q8_tile_vnni<MT, 2>(a, m0, g0, pf, pf_bytes);
-    else q8_tile_vnni<MT, 1>(a, m0, g0, pf, pf_bytes);
+    if (nb == 3) q8_tile_vnni<MT, 3>(a, m0, g0, task, s);
+    else if (nb == 2) q8_tile_vnni<MT, 2>(a, m0, g0, task, s);
+    else q8_tile_vnni<MT, 1>(a, m0, g0, task, s);
     return;
   }
 #else
-  (void)pf;
-  (void)pf_bytes;
+  (void)s;
 #endif
-  if (nb == 3) q8_tile_float<MT, 3>(a, m0, g0);
-  else if (nb == 2) q8_tile_float<MT, 2>(a, m0, g0);
-  else q8_tile_float<MT, 1>(a, m0, g0);
+  if (nb == 3) q8_tile_float<MT, 3>(a, m0, g0, task);
+  else if (nb == 2) q8_tile_float<MT, 2>(a, m0, g0, task);
+  else q8_tile_float<MT, 1>(a, m0, g0, task);
 }
 #endif
 
-// Rows [0, M) times groups g0 .. g0+nb (<= kMaxGroups), in row tiles (VNNI: 4
-// rows, its int32 and float32 accumulators both in registers; float: 6).
-// VNNI: the first row tile prefetches the next task's groups (the rest read them from L2).
-void q8_task(const Q8Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
+// Rows [0, M) times task t (groups g0 .. g0+nb), in row tiles (VNNI: 4 rows,
+// its int32 and float32 accumulators both in registers; float: 6). VNNI: the
+// first row tile feeds this thread's L2 stream s (the rest read the task from L2).
+void q8_task(const Q8Args& a, int64_t M, int64_t g0, int nb, bool vnni, Q8Stream* s) {
+  const uint8_t* task = a.w + g0 * q8_group_bytes(a.K / kQ8Block);
 #if TOKENMILL_Q8_AVX512
   if (vnni) {
-    const int64_t groups = (a.N + 15) / 16, group_bytes = a.K / kQ8Block * kQ8Bytes;
-    const int64_t next = std::min<int64_t>(kMaxGroups, groups - (g0 + nb));
-    const uint8_t* pf = next > 0 ? a.w + (g0 + nb) * group_bytes : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const uint8_t* p = m0 == 0 ? pf : nullptr;
-      const int64_t pb = p ? next * group_bytes : 0;
+      Q8Stream* first = m0 == 0 ? s : nullptr;
       switch (std::min<int64_t>(4, M - m0)) {
-        case 4: q8_rows<true, 4>(a, m0, g0, nb, p, pb); break;
-        case 3: q8_rows<true, 3>(a, m0, g0, nb, p, pb); break;
-        case 2: q8_rows<true, 2>(a, m0, g0, nb, p, pb); break;
-        default: q8_rows<true, 1>(a, m0, g0, nb, p, pb); break;
+        case 4: q8_rows<true, 4>(a, m0, g0, nb, task, first); break;
+        case 3: q8_rows<true, 3>(a, m0, g0, nb, task, first); break;
+        case 2: q8_rows<true, 2>(a, m0, g0, nb, task, first); break;
+        default: q8_rows<true, 1>(a, m0, g0, nb, task, first); break;
       }
     }
     return;
   }
+  (void)s;
   for (int64_t m0 = 0; m0 < M; m0 += 6) {
     switch (std::min<int64_t>(6, M - m0)) {
-      case 6: q8_rows<false, 6>(a, m0, g0, nb, nullptr, 0); break;
-      case 5: q8_rows<false, 5>(a, m0, g0, nb, nullptr, 0); break;
-      case 4: q8_rows<false, 4>(a, m0, g0, nb, nullptr, 0); break;
-      case 3: q8_rows<false, 3>(a, m0, g0, nb, nullptr, 0); break;
-      case 2: q8_rows<false, 2>(a, m0, g0, nb, nullptr, 0); break;
-      default: q8_rows<false, 1>(a, m0, g0, nb, nullptr, 0); break;
+      case 6: q8_rows<false, 6>(a, m0, g0, nb, task, nullptr); break;
+      case 5: q8_rows<false, 5>(a, m0, g0, nb, task, nullptr); break;
+      case 4: q8_rows<false, 4>(a, m0, g0, nb, task, nullptr); break;
+      case 3: q8_rows<false, 3>(a, m0, g0, nb, task, nullptr); break;
+      case 2: q8_rows<false, 2>(a, m0, g0, nb, task, nullptr); break;
+      default: q8_rows<false, 1>(a, m0, g0, nb, task, nullptr); break;
     }
   }
 #else  // the float path's sums, one lane at a time
   (void)vnni;
-  const int64_t kb_count = a.K / kQ8Block, group_bytes = kb_count * kQ8Bytes;
+  (void)s;
+  const int64_t kb_count = a.K / kQ8Block;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = g0; g < g0 + nb; ++g)
-      for (int l = 0; l < 16 && g * 16 + l < a.N; ++l) {
+    for (int j = 0; j < nb; ++j)
+      for (int l = 0; l < 16 && (g0 + j) * 16 + l < a.N; ++l) {
         float acc = 0.f;
         for (int64_t kb = 0; kb < kb_count; ++kb)
           for (int k = 0; k < kQ8Block; ++k)
-            acc = std::fma(a.x[m * a.K + kb * kQ8Block + k], q8_weight(a.w + g * group_bytes + kb * kQ8Bytes, l, k),
-                           acc);
-        const int64_t n = g * 16 + l;
+            acc = std::fma(a.x[m * a.K + kb * kQ8Block + k], q8_weight(task, nb, kb, j, l, k), acc);
+        const int64_t n = (g0 + j) * 16 + l;
         const float r = acc + (a.bias ? a.bias[n] : 0.f);
         if (a.y32) a.y32[m * a.N + n] = r;
         else a.y16[m * a.N + n] = bf16_round(r);
@@ -327,10 +352,11 @@ at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bi
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "q8_gemm runs on the CPU");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "q8_gemm takes bfloat16 or float32 x");
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kQ8Bytes,
-              "q8_gemm: x [M, K], packed uint8 [ceil(N/16), K/32, 544]");
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 2,
+              "q8_gemm: x [M, K], packed uint8 [ceil(N/16), 64 ceil(K/64) + 16 K]");
   const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  TORCH_CHECK(packed.size(1) * kQ8Block == K, "q8_gemm: x has K = ", K, ", the weights ", packed.size(1) * kQ8Block);
+  TORCH_CHECK(K % kQ8Block == 0 && packed.size(1) == q8_group_bytes(K / kQ8Block), "q8_gemm: x has K = ", K,
+              ", the weights' groups ", packed.size(1), " bytes");
   TORCH_CHECK(n_out > 16 * (groups - 1) && n_out <= 16 * groups, "q8_gemm: n_out does not fit the groups");
   x = x.contiguous();
   packed = packed.contiguous();
@@ -380,12 +406,24 @@ at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bi
   } else {
     a.x = x.data_ptr<float>();
   }
-  // One task: kMaxGroups groups (48 outputs) for every row; the team splits the tasks evenly.
-  const int64_t tasks = (groups + kMaxGroups - 1) / kMaxGroups;
-#pragma omp parallel for schedule(static) if (tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t g0 = t * kMaxGroups;
-    q8_task(a, M, g0, static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0)), vnni);
+  // One task: kTaskGroups groups (48 outputs) for every row; each thread takes
+  // a contiguous share of the tasks (one stream of its own).
+  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups, group_bytes = q8_group_bytes(kb_count);
+#pragma omp parallel if (tasks > 1)
+  {
+    const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t t0 = tasks * id / team, t1 = tasks * (id + 1) / team;
+    Q8Stream s;
+    if (t0 < t1 && vnni) {
+      const char* w = reinterpret_cast<const char*>(a.w);
+      s.p = w + t0 * kTaskGroups * group_bytes;
+      s.end = w + std::min(groups, t1 * kTaskGroups) * group_bytes;
+      s.ahead(s.p);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g0 = t * kTaskGroups;
+      q8_task(a, M, g0, static_cast<int>(std::min<int64_t>(kTaskGroups, groups - g0)), vnni, vnni ? &s : nullptr);
+    }
   }
   return y;
 }
