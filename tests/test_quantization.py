@@ -49,7 +49,13 @@ from tokenmill.config import ModelConfig
 from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.model.llama import Linear
 from tokenmill.model.loader import load_model, unpermute_rope_rows
-from tokenmill.model.quantization import dequantize_q8_0, q8_0_of, quantize_q8_0
+from tokenmill.model.quantization import (
+    dequantize_q8_0,
+    embed_rows,
+    q8_0_of,
+    quantize_q8_0,
+    set_q8_0,
+)
 from tokenmill.model.source import resolve_model_source
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="quantization runs on the CPU only")
@@ -222,6 +228,23 @@ def test_greedy_matches_the_dequantized_reference(q8_case: dict[str, Any], scena
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
     if scenario == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_embed_gives_embed_rows_bits(dtype: torch.dtype) -> None:
+    """The plan's embedding (csrc q8_embed) against model/quantization.py's embed_rows."""
+    ops = kernels.load()
+    if ops is None:
+        pytest.skip("the C++ kernels are not built here")
+    table = torch.nn.Embedding(300, 96)
+    torch.nn.init.normal_(table.weight, std=3.0)
+    q, d = quantize_q8_0(table.weight.detach())
+    set_q8_0(table, q, d)
+    ids = torch.tensor([0, 299, 7, 7, 150, 42])
+    ours = ops.q8_embed(q, d, ids, dtype == torch.float32)
+    assert ours.dtype == dtype and torch.equal(ours, embed_rows(table, ids, dtype))
+    with pytest.raises(RuntimeError, match="id out of range"):
+        ops.q8_embed(q, d, torch.tensor([300]), False)
 
 
 def test_a_changed_or_replaced_q8_0_block_is_repacked(q8_case: dict[str, Any]) -> None:

@@ -266,6 +266,37 @@ def test_bf16_logprobs_near_the_dequantized_reference(gguf_case: dict[str, Any])
     assert compared > 0 and worst < 0.1
 
 
+def test_a_changed_or_replaced_q4_1_block_is_repacked(gguf_case: dict[str, Any]) -> None:
+    """CpuPlan.fresh() watches the Q4_1 blocks (a buffer): changed in place or
+    replaced, they are packed again before the next forward."""
+    llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    plan = llm.engine.runner.forward
+    if not isinstance(plan, CpuPlan):
+        pytest.skip("the C++ kernels are not built here")
+    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
+
+    def logprobs() -> list[float]:
+        return [e[t].logprob for out in _generate(llm, 4)
+                for e, t in zip(out.outputs[0].logprobs or [], out.outputs[0].token_ids, strict=True)]
+
+    def packed_now() -> bool:
+        return torch.equal(plan.layers[1].down.packed, pack_q4_1(down.q4_1))
+
+    before = logprobs()
+    assert plan.fresh() and packed_now()
+    with torch.no_grad():
+        down.q4_1[:, :, 4:] ^= 0xFF  # in place: every q to 15 - q
+    assert not plan.fresh()
+    flipped = logprobs()
+    assert plan.fresh() and packed_now() and flipped != before
+    down.q4_1 = down.q4_1.clone()  # replaced (nn.Module puts it in _buffers)
+    down.q4_1[:, :, 4:] ^= 0xFF
+    assert not plan.fresh()
+    assert logprobs() == before
+    assert plan.fresh() and packed_now()
+
+
 def test_reference_model_dequantizes_q4_1_on_the_fly(gguf_case: dict[str, Any]) -> None:
     """With the C++ kernels off the reference model serves the Q4_1 blocks (the
     mixed layout: a Q4 embedding and head too)."""

@@ -101,6 +101,9 @@ class CpuOps(Protocol):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def q8_embed(self, qweight: torch.Tensor, qscale: torch.Tensor, ids: torch.Tensor,
+                 float32_out: bool) -> torch.Tensor: ...
+
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,

@@ -171,6 +171,12 @@ class CpuPlan:
             self._watch(other)
         self.watch = self.ops.WeightWatch([d for d, _, _ in self.sources], [n for _, n, _ in self.sources],
                                           [t for _, _, t in self.sources])
+        # A Q8_0 embedding's rows come from q8_embed (the same bits as embed_rows).
+        embed = model.embed_tokens
+        self.embed_q8 = q8_0_of(embed)
+        if self.embed_q8 is not None and not all(t.is_contiguous() for t in self.embed_q8):
+            self.embed_q8 = None
+        self.embed_f32 = getattr(embed, "compute_dtype", self.dtype) == torch.float32
         self.final_norm = model.norm.weight.detach()
         self.head = _proj(self.model.lm_head)
         # The same for csrc/layer_stack.cpp, by name (csrc/layer_stack.h).
@@ -210,6 +216,9 @@ class CpuPlan:
         if q8 is not None:  # (Q8_0 blocks are buffers: model/quantization.py)
             for name, tensor in zip(("qweight", "qscale"), q8, strict=True):
                 self.sources.append((module._buffers, name, tensor))
+        q4 = q4_1_of(module)
+        if q4 is not None:  # (quantization="gguf": Q4_1 blocks, a buffer too)
+            self.sources.append((module._buffers, "q4_1", q4))
 
     def fresh(self) -> bool:
         """No parameter or Q8_0 block replaced or changed in place since the
@@ -231,7 +240,10 @@ class CpuPlan:
         o_proj and the MLP. Each row's numbers are the same bits either way."""
         if not self.fresh():
             self._pack()
-        hidden = self.model.model.embed_tokens(input_ids)
+        if self.embed_q8 is not None and input_ids.dim() == 1:  # (one C++ op for embed_rows' six)
+            hidden = self.ops.q8_embed(*self.embed_q8, input_ids, self.embed_f32)
+        else:
+            hidden = self.model.model.embed_tokens(input_ids)
         n = hidden.shape[0]
         if self.all_reduce is not None:  # a shard: a loop that can all-reduce between kernels
             looped = self._tp_loop_call(hidden, positions, kv_caches, meta, output_rows)

@@ -11,6 +11,7 @@
 //   rope_qkv_cache(qkv, ...)                  rotate q and k inside qkv in place (rotate_half
 //                                             RoPE), then store k, v at their cache slots
 //   silu_and_mul(gate_up)                  -> silu(gate) * up
+//   q8_embed(qweight, qscale, ids, f32)    -> the Q8_0 table's rows for ids, dequantized
 //   argmax_rows(logits)                    -> each row's first index of its largest value
 //                                             (a NaN counts as largest), as torch.argmax;
 //                                             parallel over rows
@@ -316,6 +317,41 @@ void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows)
         if (!((word >> t) & 1u)) xr[base + t] = neg_inf;
     }
   }
+}
+
+// The rows of a Q8_0 embedding table for `ids` (model/quantization.py
+// embed_rows): each value float32 q * d (exact: 8 and 11 significant bits),
+// rounded once to bfloat16 unless float32_out: the torch code's bits, in one
+// op instead of its six (a decode step runs them with cold caches).
+at::Tensor q8_embed(at::Tensor qweight, at::Tensor qscale, at::Tensor ids, bool float32_out) {
+  NoGil no_gil;
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) % 32 == 0,
+              "q8_embed: qweight must be contiguous int8 [vocab, k], k a multiple of 32");
+  TORCH_CHECK(qscale.scalar_type() == at::kHalf && qscale.is_contiguous() &&
+                  qscale.sizes() == at::IntArrayRef({qweight.size(0), qweight.size(1) / 32}),
+              "q8_embed: qscale must be contiguous float16 [vocab, k / 32]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "q8_embed: ids int64 [n]");
+  ids = ids.contiguous();
+  const int64_t n = ids.size(0), k = qweight.size(1), vocab = qweight.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "q8_embed: id out of range");
+  at::Tensor out = at::empty({n, k}, qweight.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const at::Half* d = qscale.data_ptr<at::Half>();
+  float* of = float32_out ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* ob = float32_out ? nullptr : out.data_ptr<at::BFloat16>();
+#pragma omp parallel for if (worth_threads(n * k))
+  for (int64_t i = 0; i < n; ++i) {
+    const int8_t* qr = q + id[i] * k;
+    const at::Half* dr = d + id[i] * (k / 32);
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = static_cast<float>(qr[j]) * static_cast<float>(dr[j / 32]);
+      if (of) of[i * k + j] = v;
+      else ob[i * k + j] = from_f<at::BFloat16>(v);
+    }
+  }
+  return out;
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {

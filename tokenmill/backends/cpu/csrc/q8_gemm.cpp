@@ -47,7 +47,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <unordered_map>
 #include <vector>
 
 #include <omp.h>
@@ -71,13 +70,11 @@ namespace {
 constexpr int64_t kQ8Block = 32;
 constexpr int kTaskGroups = 3;          // groups (16 outputs) a task
 constexpr int64_t kPairBytes = 64 + 1024;  // a group's share of a pair of blocks: scales, values
-// Each thread fetches its stretch into L2 this far ahead of its loads, one
+// Each thread fetches its stretch into L2 this far ahead of its loads: one
 // address-ordered stream across its tasks, started with a burst at its first
-// task (a call's first lines are otherwise demand misses: ~24 in flight a core).
-constexpr int64_t kL2Ahead = 16384;  // 0: one task ahead, spread over the task, no burst
-constexpr int64_t kL1Ahead = 0;      // T0 prefetch distance in a tile, 0: none
-constexpr bool kBurst = true;
-constexpr bool kNextCall = true;
+// task (docs/perf-notes.md: 6-32 KB, a T0 prefetch in the tile, or the next
+// call's first lines fetched too measured the same within noise).
+constexpr int64_t kL2Ahead = 16384;
 
 // Bytes of one group (all of K): a task of nb groups is nb times this.
 inline int64_t q8_group_bytes(int64_t kb_count) { return 64 * ((kb_count + 1) / 2) + 512 * kb_count; }
@@ -102,23 +99,13 @@ struct Q8Args {
   int64_t K, N;
 };
 
-// A thread's L2 prefetch stream: [p, end) the rest of its own stretch, then
-// [n, n_end) the start of its share of the call expected next (n0: where that
-// share starts). ahead(cur) fetches until `dist` bytes past cur.
+// A thread's L2 prefetch stream: [p, end) the rest of its stretch not yet
+// asked for; ahead(cur) asks for it up to kL2Ahead bytes past cur.
 struct Q8Stream {
   const char* p = nullptr;
   const char* end = nullptr;
-  const char* n0 = nullptr;
-  const char* n = nullptr;
-  const char* n_end = nullptr;
-  int64_t dist = 0;
   void ahead(const char* cur) {
-    const char* goal = cur + dist;
-    for (; p < end && p < goal; p += 64) __builtin_prefetch(p, 0, 2);  // (T1: into L2)
-    if (p >= end && goal > end) {
-      const char* n_goal = n0 + (goal - end);
-      for (; n < n_end && n < n_goal; n += 64) __builtin_prefetch(n, 0, 2);
-    }
+    for (const char* goal = std::min(end, cur + kL2Ahead); p < goal; p += 64) __builtin_prefetch(p, 0, 2);  // (T1)
   }
 };
 
@@ -223,7 +210,6 @@ void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task, 
       __m512i w[NB];
       for (int j = 0; j < NB; ++j) {
         const uint8_t* p = v + (kk * NB + j) * 64;
-        if constexpr (kL1Ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + kL1Ahead), _MM_HINT_T0);
         w[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
       }
       for (int i = 0; i < MT; ++i) {
@@ -358,27 +344,6 @@ void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* xs, int32_t* 
   }
 }
 
-// The call expected after the one on weights `w` (tasks, bytes): a decode step
-// calls the same projections in the same order every step, so the weights
-// that followed `w` last time on this thread (a wrong guess costs a few KB
-// of prefetched reads, never a bit of the results). A thread's stream runs on
-// into its share of that call's first lines while its last task runs.
-struct Q8Call {
-  const uint8_t* w = nullptr;
-  int64_t tasks = 0, task_bytes = 0, bytes = 0;
-};
-Q8Call q8_next_call(const uint8_t* w, int64_t tasks, int64_t group_bytes, int64_t bytes) {
-  thread_local std::unordered_map<const uint8_t*, Q8Call> after;
-  thread_local const uint8_t* last = nullptr;
-  if (last && last != w) {
-    if (after.size() >= 4096) after.clear();  // (plans come and go in a long-lived process)
-    after[last] = Q8Call{w, tasks, kTaskGroups * group_bytes, bytes};
-  }
-  last = w;
-  const auto it = after.find(w);
-  return it == after.end() ? Q8Call{} : it->second;
-}
-
 }  // namespace
 
 // packed_gemm's and packed_gemm_silu's Q8_0 case (they hand uint8 weights here).
@@ -444,7 +409,6 @@ at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bi
   // One task: kTaskGroups groups (48 outputs) for every row; each thread takes
   // a contiguous share of the tasks (one stream of its own).
   const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups, group_bytes = q8_group_bytes(kb_count);
-  const Q8Call next = kNextCall ? q8_next_call(packed.data_ptr<uint8_t>(), tasks, group_bytes, groups * group_bytes) : Q8Call{};
 #pragma omp parallel if (tasks > 1)
   {
     const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
@@ -454,13 +418,7 @@ at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bi
       const char* w = reinterpret_cast<const char*>(a.w);
       s.p = w + t0 * kTaskGroups * group_bytes;
       s.end = w + std::min(groups, t1 * kTaskGroups) * group_bytes;
-      s.dist = kL2Ahead > 0 ? kL2Ahead : std::min<int64_t>(groups, kTaskGroups) * group_bytes;
-      if (next.w) {  // the same share of the next call's tasks, its first dist bytes
-        s.n0 = s.n = reinterpret_cast<const char*>(next.w) + next.tasks * id / team * next.task_bytes;
-        s.n_end = std::min(s.n0 + s.dist, reinterpret_cast<const char*>(next.w) + next.bytes);
-      }
-      if (kBurst) s.ahead(s.p);
-      else s.p = std::min(s.end, s.p + s.dist);  // (the first task unfetched, as one task ahead had it)
+      s.ahead(s.p);
     }
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g0 = t * kTaskGroups;
