@@ -55,7 +55,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         if request["max_tokens"] == 17:  # silent past the client's read timeout
-            time.sleep(1.0)
+            time.sleep(3.0)
             return
         # Prompt [9, 9, 9]: every event sent in 5-byte pieces, each its own segment,
         # so the client sees lines split across reads.
@@ -147,6 +147,6 @@ def test_client_joins_lines_split_across_reads(fake_server: str) -> None:
 def test_a_read_timeout_is_reported_not_fatal(fake_server: str) -> None:
     results, _ = asyncio.run(
         run_rate(fake_server, "fake-model", [[1, 2], [1, 2]], [17, 2], rate=float("inf"),
-                 timeout_s=0.4))
+                 timeout_s=1.0))
     assert not results[0].ok and "Timeout" in results[0].error
     assert results[1].ok and results[1].output_tokens == 2
