@@ -59,5 +59,6 @@ def test_measured_ceilings_are_plausible() -> None:
     from tokenmill.backends.cpu import kernels
 
     for dtype in (torch.float32, torch.bfloat16):
-        rate = kernels.best_matmul_rate([(64, 128)], 8, dtype, repeats=2)
-        assert 0.01 < rate < 1e5  # GFLOP/s
+        rate = kernels.best_matmul_rate([(64, 128)], 8, dtype, repeats=3)
+        # a lower bound only of "measured something": on a loaded machine a 131 kFLOP call took 16 ms
+        assert 0.0 < rate < 1e5  # GFLOP/s
