@@ -113,9 +113,15 @@ def test_rooflines_and_table() -> None:
     info = {"hidden_size": 8, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 4,
             "intermediate_size": 16, "vocab_size": 100, "num_params": 1000, "kv_bytes_per_token": 32}
     c = interactive.ceilings_from(info, element=2, bandwidth_gb_s=1e-6, rate_gflop_s=1e-6,
-                                  long_len=10, dtype="bfloat16")
+                                  long_len=10, dtype="bfloat16", gguf_bytes=700.0)
     # (2,000 weight bytes + 256 tokens * 64 bytes) / 1,000 B/s = 18.384 s.
     assert c.b1_roofline_ms == pytest.approx(18384.0)
+    # Q8_0: 1,000 weights * 34 / 32 = 1,062.5 bytes; the GGUF file's own: 700 bytes.
+    assert c.b1_roofline_ms_q8_0 == pytest.approx(1062.5 + 16384.0)
+    assert c.b1_roofline_ms_gguf == pytest.approx(700.0 + 16384.0)
+    assert interactive.own_roofline_ms(c, "llama-q8_0") == c.b1_roofline_ms_q8_0
+    assert interactive.own_roofline_ms(c, "tokenmill-gguf") == c.b1_roofline_ms_gguf
+    assert interactive.own_roofline_ms(c, "vllm-cpu") == c.b1_roofline_ms
     proj = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)  # 1,152 multiply-adds a token
     flop = 2 * proj * 10 + 2 * 8 * 100 + 2 * 10 * 10 * 8 * 2
     assert c.long_prompt_gflop == pytest.approx(flop / 1e9)

@@ -11,7 +11,10 @@ per-stream tok/s over the idle one.
 
 The rooflines are measured first, before any server starts, with bench/roofline.py's
 ceilings: the B=1 memory roofline is (all weight bytes + the K/V of a 256-token
-context) / read bandwidth; the long prompt's compute roofline is its FLOPs
+context) / read bandwidth, for the weights in bf16 and, beside it, as Q8_0 blocks
+(34 bytes a 32 weights) and as the GGUF file's own blocks (its tensors' bytes): a
+server's TPOT is also divided by the roofline of the format it reads; the long
+prompt's compute roofline is its FLOPs
 (projections for 2,048 tokens, the LM head for the last one, causal attention)
 / the model's matmul rate at 2,048 rows.
 
@@ -69,6 +72,10 @@ class Ceilings:
     long_prompt_gflop: float
     long_prompt_roofline_ms: float
     dtype: str
+    # B=1 rooflines of the weights as Q8_0 blocks and as the GGUF file's own blocks (None: not
+    # measured, or not a GGUF model); older ceilings files lack them.
+    b1_roofline_ms_q8_0: float | None = None
+    b1_roofline_ms_gguf: float | None = None
 
 
 @dataclass
@@ -88,24 +95,27 @@ def measure_ceilings(model: str | None, dtype: str, long_len: int) -> Ceilings:
 
     from tokenmill import LLM
     from tokenmill.bench.roofline import measure_read_bandwidth
-
     llm = LLM(model, dtype=dtype, max_num_seqs=1, enable_prefix_caching=False)
     info = llm.model_info()
+    gguf_bytes = info.get("gguf_weight_bytes")
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     bandwidth = max(measure_read_bandwidth() for _ in range(2))
     rate = max(llm.matmul_rate(long_len) for _ in range(2))
     del llm
-    return ceilings_from(info, element, bandwidth, rate, long_len, dtype)
+    return ceilings_from(info, element, bandwidth, rate, long_len, dtype, gguf_bytes)
 
 
 def ceilings_from(info: dict[str, Any], element: int, bandwidth_gb_s: float, rate_gflop_s: float,
-                  long_len: int, dtype: str) -> Ceilings:
+                  long_len: int, dtype: str, gguf_bytes: float | None = None) -> Ceilings:
     h, layers = info["hidden_size"], info["num_layers"]
     q_out = info["num_heads"] * info["head_dim"]
     kv_out = info["num_kv_heads"] * info["head_dim"]
     weight_bytes = info["num_params"] * element
     kv_per_token = info["kv_bytes_per_token"] * element
-    b1_s = (weight_bytes + BUSY_CONTEXT * kv_per_token) / (bandwidth_gb_s * 1e9)
+    kv_s = BUSY_CONTEXT * kv_per_token / (bandwidth_gb_s * 1e9)
+    b1_s = weight_bytes / (bandwidth_gb_s * 1e9) + kv_s
+    q8_s = info["num_params"] * 34 / 32 / (bandwidth_gb_s * 1e9) + kv_s
+    gguf_s = None if gguf_bytes is None else gguf_bytes / (bandwidth_gb_s * 1e9) + kv_s
     # Per token: qkv, o, gate_up, down in every layer; the LM head for the last token only;
     # causal attention: QK^T and PV over (on average) half the prompt, per layer.
     proj = layers * (h * (q_out + 2 * kv_out) + q_out * h + 3 * h * info["intermediate_size"])
@@ -114,7 +124,18 @@ def ceilings_from(info: dict[str, Any], element: int, bandwidth_gb_s: float, rat
     return Ceilings(bandwidth_gb_s=bandwidth_gb_s, matmul_gflop_s=rate_gflop_s,
                     weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
                     b1_roofline_ms=b1_s * 1e3, long_prompt_gflop=flop / 1e9,
-                    long_prompt_roofline_ms=flop / (rate_gflop_s * 1e9) * 1e3, dtype=dtype)
+                    long_prompt_roofline_ms=flop / (rate_gflop_s * 1e9) * 1e3, dtype=dtype,
+                    b1_roofline_ms_q8_0=q8_s * 1e3,
+                    b1_roofline_ms_gguf=None if gguf_s is None else gguf_s * 1e3)
+
+
+def own_roofline_ms(ceil: Ceilings, label: str) -> float | None:
+    """The B=1 roofline of the weight format a server reads (by its label)."""
+    if label in ("tokenmill-gguf", "llama-q4_1"):
+        return ceil.b1_roofline_ms_gguf
+    if label.endswith("q8_0"):
+        return ceil.b1_roofline_ms_q8_0
+    return ceil.b1_roofline_ms
 
 
 # ---- the peers ----------------------------------------------------------------------------
@@ -254,20 +275,24 @@ def retained(r: ServerResult) -> float | None:
 
 
 def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
-    lines = ["| server | 1 stream tok/s | TPOT / B=1 roofline | 4 streams tok/s each | 4 streams total tok/s | "
+    lines = ["| server | 1 stream tok/s | TPOT / B=1 roofline (bf16) | TPOT / B=1 roofline (its format) | "
+             "4 streams tok/s each | 4 streams total tok/s | "
              "2,048-token prompt TTFT ms | TTFT / compute roofline | 4 streams, one core busy: tok/s each | "
-             "retained |", "|" + "---|" * 9]
+             "retained |", "|" + "---|" * 10]
     for r in results:
         if r.error:
-            lines.append(f"| {r.label} | failed: {r.error[:120]} |" + " |" * 7)
+            lines.append(f"| {r.label} | failed: {r.error[:120]} |" + " |" * 8)
             continue
         one = r.one.per_stream_tok_s if r.one else None
         ratio = (r.one.tpot_ms["mean"] / ceil.b1_roofline_ms) if (r.one and ceil) else None
+        own = own_roofline_ms(ceil, r.label) if ceil else None
+        own_ratio = r.one.tpot_ms["mean"] / own if (r.one and own) else None
         long_ms = sum(r.long_ttft_ms) / len(r.long_ttft_ms) if r.long_ttft_ms else None
         long_ratio = long_ms / ceil.long_prompt_roofline_ms if (long_ms and ceil) else None
         keep = retained(r)
         lines.append(
-            f"| {r.label} | {_f(one)} | {_f(ratio, '.2f')}x | {_f(r.four.per_stream_tok_s if r.four else None)} | "
+            f"| {r.label} | {_f(one)} | {_f(ratio, '.2f')}x | {_f(own_ratio, '.2f')}x | "
+            f"{_f(r.four.per_stream_tok_s if r.four else None)} | "
             f"{_f(r.four.total_tok_s if r.four else None)} | {_f(long_ms)} | {_f(long_ratio, '.2f')}x | "
             f"{_f(r.busy.per_stream_tok_s if r.busy else None, '.1f')} | "
             f"{'-' if keep is None else f'{keep:.0%}'} |")
@@ -289,6 +314,10 @@ def format_tables(ceil: Ceilings | None, results: list[ServerResult]) -> str:
                       f"({ceil.weight_bytes / 1e6:.0f} MB of weights + {BUSY_CONTEXT} tokens of K/V), i.e. "
                       f"{1000 / ceil.b1_roofline_ms:.0f} tok/s; the 2,048-token prompt's compute roofline "
                       f"{ceil.long_prompt_roofline_ms:.0f} ms ({ceil.long_prompt_gflop:.0f} GFLOP)."]
+        for what, ms in (("Q8_0 blocks", ceil.b1_roofline_ms_q8_0), ("the GGUF file's own blocks", ceil.b1_roofline_ms_gguf)):
+            if ms is not None:
+                lines.append(f"B=1 memory roofline with the weights as {what}: {ms:.2f} ms a token "
+                             f"({1000 / ms:.0f} tok/s).")
     best = {r.label: r for r in results if not r.error and r.one and r.four}
     tm = best.pop("tokenmill", None)
     tm_q8 = best.pop("tokenmill-q8_0", None)

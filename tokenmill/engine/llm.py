@@ -12,6 +12,7 @@ from tqdm import tqdm
 from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.process_settings import apply_process_settings as apply_settings
+from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.outputs import GenerateStats, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import ChatMessage, Tokenizer
@@ -60,7 +61,7 @@ class LLM:
 
     def model_info(self) -> dict[str, Any]:
         """The loaded model's shape and size, for reports and rooflines."""
-        spec = self.engine.spec
+        spec, source = self.engine.spec, self.engine.source
         return {
             "architecture": spec.architecture,
             "hidden_size": spec.hidden_size,
@@ -75,6 +76,9 @@ class LLM:
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             "max_model_len": self.engine.max_model_len,
             "num_kv_blocks": self.engine.scheduler.kv.num_blocks,
+            # a GGUF model's tensors as the file stores them (its own quantized blocks), else None
+            "gguf_weight_bytes": (float(sum(t.data.nbytes for t in GGUFFile(source.path).tensors))
+                                  if source.kind == "gguf" else None),
         }
 
     def matmul_rate(self, rows: int, repeats: int = 10) -> float:
