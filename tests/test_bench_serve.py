@@ -19,9 +19,12 @@ import pytest
 
 from tokenmill.bench.serve import (
     RequestResult,
+    StreamResult,
     build_report,
+    client_session,
     format_table,
     run_rate,
+    stream_one,
     summarize,
 )
 
@@ -150,3 +153,51 @@ def test_a_read_timeout_is_reported_not_fatal(fake_server: str) -> None:
                  timeout_s=1.0))
     assert not results[0].ok and "Timeout" in results[0].error
     assert results[1].ok and results[1].output_tokens == 2
+
+
+class OneRequestAConnection(BaseHTTPRequestHandler):
+    """HTTP/1.1, keep-alive offered, but the connection closed 50 ms after one chunked
+    response (as llama-server does at its keep-alive limit)."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()
+        time.sleep(0.05)
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = [f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+                  for i in range(request["max_tokens"])] + ["data: [DONE]\n\n"]
+        for event in events:
+            data = event.encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def test_back_to_back_requests_survive_a_server_closing_kept_alive_connections() -> None:
+    # A reused kept-alive connection failed every second request ("Server disconnected",
+    # against llama-server: "Can not write request body"): each request opens its own.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OneRequestAConnection)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+
+    async def closed_loop() -> list[StreamResult]:
+        async with client_session(10.0) as client:
+            return [await stream_one(client, url, {"model": "m", "prompt": [1, 2], "max_tokens": 3}, {}, 10.0)
+                    for _ in range(6)]
+
+    try:
+        results = asyncio.run(closed_loop())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r.error for r in results] == [""] * 6 and all(r.text == "t0t1t2" for r in results)

@@ -144,7 +144,10 @@ def client_session(timeout_s: float) -> Any:
     import aiohttp
 
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),  # no cap: every stream its own connection
+        # No cap: every stream its own connection. A new connection a request, closed after
+        # it: a server may close a kept-alive connection while the client reuses it
+        # (llama-server after its keep-alive limit), and the request would fail unsent.
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
         timeout=read_timeout(timeout_s),
     )
 
