@@ -31,7 +31,7 @@ _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_g
                                       "packed_gemm.cpp",
                                       "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
-                                      "weight_watch.h")]
+                                      "weight_watch.h", "act_quant.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a

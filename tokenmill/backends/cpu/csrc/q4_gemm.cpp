@@ -30,6 +30,7 @@
 //   -> y [M, N] in x's dtype, or float32 with float32_out (the logits)
 #include <torch/extension.h>
 
+#include "act_quant.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -296,40 +297,13 @@ void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
 #endif
 }
 
-// Row m of bf16 x quantized per block of 32 (q8_gemm's quantize_row: s = max|x| /
-// 127, xq = x * (1 / s) to the nearest integer, ties to even), with s * sum(xq)
-// for the blocks' m terms (llama.cpp's Q8_1 keeps the same product).
+// Row m of bf16 x quantized per block of 32 (act_quant.h), with s * sum(xq) for the
+// blocks' m terms (llama.cpp's Q8_1 keeps the same product).
 void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* xs, float* xsum) {
-  for (int64_t kb = 0; kb < K / kBlock; ++kb) {
-#if TOKENMILL_Q4_VNNI
-    const __m256i* src = reinterpret_cast<const __m256i*>(x + kb * kBlock);
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // (nearest, ties even)
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + kb * kBlock), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + kb * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
-    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-#else
-    float v[kBlock], amax = 0.f;
-    for (int k = 0; k < kBlock; ++k) {
-      const uint32_t u = static_cast<uint32_t>(x[kb * kBlock + k]) << 16;
-      std::memcpy(&v[k], &u, 4);
-      amax = std::max(amax, std::fabs(v[k]));
-    }
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-    int32_t total = 0;
-    for (int k = 0; k < kBlock; ++k) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(v[k] * inv));  // |v * inv| <= 127: no overflow
-      xq[kb * kBlock + k] = q;
-      total += q;
-    }
-#endif
+  act_quant::quantize_row(x, K, xq, [&](int64_t kb, float s, int32_t total) {
     xs[kb] = s;
     xsum[kb] = s * static_cast<float>(total);
-  }
+  });
 }
 
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {

@@ -41,6 +41,7 @@
 //   -> y [M, N] in x's dtype, or float32 with float32_out (the logits)
 #include <torch/extension.h>
 
+#include "act_quant.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -308,40 +309,13 @@ void q8_task(const Q8Args& a, int64_t M, int64_t g0, int nb, bool vnni, Q8Stream
 #endif
 }
 
-// Row m of bf16 x quantized per block of 32 as llama.cpp's quantize_row_q8_0
-// (s = max|x| / 127, xq = x * (1 / s) rounded to the nearest integer, ties to
-// even as its AVX code; the scale kept in float32).
+// Row m of bf16 x quantized per block of 32 (act_quant.h); xc holds -128 * sum(xq), the
+// start of a block's sum against the weights' q + 128.
 void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* xs, int32_t* xc) {
-  for (int64_t kb = 0; kb < K / kQ8Block; ++kb) {
-#if TOKENMILL_Q8_VNNI
-    const __m256i* src = reinterpret_cast<const __m256i*>(x + kb * kQ8Block);
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // (nearest, ties even)
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + kb * kQ8Block), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + kb * kQ8Block + 16), _mm512_cvtepi32_epi8(qhi));
-    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-#else
-    float v[kQ8Block], amax = 0.f;
-    for (int k = 0; k < kQ8Block; ++k) {
-      const uint32_t u = static_cast<uint32_t>(x[kb * kQ8Block + k]) << 16;
-      std::memcpy(&v[k], &u, 4);
-      amax = std::max(amax, std::fabs(v[k]));
-    }
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-    int32_t total = 0;
-    for (int k = 0; k < kQ8Block; ++k) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(v[k] * inv));  // |v * inv| <= 127: no overflow
-      xq[kb * kQ8Block + k] = q;
-      total += q;
-    }
-#endif
+  act_quant::quantize_row(x, K, xq, [&](int64_t kb, float s, int32_t total) {
     xs[kb] = s;
     xc[kb] = -128 * total;
-  }
+  });
 }
 
 }  // namespace
