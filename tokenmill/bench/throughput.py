@@ -22,11 +22,22 @@ from typing import Any
 from tokenmill.bench import extras
 from tokenmill.bench.workloads import Workload, throughput_a
 
+# The engine options of each configuration. "+reserved": KV memory reserved for a
+# request's whole prompt + max_tokens at admission (the systems before paging).
 POLICIES: dict[str, dict[str, Any]] = {
-    "static": {"scheduling_policy": "static", "enable_prefix_caching": False},
-    "continuous": {"scheduling_policy": "fcfs", "enable_prefix_caching": False},
-    "continuous+prefix": {"scheduling_policy": "fcfs", "enable_prefix_caching": True},
+    "static": {"scheduling_policy": "static", "enable_prefix_caching": False,
+               "kv_allocation": "paged"},
+    "continuous": {"scheduling_policy": "fcfs", "enable_prefix_caching": False,
+                   "kv_allocation": "paged"},
+    "continuous+prefix": {"scheduling_policy": "fcfs", "enable_prefix_caching": True,
+                          "kv_allocation": "paged"},
+    "static+reserved": {"scheduling_policy": "static", "enable_prefix_caching": False,
+                        "kv_allocation": "reserved"},
+    "continuous+reserved": {"scheduling_policy": "fcfs", "enable_prefix_caching": False,
+                            "kv_allocation": "reserved"},
 }
+# `bench throughput`'s default: the scheduling study on paged memory.
+DEFAULT_POLICIES = "static,continuous,continuous+prefix"
 
 
 @dataclass
@@ -231,7 +242,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--workload", default="throughput-A", choices=["throughput-A"])
     p.add_argument("--caps", default="32,128,512", type=positive_ints)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"of {', '.join(POLICIES)}")
     p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, default=32)

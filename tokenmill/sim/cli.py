@@ -100,6 +100,7 @@ def settings_for(args: argparse.Namespace, throughput: bool, policy: str = "cont
     return EngineSettings(scheduling_policy=opts["scheduling_policy"], max_num_seqs=seqs,
                           max_num_batched_tokens=budget, block_size=args.block_size,
                           enable_prefix_caching=opts["enable_prefix_caching"],
+                          kv_allocation=opts["kv_allocation"],
                           num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           num_speculative_tokens=args.num_speculative_tokens,
