@@ -149,7 +149,10 @@ def main_simulate(args: argparse.Namespace) -> int:
         throughput_bench.plot(rows, out / f"{stem}.png")
         print(throughput_bench.format_table(rows))
         if args.compare:
-            measured = [ThroughputRow(**d) for d in json.loads(Path(args.compare).read_text())]
+            data = json.loads(Path(args.compare).read_text())
+            if isinstance(data, dict):  # `bench study`'s JSON: its rows beside its budget
+                data = data["rows"]
+            measured = [ThroughputRow(**d) for d in data]
             print("\n" + compare_throughput(rows, measured))
     else:
         reports = []
