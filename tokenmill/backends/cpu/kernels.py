@@ -28,10 +28,11 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
-                                      "packed_gemm.cpp",
-                                      "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
+                                      "packed_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+                                      "layer_loop.cpp", "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
-                                      "weight_watch.h", "act_quant.h")]
+                                      "weight_watch.h", "act_quant.h", "cpu_features.h", "distributed.h",
+                                      "layer_loop.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a

@@ -5,6 +5,7 @@
 
 #include <pybind11/stl.h>
 
+#include "distributed.h"
 #include "layer_stack.h"
 #include "weight_watch.h"
 
