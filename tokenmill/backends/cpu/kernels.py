@@ -29,7 +29,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
                                       "packed_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
-                                      "layer_loop.cpp", "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
+                                      "layer_loop.cpp", "layer_stack.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
                                       "weight_watch.h", "act_quant.h", "cpu_features.h", "distributed.h",
                                       "layer_loop.h")]
@@ -158,14 +158,6 @@ class CpuOps(Protocol):
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_req: torch.Tensor,
                     bounds: list[int]) -> torch.Tensor: ...
-
-    def small_decode(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
-                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                     seq_lens: torch.Tensor, query_req: torch.Tensor, threads: int) -> torch.Tensor: ...
-
-    def small_decode_supported(self) -> bool: ...
-
-    def small_decode_spin(self, rounds: int) -> int: ...
 
     def kv_prefetch_rows(self, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                          query_req: torch.Tensor, window: int) -> torch.Tensor: ...

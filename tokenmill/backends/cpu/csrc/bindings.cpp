@@ -93,11 +93,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
                 py::arg("bounds"));
-  TOKENMILL_DEF(small_decode, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
-                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
-                py::arg("threads"));
-  m.def("small_decode_supported", torch::wrap_pybind_function(small_decode_supported));
-  TOKENMILL_DEF(small_decode_spin, py::arg("rounds"));
   TOKENMILL_DEF(kv_prefetch_rows, py::arg("kv_cache"), py::arg("tables"), py::arg("seq_lens"),
                 py::arg("query_req"), py::arg("window"));
   TOKENMILL_DEF(kv_prefetch_mode, py::arg("mode"));
