@@ -41,7 +41,7 @@ class PagedRunner:
                  forward: ModelForward | None = None) -> None:
         dtype = model.model.embed_tokens.weight.dtype
         self.model = forward or pick_forward(model, dtype, torch.device("cpu"))[0]
-        self.one_call = one_call  # token_req / token_seq_lens as the engine sends them
+        self.one_call = one_call  # token_seq_ids / token_seq_lens as the engine sends them
         # Ask the model for the last row of every other request only (output_rows).
         self.rows_out = rows_out
         self.kv_caches = [
@@ -94,7 +94,7 @@ class PagedRunner:
         )
         if self.one_call:
             counts = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(batch))]
-            meta.token_req = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
+            meta.token_seq_ids = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
             meta.token_seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
         if self.rows_out:
             rows = [query_start_loc[i + 1] - 1 for i in range(0, len(batch), 2)]
@@ -500,7 +500,7 @@ def test_output_rows_give_the_same_bits_and_cache(
             block_tables=table, decode_seq_lens=torch.zeros(0, dtype=torch.int64),
             block_size=BLOCK_SIZE)
         if one_call:
-            meta.token_req, meta.token_seq_lens = torch.zeros(3, dtype=torch.int64), torch.arange(1, 4)
+            meta.token_seq_ids, meta.token_seq_lens = torch.zeros(3, dtype=torch.int64), torch.arange(1, 4)
         out = forward(meta_ids, torch.arange(3), runner.kv_caches, meta,
                       torch.empty(0, dtype=torch.int64))
         assert out.shape == (0, spec.hidden_size)

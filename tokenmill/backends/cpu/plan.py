@@ -284,7 +284,7 @@ class CpuPlan:
         return self.ops.layer_stack(
             model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            query_req=call.query_req, bounds=bounds)
+            seq_ids=call.seq_ids, bounds=bounds)
 
     def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                    meta: AttentionMetadata, output_rows: torch.Tensor | None,
@@ -297,7 +297,7 @@ class CpuPlan:
         return self.ops.layer_loop(
             model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
+            seq_ids=call.seq_ids, output_rows=_NO_ROWS if output_rows is None else output_rows,
             all_rows=output_rows is None)
 
     def _tp_loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -316,7 +316,7 @@ class CpuPlan:
             return self.ops.layer_loop_tp(
                 model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
                 slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-                query_req=call.query_req,
+                seq_ids=call.seq_ids,
                 output_rows=_NO_ROWS if output_rows is None else output_rows,
                 all_rows=output_rows is None, group=native)
         except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)

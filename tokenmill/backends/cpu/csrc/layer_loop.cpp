@@ -24,8 +24,8 @@
 
 #include <omp.h>
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
-                        double scale, int64_t sliding_window, at::Tensor query_req);
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                        double scale, int64_t sliding_window, at::Tensor seq_ids);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -37,20 +37,20 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
                  const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                 const at::Tensor& query_req) {
+                 const at::Tensor& seq_ids) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && s.layers.size() == layers, "layer_stack: a KV cache per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "layer_stack: hidden [n, hidden] contiguous");
   const int64_t n = hidden.size(0);
   TORCH_CHECK(positions.numel() == n && slot_mapping.numel() == n && seq_lens.numel() == n,
               "layer_stack: a position, a slot and a seq_len per row");
-  TORCH_CHECK(query_req.numel() == 0 || query_req.numel() == n, "layer_stack: query_req per row or empty");
+  TORCH_CHECK(seq_ids.numel() == 0 || seq_ids.numel() == n, "layer_stack: seq_ids per row or empty");
 }
 
 namespace {
-// The stream of K/V rows paged_decode will read for these queries in this
-// cache (int64 contiguous tables, lens, req), in its order.
-KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::Tensor& lens, const at::Tensor& req,
+// The stream of K/V rows paged_attention will read for these queries in this
+// cache (int64 contiguous tables, lens, seq), in its order.
+KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::Tensor& lens, const at::Tensor& seq,
                      int64_t window) {
   KvPrefetch p;
   const int64_t es = cache.element_size();
@@ -59,7 +59,7 @@ KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::T
   p.table = tab.data_ptr<int64_t>();
   p.max_blocks = tab.size(1);
   p.lens = lens.data_ptr<int64_t>();
-  p.req = req.numel() ? req.data_ptr<int64_t>() : nullptr;
+  p.seq = seq.numel() ? seq.data_ptr<int64_t>() : nullptr;
   p.window = window;
   p.block_size = cache.size(2);
   p.block_bytes = cache.stride(1) * es;
@@ -98,19 +98,19 @@ at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, int64_t n, con
 
 // Rows h through every layer (layer_loop.h says how).
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
-                      const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor req,
+                      const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
                       const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch, const ShmGroup* tp) {
   const size_t layers = kv_caches.size();
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
   at::Tensor residual = h;
-  at::Tensor pf_lens, pf_tab, pf_req;  // paged_decode's arguments as the prefetch stream reads them
+  at::Tensor pf_lens, pf_tab, pf_seq;  // paged_attention's arguments as the prefetch stream reads them
   std::unique_ptr<TeamStreams> team;
   if (prefetch == Prefetch::kTeam) team = std::make_unique<TeamStreams>(omp_get_max_threads());
   if (prefetch != Prefetch::kNone) {
     pf_lens = lens.to(at::kLong).contiguous();
     pf_tab = tab.to(at::kLong).contiguous();
-    pf_req = req.numel() ? req.to(at::kLong).contiguous() : req;
+    pf_seq = seq.numel() ? seq.to(at::kLong).contiguous() : seq;
   }
   for (size_t i = 0; i < layers; ++i) {
     const LayerWeights& w = s.layers[i];
@@ -128,14 +128,14 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       q = q.index_select(0, *out_rows);
       residual = residual.index_select(0, *out_rows);
       lens = lens.index_select(0, *out_rows);
-      req = req.numel() ? req.index_select(0, *out_rows) : *out_rows;
+      seq = seq.numel() ? seq.index_select(0, *out_rows) : *out_rows;
       m = out_rows->numel();
     }
-    at::Tensor out = paged_decode(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, req);
+    at::Tensor out = paged_attention(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, seq);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvPrefetch next_kv;
-    if (pf) next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_req, s.layers[i + 1].sliding_window);
+    if (pf) next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_seq, s.layers[i + 1].sliding_window);
     if (pf && team) {  // each thread the queries its part of the kernel takes
       const int64_t nth = static_cast<int64_t>(team->streams.size());
       for (int64_t t = 0; t < nth; ++t) {
@@ -167,12 +167,12 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
 namespace {
 at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                            std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                           at::Tensor seq_lens, at::Tensor query_req, at::Tensor output_rows, bool all_rows,
+                           at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
                            const ShmGroup* tp) {
   NoGil no_gil;
   const ModelWeights& s = model;
   const int64_t head_dim = s.head_dim;
-  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req);
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids);
   if (!all_rows) output_rows = output_rows.to(at::kLong).contiguous();
   // The K/V prefetch (kv_prefetch.h) as in layer_stack's split steps, each
   // thread for the queries its part of the bf16 attention kernel takes: for
@@ -185,21 +185,21 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
   bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on() &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
                   kv_fits_l3(kv_caches, s.layers, seq_lens);
-  if (prefetch && query_req.numel()) {
-    const at::Tensor r = query_req.to(at::kLong).contiguous();
+  if (prefetch && seq_ids.numel()) {
+    const at::Tensor r = seq_ids.to(at::kLong).contiguous();
     const int64_t* q = r.data_ptr<int64_t>();
     for (int64_t i = 1; i < r.numel() && prefetch; ++i) prefetch = q[i] != q[i - 1];
   }
-  return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req, tables,
+  return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids, tables,
                     all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone, tp);
 }
 }  // namespace
 
 at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                       std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                      at::Tensor seq_lens, at::Tensor query_req, at::Tensor output_rows, bool all_rows) {
+                      at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows) {
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         query_req, output_rows, all_rows, nullptr);
+                         seq_ids, output_rows, all_rows, nullptr);
 }
 
 // layer_loop on a tensor-parallel shard whose ranks share this machine: the
@@ -207,23 +207,23 @@ at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor p
 // inside the loop (no Python between the kernels of a step).
 at::Tensor layer_loop_tp(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                          std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                         at::Tensor seq_lens, at::Tensor query_req, at::Tensor output_rows, bool all_rows,
+                         at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
                          const ShmGroup& group) {
   check_group(group);
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         query_req, output_rows, all_rows, &group);
+                         seq_ids, output_rows, all_rows, &group);
 }
 
 // The cache slots (block * block_size + offset) of the K rows that the
 // prefetch stream of kv_prefetch.h visits, in order: for tests, which check
 // them against the rows the attention kernel reads.
-at::Tensor kv_prefetch_rows(at::Tensor kv_cache, at::Tensor tables, at::Tensor seq_lens, at::Tensor query_req,
+at::Tensor kv_prefetch_rows(at::Tensor kv_cache, at::Tensor tables, at::Tensor seq_lens, at::Tensor seq_ids,
                             int64_t window) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache [2, blocks, block_size, kv_heads, head_dim]");
   tables = tables.to(at::kLong).contiguous();
   seq_lens = seq_lens.to(at::kLong).contiguous();
-  query_req = query_req.to(at::kLong).contiguous();
-  KvPrefetch p = kv_stream(kv_cache, tables, seq_lens, query_req, window);
+  seq_ids = seq_ids.to(at::kLong).contiguous();
+  KvPrefetch p = kv_stream(kv_cache, tables, seq_lens, seq_ids, window);
   std::vector<int64_t> slots;
   while (p.q < p.q_end) slots.push_back((p.take_row() - p.k) / p.row_bytes);
   return at::tensor(slots, at::kLong);

@@ -11,7 +11,7 @@
 #include "layer_stack.h"
 
 // Rows h (changed in place) through every layer and the final norm, each
-// kernel with the OpenMP team it gets; `req` empty: query i reads table row i.
+// kernel with the OpenMP team it gets; `seq` empty: query i reads table row i.
 // With `out_rows`, the last layer runs on past its K/V write for those rows
 // only (the result has one row each), as plan.py does. With a
 // prefetch mode, the projections after each layer's attention ask for the
@@ -23,7 +23,7 @@ enum class Prefetch { kNone, kOwn, kTeam };
 // With `tp` (a tensor-parallel shard's group), o_proj and down_proj are
 // row-parallel: their float32 sums are all-reduced, then rounded once.
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
-                      const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor req,
+                      const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
                       const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch = Prefetch::kNone,
                       const ShmGroup* tp = nullptr);
 
@@ -31,4 +31,4 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
 // slot and seq_len per row.
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
                  const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                 const at::Tensor& query_req);
+                 const at::Tensor& seq_ids);

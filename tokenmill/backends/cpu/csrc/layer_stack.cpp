@@ -18,7 +18,7 @@
 //   model       the weights and shape, by name (layer_stack.h)
 //   hidden      [n, hidden] the embeddings (changed in place, as plan.py does)
 //   kv_caches   one per layer; slot_mapping: each row's cache slot
-//   tables, seq_lens, query_req: paged_decode's arguments for all n queries
+//   tables, seq_lens, seq_ids: paged_attention's arguments for all n queries
 //   bounds      [0, r1, ..., n]: thread t takes rows [bounds[t], bounds[t+1]),
 //               each a run of whole requests
 #include <torch/extension.h>
@@ -37,17 +37,17 @@
 
 at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                        std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                       at::Tensor seq_lens, at::Tensor query_req, std::vector<int64_t> bounds) {
+                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> bounds) {
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
   NoGil no_gil;
   const ModelWeights& s = model;
-  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, query_req);
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids);
   const int64_t n = hidden.size(0);
   TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == n &&
                   std::is_sorted(bounds.begin(), bounds.end()),
               "layer_stack: bounds [0, ..., n], ascending");
-  const bool per_query_row = query_req.numel() == 0;  // query i reads block table row i
+  const bool per_query_row = seq_ids.numel() == 0;  // query i reads block table row i
   // The next layer's K/V asked for during each layer's projections
   // (kv_prefetch.h) where a layer's K/V (all threads') fits 3/4 of L3 and a
   // thread has at most kPrefetchMaxRows rows, in bf16 on CPUs where it pays
@@ -68,11 +68,11 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
       at::AutoGradMode grad_mode(grad);
       const int64_t r0 = bounds[t], m = bounds[t + 1] - r0;
       if (m > 0) {
-        const at::Tensor req = per_query_row ? query_req : query_req.narrow(0, r0, m);
+        const at::Tensor seq = per_query_row ? seq_ids : seq_ids.narrow(0, r0, m);
         const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
         result.narrow(0, r0, m).copy_(run_layers(s, kv_caches, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
                                                  slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
-                                                 req, tab, nullptr,
+                                                 seq, tab, nullptr,
                                                  prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
                                                                                       : Prefetch::kNone));
       }
