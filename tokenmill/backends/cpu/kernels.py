@@ -28,6 +28,7 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
+                                      "kq_gemm.cpp",
                                       "packed_gemm.cpp",
                                       "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
@@ -113,6 +114,11 @@ class CpuOps(Protocol):
                     float32_out: bool) -> torch.Tensor: ...  # (uint8 `packed`: Q8_0 / Q4_1, q8_gemm.cpp / q4_gemm.cpp)
 
     def packed_gemm_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor: ...
+
+    def kq_gemm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor,
+                float32_out: bool, format: int) -> torch.Tensor: ...  # (memory.pack_kquant's blocks)
+
+    def kq_gemm_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int, format: int) -> torch.Tensor: ...
 
     def packed_gemm_dtypes(self) -> list[str]: ...
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill.model.quantization import KQuantFormat, kquant_fields
+
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = False) -> torch.Tensor:
     """A zero-filled CPU tensor on an anonymous memory map that asks for
@@ -165,4 +167,55 @@ def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     out[:, :, :32].copy_(d)
     out[:, :, 32:64].copy_(m)
     out[:, :, 64:].copy_(nibbles.reshape(groups, kb, 256))
+    return out
+
+
+def kquant_block_bytes(fmt: KQuantFormat) -> int:
+    """Bytes of one packed super-block of 16 outputs (csrc/kq_gemm.cpp's Fmt::BYTES)."""
+    subs = fmt.block_values // fmt.sub
+    header = 32 * (2 if fmt.mins else 1) + 16 * subs * (int(fmt.scales) + int(fmt.mins))
+    return header + fmt.block_values // 32 * (256 + 64 * fmt.high_bits)
+
+
+def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks of `fmt` (uint8 [N, K / SB, block_bytes], model/quantization.py's
+    layouts) -> the layout csrc/kq_gemm.cpp reads front to back, zero rows padding N
+    to a multiple of 16: uint8 [ceil(N/16), K / SB, kquant_block_bytes(fmt)], each
+    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc (and mn) a
+    byte each in lane order, then per 32 inputs the q's low nibbles as q4_gemm's
+    operands (for 8 inputs kk, byte 4 j + t: q[j][8 kk + t] low, q[j][8 kk + 4 + t]
+    high) and their high bits as 64-bit masks (bit 4 j + t; for each kk and bit, the
+    low operand's then the high one's). On huge pages (mapped_zeros), as pack_weight."""
+    n, nb = blocks.shape[0], blocks.shape[1]
+    groups = -(-n // 16)
+    if groups * 16 != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, nb, fmt.block_bytes)])
+    f = kquant_fields(fmt, blocks)
+    chunks = fmt.block_values // 32
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [G*16, nb, ...] -> [G, nb, ..., 16] as bytes
+        t = t.reshape(groups, 16, nb, -1).permute(0, 2, 3, 1)
+        return t.contiguous().view(torch.uint8).reshape(groups, nb, -1)
+
+    parts = [lanes(f.d.unsqueeze(-1))]
+    if f.dmin is not None:
+        parts.append(lanes(f.dmin.unsqueeze(-1)))
+    if f.sc is not None:
+        parts.append(lanes(f.sc.to(torch.int8)))
+    if f.mn is not None:
+        parts.append(lanes(f.mn))
+    q = f.q.reshape(groups, 16, nb, chunks, 4, 2, 4)  # (g, j, sb, c, kk, low/high operand, t)
+    nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
+    body = [nibbles.reshape(groups, nb, chunks, 256)]
+    if fmt.high_bits:
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int16)
+        bits = torch.stack([(q >> (4 + b)) & 1 for b in range(fmt.high_bits)], dim=5)  # (g, j, sb, c, kk, b, h, t)
+        bits = bits.permute(0, 2, 3, 4, 5, 6, 1, 7).reshape(groups, nb, chunks, 4, fmt.high_bits, 2, 8, 8)
+        masks = (bits.to(torch.int16) * weights).sum(-1).to(torch.uint8)  # bit p = 4 j + t of 8 bytes
+        body.append(masks.reshape(groups, nb, chunks, 64 * fmt.high_bits))
+    parts.append(torch.cat(body, dim=-1).reshape(groups, nb, -1))
+    packed = torch.cat(parts, dim=-1)
+    assert packed.shape[-1] == kquant_block_bytes(fmt), (packed.shape, fmt)
+    out = mapped_zeros(tuple(packed.shape), torch.uint8)
+    out.copy_(packed)
     return out

@@ -77,6 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(packed_gemm, py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias"),
                 py::arg("float32_out"));
   TOKENMILL_DEF(packed_gemm_silu, py::arg("x"), py::arg("packed"), py::arg("inter"));
+  TOKENMILL_DEF(kq_gemm, py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias"), py::arg("float32_out"),
+                py::arg("format"));
+  TOKENMILL_DEF(kq_gemm_silu, py::arg("x"), py::arg("packed"), py::arg("inter"), py::arg("format"));
   m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
   m.def("packed_gemm_max_rows", torch::wrap_pybind_function(packed_gemm_max_rows));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),

@@ -1,0 +1,482 @@
+// y = x W^T (+ bias) on GGUF's Q4_0, Q5_0, Q4_K, Q5_K and Q6_K blocks, repacked at load
+// (quantization="gguf"; model/quantization.py reads the file's blocks, memory.pack_kquant
+// repacks them; no float copy). Each format stands for integer q (4, 5 or 6 bits,
+// unsigned) and per-super-block scales, the value of a weight being
+//   Q4_0: d (q - 8)        Q5_0: d (q - 16)          (super-block = sub-block = 32 inputs)
+//   Q4_K, Q5_K: (d sc) q - (dmin mn)  (256 inputs; sc, mn 6-bit per 32 inputs)
+//   Q6_K: (d sc) (q - 32)              (256 inputs; sc int8 per 16 inputs)
+// with d, dmin float16: gguf-py's dequantize computes them in float32 in that order.
+//
+// Packed layout (memory.pack_kquant; zero rows pad N to a multiple of 16): group g
+// (outputs 16 g .. 16 g + 15) is K / SB super-blocks one after the other, each
+//   header: 16 float16 d (lane j: output 16 g + j); [K-quants with mins] 16 float16
+//           dmin; [scales] for each sub-block s 16 bytes sc (lane order); [mins] for
+//           each sub-block 16 bytes mn
+//   SB / 32 chunks of 32 inputs, each: for 8 inputs kk = 0..3, 64 bytes, byte 4 j + t
+//           holding q[j][8 kk + t] & 15 in its low nibble and q[j][8 kk + 4 + t] & 15
+//           in its high one (q4_gemm.cpp's operands); then for each kk and high bit
+//           b (P of them: Q5 1, Q6 2) two 64-bit masks, bit 4 j + t of the first the
+//           bit 4 + b of q[j][8 kk + t], of the second of q[j][8 kk + 4 + t]
+// so a group streams front to back, at the file's bytes a weight but for the
+// unpacked 6-bit scales (Q4_K, Q5_K: 20 bytes a super-block and output, the file 16).
+// A vpdpbusd operand is the nibbles plus 16 << b where a mask bit is set.
+//
+// Two ways, by the activations' dtype (as q4_gemm.cpp):
+// - bfloat16 x with AVX512-VNNI: x quantized per row and super-block (32 or 256: Q8_K)
+//   to int8 (act_quant.h), vpdpbusd sums q * xq per sub-block exactly in int32, and
+//   the super-block's integer terms (sc (dot - off sum(xq)), mn sum(xq)) stay integers
+//   until one float32 step: acc += (d s) isum - (dmin s) msum. It differs from the
+//   dequantized reference by x's rounding only: |y - ref| <= sum_k |w_k| s_k / 2.
+// - float32 x (and bf16 x without VNNI): the weights exactly as gguf-py dequantizes
+//   them, one float32 FMA a k and row, k in order.
+// Either way a row's result is the same sequence of operations whatever the other
+// rows of the call: the batch does not change a row's bits.
+#include <torch/extension.h>
+
+#include "act_quant.h"
+#include "no_gil.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TOKENMILL_KQ_AVX512 1
+#else
+#define TOKENMILL_KQ_AVX512 0
+#endif
+#if TOKENMILL_KQ_AVX512 && defined(__AVX512VNNI__)
+#define TOKENMILL_KQ_VNNI 1
+#else
+#define TOKENMILL_KQ_VNNI 0
+#endif
+
+at::Tensor silu_and_mul(at::Tensor gate_up);
+
+namespace kq {
+
+// The formats' numbers, as memory.KQUANT_FORMATS has them (the Python side's index).
+enum Format : int64_t { kQ4_0 = 0, kQ5_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+
+template <int64_t SB_, int64_t SUB_, int P_, int OFF_, bool SCALES_, bool SIGNED_, bool MINS_>
+struct Fmt {
+  static constexpr int64_t SB = SB_;    // inputs a super-block (one d, one activation scale)
+  static constexpr int64_t SUB = SUB_;  // inputs a sub-block (one sc, mn)
+  static constexpr int P = P_;          // high bits kept as masks
+  static constexpr int OFF = OFF_;      // q - OFF
+  static constexpr bool SCALES = SCALES_, SIGNED = SIGNED_, MINS = MINS_;
+  static constexpr int64_t NSUB = SB / SUB;
+  static constexpr int64_t SC_AT = MINS ? 64 : 32;              // header: d [, dmin], sc [, mn]
+  static constexpr int64_t MN_AT = SC_AT + (SCALES ? 16 * NSUB : 0);
+  static constexpr int64_t HEADER = MN_AT + (MINS ? 16 * NSUB : 0);
+  static constexpr int64_t CHUNK = 256 + 64 * P;
+  static constexpr int64_t BYTES = HEADER + SB / 32 * CHUNK;  // a super-block of 16 outputs
+};
+using Q4_0 = Fmt<32, 32, 0, 8, false, false, false>;
+using Q5_0 = Fmt<32, 32, 1, 16, false, false, false>;
+using Q4_K = Fmt<256, 32, 0, 0, true, false, true>;
+using Q5_K = Fmt<256, 32, 1, 0, true, false, true>;
+using Q6_K = Fmt<256, 16, 2, 32, true, true, false>;
+
+constexpr int kMaxGroups = 3;
+constexpr int64_t kPrefetchBytes = 2048;  // (q8_gemm's rule)
+
+struct Args {
+  const float* x;        // [M, K] float32 (the float path)
+  const int8_t* xq;      // [M, K] x quantized (the VNNI path)
+  const float* xs;       // [M, K/SB] its scales
+  const int32_t* xsum;   // [M, K/SUB] sum(xq) of each sub-block
+  const uint8_t* w;      // packed
+  const float* bias;     // [G * 16] float32, or null
+  uint16_t* y16;         // [M, N] bf16 out, or null
+  float* y32;            // [M, N] float32 out, or null
+  int64_t K, N;
+};
+
+inline uint16_t bf16_round(float f) {  // nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The weight of lane j, input k of a super-block, as gguf-py computes it (scalar code).
+template <class F>
+inline float weight_at(const uint8_t* sb, int j, int64_t k) {
+  const uint8_t* chunk = sb + F::HEADER + (k / 32) * F::CHUNK;
+  const int kk = static_cast<int>(k % 32) / 8, t8 = static_cast<int>(k % 8), h = t8 / 4, t = t8 % 4;
+  const uint8_t byte = chunk[64 * kk + 4 * j + t];
+  int q = h ? byte >> 4 : byte & 15;
+  for (int b = 0; b < F::P; ++b) {
+    uint64_t mask;
+    std::memcpy(&mask, chunk + 256 + 16 * F::P * kk + 16 * b + 8 * h, 8);
+    if ((mask >> (4 * j + t)) & 1) q += 16 << b;
+  }
+  const int s = static_cast<int>(k / F::SUB);
+  float a = half_at(sb + 2 * j), m = 0.f;
+  if constexpr (F::SCALES) {
+    const uint8_t raw = sb[F::SC_AT + 16 * s + j];
+    a *= static_cast<float>(F::SIGNED ? static_cast<int>(static_cast<int8_t>(raw)) : static_cast<int>(raw));
+  }
+  if constexpr (F::MINS) m = half_at(sb + 32 + 2 * j) * static_cast<float>(sb[F::MN_AT + 16 * s + j]);
+  return a * static_cast<float>(q - F::OFF) - m;
+}
+
+#if TOKENMILL_KQ_AVX512
+template <int MT, int NB>
+inline void store(const Args& a, int64_t m0, int64_t g0, __m512 (&acc)[MT][NB]) {
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = (g0 + j) * 16;
+    const __mmask16 mask = a.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.N - n0)) - 1);
+    const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MT; ++i) {
+      const __m512 r = _mm512_add_ps(acc[i][j], bias);  // + 0 leaves the sum as it is
+      if (a.y32) {
+        _mm512_mask_storeu_ps(a.y32 + (m0 + i) * a.N + n0, mask, r);
+        continue;
+      }
+#if defined(__AVX512BF16__)
+      _mm256_mask_storeu_epi16(a.y16 + (m0 + i) * a.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
+#else
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, r);
+      uint16_t* out = a.y16 + (m0 + i) * a.N + n0;
+      for (int l = 0; l < 16 && n0 + l < a.N; ++l) out[l] = bf16_round(lanes[l]);
+#endif
+    }
+  }
+}
+
+// A chunk's 8 inputs kk as two operands (inputs 8 kk + t and 8 kk + 4 + t at byte 4 j + t),
+// the nibbles plus their high bits.
+template <class F>
+inline void operands(const uint8_t* chunk, int kk, __m512i& lo, __m512i& hi) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(chunk + 64 * kk));
+  lo = _mm512_and_si512(raw, nib);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+  for (int b = 0; b < F::P; ++b) {
+    const uint8_t* m = chunk + 256 + 16 * F::P * kk + 16 * b;
+    uint64_t ml, mh;
+    std::memcpy(&ml, m, 8);
+    std::memcpy(&mh, m + 8, 8);
+    const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << b));
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(ml), lo, add);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(mh), hi, add);
+  }
+}
+
+// 16 lanes' bytes at p widened to int32 (signed for Q6_K's scales).
+template <bool SIGNED>
+inline __m512i lanes_i32(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+// The float path: rows m0 .. m0+MT of float32 x times groups g0 .. g0+NB.
+template <class F, int MT, int NB>
+void tile_float(const Args& a, int64_t m0, int64_t g0) {
+  const int64_t sbs = a.K / F::SB, group_bytes = sbs * F::BYTES;
+  __m512 acc[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* xr[MT];
+  for (int i = 0; i < MT; ++i) xr[i] = a.x + (m0 + i) * a.K;
+  const __m512i byte = _mm512_set1_epi32(0xff), off = _mm512_set1_epi32(F::OFF);
+  for (int64_t sb = 0; sb < sbs; ++sb) {
+    const uint8_t* hdr[NB];
+    __m512 d[NB], dmin[NB];
+    for (int j = 0; j < NB; ++j) {
+      hdr[j] = a.w + (g0 + j) * group_bytes + sb * F::BYTES;
+      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr[j])));
+      dmin[j] = F::MINS ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr[j] + 32)))
+                        : _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < F::SB / 32; ++c) {
+      for (int kk = 0; kk < 4; ++kk) {
+        const int64_t s = (32 * c + 8 * kk) / F::SUB;
+        __m512 scale[NB], sub[NB];  // w = scale (q - OFF) - sub, as gguf-py
+        __m512i v[NB][2];
+        for (int j = 0; j < NB; ++j) {
+          scale[j] = F::SCALES ? _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(lanes_i32<F::SIGNED>(hdr[j] + F::SC_AT + 16 * s)))
+                               : d[j];
+          sub[j] = F::MINS ? _mm512_mul_ps(dmin[j], _mm512_cvtepi32_ps(lanes_i32<false>(hdr[j] + F::MN_AT + 16 * s)))
+                           : _mm512_setzero_ps();
+          operands<F>(hdr[j] + F::HEADER + c * F::CHUNK, kk, v[j][0], v[j][1]);
+        }
+        const int64_t k0 = sb * F::SB + 32 * c + 8 * kk;
+        for (int h = 0; h < 2; ++h) {
+          for (int t = 0; t < 4; ++t) {
+            __m512 w[NB];
+            for (int j = 0; j < NB; ++j) {
+              const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v[j][h], 8 * t), byte), off);
+              w[j] = _mm512_mul_ps(scale[j], _mm512_cvtepi32_ps(q));
+              if constexpr (F::MINS) w[j] = _mm512_sub_ps(w[j], sub[j]);
+            }
+            for (int i = 0; i < MT; ++i) {
+              const __m512 xb = _mm512_set1_ps(xr[i][k0 + 4 * h + t]);
+              for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xb, w[j], acc[i][j]);
+            }
+          }
+        }
+      }
+    }
+  }
+  store<MT, NB>(a, m0, g0, acc);
+}
+
+#if TOKENMILL_KQ_VNNI
+// The VNNI path: rows m0 .. m0+MT of quantized x times groups g0 .. g0+NB; pf, if not
+// null, the next task's groups (pf_bytes), fetched into L2 meanwhile (q4_gemm's rule).
+template <class F, int MT, int NB>
+void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t pf_bytes) {
+  const int64_t sbs = a.K / F::SB, group_bytes = sbs * F::BYTES, subs = a.K / F::SUB;
+  __m512 acc[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int8_t* xr[MT];
+  for (int i = 0; i < MT; ++i) xr[i] = a.xq + (m0 + i) * a.K;
+  const char* pp = reinterpret_cast<const char*>(pf);
+  for (int64_t sb = 0; sb < sbs; ++sb) {
+    const char* const pend = pf ? reinterpret_cast<const char*>(pf) + pf_bytes * (sb + 1) / sbs : nullptr;
+    const uint8_t* hdr[NB];
+    for (int j = 0; j < NB; ++j) hdr[j] = a.w + (g0 + j) * group_bytes + sb * F::BYTES;
+    __m512i isum[MT][NB], dot[MT][NB];
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NB; ++j) isum[i][j] = dot[i][j] = _mm512_setzero_si512();
+    // Sub-block s's dot products into isum: sc (dot - OFF sum(xq)), exact in int32.
+    auto fold = [&](int64_t s) {
+      for (int i = 0; i < MT; ++i) {
+        const int32_t bs = a.xsum[(m0 + i) * subs + sb * F::NSUB + s];
+        for (int j = 0; j < NB; ++j) {
+          __m512i t = dot[i][j];
+          if constexpr (F::OFF != 0) t = _mm512_sub_epi32(t, _mm512_set1_epi32(F::OFF * bs));
+          if constexpr (F::SCALES) t = _mm512_mullo_epi32(t, lanes_i32<F::SIGNED>(hdr[j] + F::SC_AT + 16 * s));
+          isum[i][j] = _mm512_add_epi32(isum[i][j], t);
+          dot[i][j] = _mm512_setzero_si512();
+        }
+      }
+    };
+    for (int64_t c = 0; c < F::SB / 32; ++c) {
+      const uint8_t* chunk[NB];
+      for (int j = 0; j < NB; ++j) chunk[j] = hdr[j] + F::HEADER + c * F::CHUNK;
+      for (int kk = 0; kk < 4; ++kk) {
+        __m512i lo[NB], hi[NB];
+        for (int j = 0; j < NB; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(chunk[j] + 64 * kk + kPrefetchBytes), _MM_HINT_T0);
+          operands<F>(chunk[j], kk, lo[j], hi[j]);
+        }
+        for (int i = 0; i < MT; ++i) {
+          int32_t four[2];
+          std::memcpy(four, xr[i] + sb * F::SB + 32 * c + 8 * kk, 8);
+          const __m512i xlo = _mm512_set1_epi32(four[0]), xhi = _mm512_set1_epi32(four[1]);
+          for (int j = 0; j < NB; ++j) {
+            dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], lo[j], xlo);
+            dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], hi[j], xhi);
+          }
+        }
+        if (F::SUB == 16 && kk % 2 == 1) fold(2 * c + kk / 2);
+        for (int j = 0; j < NB; ++j) {
+          if (pp < pend) {
+            _mm_prefetch(pp, _MM_HINT_T1);
+            pp += 64;
+          }
+        }
+      }
+      if (F::SUB == 32) fold(c);
+    }
+    for (; pp < pend; pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
+    for (int j = 0; j < NB; ++j) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr[j])));
+      for (int i = 0; i < MT; ++i) {
+        const float xs = a.xs[(m0 + i) * sbs + sb];
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(d, _mm512_set1_ps(xs)), acc[i][j]);
+        if constexpr (F::MINS) {  // dmin s sum_s mn sum(xq): integers until the one product
+          __m512i msum = _mm512_setzero_si512();
+          const int32_t* bs = a.xsum + (m0 + i) * subs + sb * F::NSUB;
+          for (int64_t s = 0; s < F::NSUB; ++s)
+            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(lanes_i32<false>(hdr[j] + F::MN_AT + 16 * s),
+                                                             _mm512_set1_epi32(bs[s])));
+          const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr[j] + 32)));
+          acc[i][j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, _mm512_set1_ps(xs)), acc[i][j]);
+        }
+      }
+    }
+  }
+  store<MT, NB>(a, m0, g0, acc);
+}
+#endif
+
+template <class F, bool VNNI, int MT>
+void rows(const Args& a, int64_t m0, int64_t g0, int nb, const uint8_t* pf, int64_t pf_bytes) {
+#if TOKENMILL_KQ_VNNI
+  if constexpr (VNNI) {
+    if (nb == 3) tile_vnni<F, MT, 3>(a, m0, g0, pf, pf_bytes);
+    else if (nb == 2) tile_vnni<F, MT, 2>(a, m0, g0, pf, pf_bytes);
+    else tile_vnni<F, MT, 1>(a, m0, g0, pf, pf_bytes);
+    return;
+  }
+#else
+  (void)pf;
+  (void)pf_bytes;
+#endif
+  if (nb == 3) tile_float<F, MT, 3>(a, m0, g0);
+  else if (nb == 2) tile_float<F, MT, 2>(a, m0, g0);
+  else tile_float<F, MT, 1>(a, m0, g0);
+}
+#endif
+
+// Rows [0, M) times groups g0 .. g0+nb (<= kMaxGroups), in row tiles (VNNI 2, float 4).
+template <class F>
+void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
+#if TOKENMILL_KQ_AVX512
+  if (vnni) {
+    const int64_t groups = (a.N + 15) / 16, group_bytes = a.K / F::SB * F::BYTES;
+    const int64_t next = std::min<int64_t>(kMaxGroups, groups - (g0 + nb));
+    const uint8_t* pf = next > 0 ? a.w + (g0 + nb) * group_bytes : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+      const uint8_t* p = m0 == 0 ? pf : nullptr;
+      const int64_t pb = p ? next * group_bytes : 0;
+      if (M - m0 >= 2) rows<F, true, 2>(a, m0, g0, nb, p, pb);
+      else rows<F, true, 1>(a, m0, g0, nb, p, pb);
+    }
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 4: rows<F, false, 4>(a, m0, g0, nb, nullptr, 0); break;
+      case 3: rows<F, false, 3>(a, m0, g0, nb, nullptr, 0); break;
+      case 2: rows<F, false, 2>(a, m0, g0, nb, nullptr, 0); break;
+      default: rows<F, false, 1>(a, m0, g0, nb, nullptr, 0); break;
+    }
+  }
+#else  // the float path's sums, one lane at a time
+  (void)vnni;
+  const int64_t sbs = a.K / F::SB, group_bytes = sbs * F::BYTES;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = g0; g < g0 + nb; ++g)
+      for (int l = 0; l < 16 && g * 16 + l < a.N; ++l) {
+        float acc = 0.f;
+        for (int64_t sb = 0; sb < sbs; ++sb)
+          for (int64_t k = 0; k < F::SB; ++k)
+            acc = std::fma(a.x[m * a.K + sb * F::SB + k], weight_at<F>(a.w + g * group_bytes + sb * F::BYTES, l, k), acc);
+        const int64_t n = g * 16 + l;
+        const float r = acc + (a.bias ? a.bias[n] : 0.f);
+        if (a.y32) a.y32[m * a.N + n] = r;
+        else a.y16[m * a.N + n] = bf16_round(r);
+      }
+#endif
+}
+
+template <class F>
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
+  NoGil no_gil;
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "kq_gemm runs on the CPU");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "kq_gemm takes bfloat16 or float32 x");
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == F::BYTES,
+              "kq_gemm: x [M, K], packed uint8 [ceil(N/16), K/", F::SB, ", ", F::BYTES, "]");
+  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
+  TORCH_CHECK(packed.size(1) * F::SB == K, "kq_gemm: x has K = ", K, ", the weights ", packed.size(1) * F::SB);
+  TORCH_CHECK(n_out > 16 * (groups - 1) && n_out <= 16 * groups, "kq_gemm: n_out does not fit the groups");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  at::Tensor bias32;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == n_out, "kq_gemm: one bias per output");
+    // In the model's dtype first (bf16 is rounded), added in float32, padded to whole groups.
+    bias32 = at::zeros({groups * 16}, x.options().dtype(at::kFloat));
+    bias32.narrow(0, 0, n_out).copy_(bias.to(x.scalar_type()).to(at::kFloat));
+  }
+  const bool out32 = float32_out || !bf16;
+  at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  Args a{nullptr, nullptr, nullptr, nullptr, packed.data_ptr<uint8_t>(),
+         bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+         out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+         out32 ? y.data_ptr<float>() : nullptr, K, n_out};
+  // x prepared once, in buffers this thread keeps: quantized (VNNI), or widened to float32.
+  thread_local std::vector<float> widened, scales;
+  thread_local std::vector<int32_t> sums;
+  thread_local std::vector<int8_t> quantized;
+  const bool vnni = TOKENMILL_KQ_VNNI && bf16;
+  const int64_t sbs = K / F::SB, subs = K / F::SUB;
+  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  if (vnni) {
+    quantized.resize(static_cast<size_t>(M * K));
+    scales.resize(static_cast<size_t>(M * sbs));
+    sums.resize(static_cast<size_t>(M * subs));
+    int8_t* xq = quantized.data();
+    float* xs = scales.data();
+    int32_t* xsum = sums.data();
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* q = xq + m * K;
+      act_quant::quantize_row<F::SB>(x16 + m * K, K, q, [&](int64_t kb, float s, int32_t total) {
+        xs[m * sbs + kb] = s;
+        if constexpr (F::SUB == F::SB) {
+          xsum[m * subs + kb] = total;
+        } else {
+          for (int64_t t = 0; t < F::NSUB; ++t) {  // the sub-blocks' sums of the block just written
+            int32_t part = 0;
+            for (int64_t k = 0; k < F::SUB; ++k) part += q[kb * F::SB + t * F::SUB + k];
+            xsum[m * subs + kb * F::NSUB + t] = part;
+          }
+        }
+      });
+    }
+    a.xq = xq;
+    a.xs = xs;
+    a.xsum = xsum;
+  } else if (bf16) {
+    widened.resize(static_cast<size_t>(M * K));
+    float* dst = widened.data();
+    const int64_t total = M * K;
+#pragma omp parallel for schedule(static) if (total >= (1 << 16))
+    for (int64_t i = 0; i < total; ++i) {
+      const uint32_t u = static_cast<uint32_t>(x16[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+    a.x = dst;
+  } else {
+    a.x = x.data_ptr<float>();
+  }
+  // One task: kMaxGroups groups (48 outputs) for every row; the team splits the tasks evenly.
+  const int64_t tasks = (groups + kMaxGroups - 1) / kMaxGroups;
+#pragma omp parallel for schedule(static) if (tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t g0 = t * kMaxGroups;
+    task<F>(a, M, g0, static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0)), vnni);
+  }
+  return y;
+}
+
+}  // namespace kq
+
+// y = x W^T on packed k-quant blocks of format `format` (kq::Format).
+at::Tensor kq_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out, int64_t format) {
+  switch (format) {
+    case kq::kQ4_0: return kq::gemm<kq::Q4_0>(x, packed, n_out, bias, float32_out);
+    case kq::kQ5_0: return kq::gemm<kq::Q5_0>(x, packed, n_out, bias, float32_out);
+    case kq::kQ4_K: return kq::gemm<kq::Q4_K>(x, packed, n_out, bias, float32_out);
+    case kq::kQ5_K: return kq::gemm<kq::Q5_K>(x, packed, n_out, bias, float32_out);
+    case kq::kQ6_K: return kq::gemm<kq::Q6_K>(x, packed, n_out, bias, float32_out);
+    default: TORCH_CHECK(false, "kq_gemm: unknown format ", format);
+  }
+}
+
+// The MLP's gate_up: silu(gate) * up from the rounded sums, as silu_and_mul.
+at::Tensor kq_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter, int64_t format) {
+  return silu_and_mul(kq_gemm(x, packed, 2 * inter, at::Tensor(), false, format));
+}
