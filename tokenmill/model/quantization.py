@@ -9,13 +9,18 @@ place of its `weight` Parameter; this reference model dequantizes them on the
 fly (correctness only: slow); the CPU plan computes on the blocks themselves.
 Norms and biases stay float.
 
-Q4_1 (quantization="gguf": a GGUF file's Q4_1 and Q4_0 tensors as they are):
-each run of 32 values is one 20-byte block, float16 d and m, then 16 bytes of
-4-bit q (value k < 16 in byte k's low nibble, k >= 16 in byte k - 16's high
-one); the value is d * q + m. A module keeps the file's blocks as `q4_1`
-(uint8 [out, in / 32, 20]). Q4_0 (18 bytes: d, then q, standing for (q - 8) d)
-becomes Q4_1 with m = -8 d, the same values: 8 d is exact in float16, and
+Q4_1 (quantization="gguf": a GGUF file's Q4_1 tensors as they are): each run
+of 32 values is one 20-byte block, float16 d and m, then 16 bytes of 4-bit q
+(value k < 16 in byte k's low nibble, k >= 16 in byte k - 16's high one); the
+value is d * q + m. A module keeps the file's blocks as `q4_1` (uint8 [out,
+in / 32, 20]). Q4_0 (18 bytes: d, then q, standing for (q - 8) d) fused with
+Q4_1 becomes Q4_1 with m = -8 d, the same values: 8 d is exact in float16, and
 d q + (-8 d) is exact in float32.
+
+Q4_0, Q5_0, Q4_K, Q5_K, Q6_K (quantization="gguf", KQUANT_FORMATS below): a
+module whose tensors are all of one of these types keeps the file's blocks as
+they are, as the buffer named after the type (`q4_k`: uint8 [out, in / 256,
+144]); dequantize_kquant gives gguf-py's values.
 """
 
 from __future__ import annotations
@@ -99,13 +104,16 @@ def set_q4_1(module: nn.Module, blocks: torch.Tensor) -> None:
 
 
 def is_quantized(module: nn.Module) -> bool:
-    """Whether `module` holds quantized blocks (Q8_0 or Q4_1) instead of a float weight."""
-    return q8_0_of(module) is not None or q4_1_of(module) is not None
+    """Whether `module` holds quantized blocks (Q8_0, Q4_1 or a KQUANT_FORMATS type)
+    instead of a float weight."""
+    return q8_0_of(module) is not None or q4_1_of(module) is not None or kquant_of(module) is not None
 
 
 def dense_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The module's weight as a float tensor: its Parameter, or its blocks dequantized."""
-    q8, q4 = q8_0_of(module), q4_1_of(module)
+    q8, q4, kq = q8_0_of(module), q4_1_of(module), kquant_of(module)
+    if kq is not None:
+        return dequantize_kquant(*kq).to(dtype)
     if q4 is not None:
         return dequantize_q4_1(q4).to(dtype)
     if q8 is None:
@@ -118,6 +126,10 @@ def dense_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 def embed_rows(module: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A quantized Embedding's rows for `ids`, dequantized (only those rows)."""
     flat = ids.reshape(-1)
+    kq = kquant_of(module)
+    if kq is not None:
+        fmt, blocks = kq
+        return dequantize_kquant(fmt, blocks.index_select(0, flat)).to(dtype).reshape(*ids.shape, -1)
     q4 = q4_1_of(module)
     if q4 is not None:
         return dequantize_q4_1(q4.index_select(0, flat)).to(dtype).reshape(*ids.shape, -1)
@@ -237,3 +249,21 @@ def dequantize_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
     if f.mn is not None and f.dmin is not None:
         w = w - (f.dmin.to(torch.float32).unsqueeze(-1) * f.mn.to(torch.float32)).unsqueeze(-1)
     return w.reshape(*blocks.shape[:-2], blocks.shape[-2] * fmt.block_values)
+
+
+def kquant_of(module: nn.Module) -> tuple[KQuantFormat, torch.Tensor] | None:
+    """A module's blocks of a KQUANT_FORMATS type (its buffer is the type's name in
+    lower case: `q4_k` ...) with their format, or None where it holds none."""
+    for fmt in KQUANT_FORMATS.values():
+        blocks = module._buffers.get(fmt.name.lower())
+        if blocks is not None:
+            return fmt, blocks
+    return None
+
+
+def set_kquant(module: nn.Module, fmt: KQuantFormat, blocks: torch.Tensor) -> None:
+    """Make `module` (a Linear or Embedding) hold `fmt`'s blocks (uint8 [out, in /
+    block_values, block_bytes], as the file has them) instead of its float weight."""
+    if "weight" in module._parameters:
+        del module._parameters["weight"]
+    module.register_buffer(fmt.name.lower(), blocks)
