@@ -143,14 +143,14 @@ at::Tensor small_decode(const ModelWeights& model, at::Tensor hidden, at::Tensor
   TORCH_CHECK(threads >= 1, "small_decode: threads >= 1");
   const int64_t heads = s.num_heads, q_size = heads * s.head_dim;
   std::vector<Proj> qkv, o, gate_up, down;
-  const int64_t qkv_n = s.layers[0].qkv_n, inter = s.layers[0].gate_up_n / 2;
+  const int64_t qkv_n = s.layers[0].qkv.n, inter = s.layers[0].gate_up.n / 2;
   for (const LayerWeights& w : s.layers) {
-    qkv.push_back(proj(w.qkv, w.qkv_n, w.qkv_bias, false));
-    o.push_back(proj(w.o, w.o_n, w.o_bias, false));
-    TORCH_CHECK(w.gate_up_n % 32 == 0, "small_decode: gate_up on whole blocks of 16 (the fused SiLU tile)");
-    gate_up.push_back(proj(w.gate_up, w.gate_up_n, at::Tensor(), true));
-    down.push_back(proj(w.down, w.down_n, at::Tensor(), false));
-    TORCH_CHECK(w.o_n == H && w.down_n == H && w.qkv_n == qkv_n && w.gate_up_n == 2 * inter,
+    qkv.push_back(proj(w.qkv.data, w.qkv.n, w.qkv.bias, false));
+    o.push_back(proj(w.o.data, w.o.n, w.o.bias, false));
+    TORCH_CHECK(w.gate_up.n % 32 == 0, "small_decode: gate_up on whole blocks of 16 (the fused SiLU tile)");
+    gate_up.push_back(proj(w.gate_up.data, w.gate_up.n, at::Tensor(), true));
+    down.push_back(proj(w.down.data, w.down.n, at::Tensor(), false));
+    TORCH_CHECK(w.o.n == H && w.down.n == H && w.qkv.n == qkv_n && w.gate_up.n == 2 * inter,
                 "small_decode: every layer of the same shape, o and down giving the hidden size");
   }
   const auto opts = hidden.options();
