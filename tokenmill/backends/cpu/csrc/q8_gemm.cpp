@@ -2,7 +2,7 @@
 // model/quantization.py): GGUF's blocks of 32 int8 q and a float16 scale d,
 // standing for q * d.
 //
-// Packed layout (memory.pack_q8_0; zero rows pad N to a multiple of 16): a
+// Packed layout (formats.pack_q8_0; zero rows pad N to a multiple of 16): a
 // group is 16 outputs, a task 3 groups (the last task of an N that is not a
 // multiple of 48: 1 or 2, nb), and a task's groups are interleaved into one
 // stretch read front to back: for each pair of blocks (kb = 2 s, 2 s + 1; 64
