@@ -1,5 +1,5 @@
 """quantization="gguf" on GGUF's Q4_0, Q5_0, Q4_K, Q5_K and Q6_K blocks: kept as the
-file has them (model/quantization.py), repacked at load (memory.pack_kquant) for
+file has them (model/quantization.py), repacked at load (formats.pack_kquant) for
 csrc/kq_gemm.cpp.
 
 The oracle is gguf-py's dequantization (gguf.quants.dequantize) and transformers on
@@ -30,7 +30,7 @@ from tests.test_correctness import PROMPTS as ALL_PROMPTS
 from tests.test_quantization import NEEDS_KERNELS, SCENARIOS
 from tokenmill import LLM, SamplingParams
 from tokenmill.backends.cpu import kernels
-from tokenmill.backends.cpu.memory import kquant_block_bytes, pack_kquant
+from tokenmill.backends.cpu.formats import kquant_block_bytes, pack, pack_kquant
 from tokenmill.backends.cpu.plan import CpuPlan
 from tokenmill.config import ModelConfig
 from tokenmill.model.loader import load_model, unpermute_rope_rows
@@ -110,16 +110,18 @@ def test_kq_gemm_against_the_dequantized_weights(name: str, dtype: torch.dtype) 
     assert ops is not None
     fmt = KQUANT_FORMATS[name]
     n, k = 72, 768 if fmt.block_values == 256 else 96
-    blocks = _random_blocks(fmt, n, k, seed=fmt.index)
+    blocks = _random_blocks(fmt, n, k, seed=list(KQUANT_FORMATS).index(name))
     packed = pack_kquant(fmt, blocks)
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (5, k // fmt.block_values, kquant_block_bytes(fmt))
     weight = _gguf_values(fmt, blocks)
     torch.manual_seed(0)
     bias = (torch.randn(n) * 0.1).to(dtype)
+    w = pack(ops, name.lower(), blocks, bias)
+    assert torch.equal(w.data, packed) and (w.n, w.k) == (n, k)
     x = torch.randn(64, k).to(dtype)
     x[3] = 0.0  # a zero row: scale 0
     ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    full = ops.kq_gemm(x, packed, n, bias, True, fmt.index)
+    full = ops.packed_gemm(x, w, True)
     assert full.dtype == torch.float32
     if dtype == torch.float32:
         torch.testing.assert_close(full.double(), ref, atol=1e-4, rtol=0)
@@ -128,12 +130,11 @@ def test_kq_gemm_against_the_dequantized_weights(name: str, dtype: torch.dtype) 
         assert bool(((full.double() - ref).abs() <= bound + 1e-4).all())
     for m in (1, 3, 4, 17):
         for rows in (slice(0, m), slice(64 - m, 64)):
-            assert torch.equal(ops.kq_gemm(x[rows], packed, n, bias, True, fmt.index), full[rows])
-    y = ops.kq_gemm(x, packed, n, bias, False, fmt.index)
+            assert torch.equal(ops.packed_gemm(x[rows].contiguous(), w, True), full[rows])
+    y = ops.packed_gemm(x, w, False)
     assert y.dtype == dtype and torch.equal(y, full.to(dtype))
-    gate_up = pack_kquant(fmt, blocks[:64])
-    assert torch.equal(ops.kq_gemm_silu(x, gate_up, 32, fmt.index),
-                       ops.silu_and_mul(ops.kq_gemm(x, gate_up, 64, torch.empty(0), False, fmt.index)))
+    gate_up = pack(ops, name.lower(), blocks[:64])
+    assert torch.equal(ops.packed_gemm_silu(x, gate_up), ops.silu_and_mul(ops.packed_gemm(x, gate_up, False)))
 
 
 # --- tiny GGUF files ----------------------------------------------------------------

@@ -143,13 +143,12 @@ def embed_rows(module: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torc
 @dataclass(frozen=True)
 class KQuantFormat:
     """A GGUF block type that quantization="gguf" keeps as the file has it and
-    csrc/kq_gemm.cpp computes on (memory.pack_kquant repacks it). A block of
+    csrc/kq_gemm.cpp computes on (backends/cpu/formats.pack_kquant repacks it). A block of
     `block_values` values (`block_bytes` bytes) stands for integers q of 4 +
     `high_bits` bits and the value of one is (d sc) (q - offset) - (dmin mn),
     sc and mn per `sub` values (1 and 0 where the type has none)."""
 
     name: str
-    index: int  # kq::Format in csrc/kq_gemm.cpp
     block_values: int
     block_bytes: int
     sub: int
@@ -174,11 +173,11 @@ class KQuantFormat:
 #        bits at bit 2 p of byte 32 h + i; (d sc) (q - 32), sc per 16 values
 KQUANT_FORMATS: dict[str, KQuantFormat] = {
     f.name: f for f in (
-        KQuantFormat("Q4_0", 0, 32, 18, 32, 0, 8, False, False, False),
-        KQuantFormat("Q5_0", 1, 32, 22, 32, 1, 16, False, False, False),
-        KQuantFormat("Q4_K", 2, 256, 144, 32, 0, 0, True, False, True),
-        KQuantFormat("Q5_K", 3, 256, 176, 32, 1, 0, True, False, True),
-        KQuantFormat("Q6_K", 4, 256, 210, 16, 2, 32, True, True, False),
+        KQuantFormat("Q4_0", 32, 18, 32, 0, 8, False, False, False),
+        KQuantFormat("Q5_0", 32, 22, 32, 1, 16, False, False, False),
+        KQuantFormat("Q4_K", 256, 144, 32, 0, 0, True, False, True),
+        KQuantFormat("Q5_K", 256, 176, 32, 1, 0, True, False, True),
+        KQuantFormat("Q6_K", 256, 210, 16, 2, 32, True, True, False),
     )
 }
 

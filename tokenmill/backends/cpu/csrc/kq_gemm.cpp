@@ -1,5 +1,5 @@
 // y = x W^T (+ bias) on GGUF's Q4_0, Q5_0, Q4_K, Q5_K and Q6_K blocks, repacked at load
-// (quantization="gguf"; model/quantization.py reads the file's blocks, memory.pack_kquant
+// (quantization="gguf"; model/quantization.py reads the file's blocks, formats.pack_kquant
 // repacks them; no float copy). Each format stands for integer q (4, 5 or 6 bits,
 // unsigned) and per-super-block scales, the value of a weight being
 //   Q4_0: d (q - 8)        Q5_0: d (q - 16)          (super-block = sub-block = 32 inputs)
@@ -7,7 +7,7 @@
 //   Q6_K: (d sc) (q - 32)              (256 inputs; sc int8 per 16 inputs)
 // with d, dmin float16: gguf-py's dequantize computes them in float32 in that order.
 //
-// Packed layout (memory.pack_kquant; zero rows pad N to a multiple of 16): group g
+// Packed layout (formats.pack_kquant; zero rows pad N to a multiple of 16): group g
 // (outputs 16 g .. 16 g + 15) is K / SB super-blocks one after the other, each
 //   header: 16 float16 d (lane j: output 16 g + j); [K-quants with mins] 16 float16
 //           dmin; [scales] for each sub-block s 16 bytes sc (lane order); [mins] for
@@ -33,16 +33,12 @@
 // rows of the call: the batch does not change a row's bits.
 #include <torch/extension.h>
 
-#include "act_quant.h"
-#include "no_gil.h"
+#include "block_gemm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
-
-#include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -56,15 +52,11 @@
 #define TOKENMILL_KQ_VNNI 0
 #endif
 
-at::Tensor silu_and_mul(at::Tensor gate_up);
-
 namespace kq {
 
-// The formats' numbers, as memory.KQUANT_FORMATS has them (the Python side's index).
-enum Format : int64_t { kQ4_0 = 0, kQ5_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
-
-template <int64_t SB_, int64_t SUB_, int P_, int OFF_, bool SCALES_, bool SIGNED_, bool MINS_>
+template <int64_t SB_, int64_t SUB_, int P_, int OFF_, bool SCALES_, bool SIGNED_, bool MINS_, const char* NAME>
 struct Fmt {
+  static constexpr const char* kName = NAME;
   static constexpr int64_t SB = SB_;    // inputs a super-block (one d, one activation scale)
   static constexpr int64_t SUB = SUB_;  // inputs a sub-block (one sc, mn)
   static constexpr int P = P_;          // high bits kept as masks
@@ -77,33 +69,19 @@ struct Fmt {
   static constexpr int64_t CHUNK = 256 + 64 * P;
   static constexpr int64_t BYTES = HEADER + SB / 32 * CHUNK;  // a super-block of 16 outputs
 };
-using Q4_0 = Fmt<32, 32, 0, 8, false, false, false>;
-using Q5_0 = Fmt<32, 32, 1, 16, false, false, false>;
-using Q4_K = Fmt<256, 32, 0, 0, true, false, true>;
-using Q5_K = Fmt<256, 32, 1, 0, true, false, true>;
-using Q6_K = Fmt<256, 16, 2, 32, true, true, false>;
+inline constexpr char kQ4_0Name[] = "Q4_0", kQ5_0Name[] = "Q5_0", kQ4_KName[] = "Q4_K", kQ5_KName[] = "Q5_K",
+                      kQ6_KName[] = "Q6_K";
+using Q4_0 = Fmt<32, 32, 0, 8, false, false, false, kQ4_0Name>;
+using Q5_0 = Fmt<32, 32, 1, 16, false, false, false, kQ5_0Name>;
+using Q4_K = Fmt<256, 32, 0, 0, true, false, true, kQ4_KName>;
+using Q5_K = Fmt<256, 32, 1, 0, true, false, true, kQ5_KName>;
+using Q6_K = Fmt<256, 16, 2, 32, true, true, false, kQ6_KName>;
 
-constexpr int kMaxGroups = 3;
+constexpr int kMaxGroups = block_gemm::kTaskGroups;
 constexpr int64_t kPrefetchBytes = 2048;  // (q8_gemm's rule)
 
-struct Args {
-  const float* x;        // [M, K] float32 (the float path)
-  const int8_t* xq;      // [M, K] x quantized (the VNNI path)
-  const float* xs;       // [M, K/SB] its scales
-  const int32_t* xsum;   // [M, K/SUB] sum(xq) of each sub-block
-  const uint8_t* w;      // packed
-  const float* bias;     // [G * 16] float32, or null
-  uint16_t* y16;         // [M, N] bf16 out, or null
-  float* y32;            // [M, N] float32 out, or null
-  int64_t K, N;
-};
 
-inline uint16_t bf16_round(float f) {  // nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using Args = block_gemm::BlockArgs<int32_t>;  // xs: a scale a super-block; xt: sum(xq) of each sub-block
 
 inline float half_at(const uint8_t* p) {
   at::Half h;
@@ -134,29 +112,6 @@ inline float weight_at(const uint8_t* sb, int j, int64_t k) {
 }
 
 #if TOKENMILL_KQ_AVX512
-template <int MT, int NB>
-inline void store(const Args& a, int64_t m0, int64_t g0, __m512 (&acc)[MT][NB]) {
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n0 = (g0 + j) * 16;
-    const __mmask16 mask = a.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.N - n0)) - 1);
-    const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      const __m512 r = _mm512_add_ps(acc[i][j], bias);  // + 0 leaves the sum as it is
-      if (a.y32) {
-        _mm512_mask_storeu_ps(a.y32 + (m0 + i) * a.N + n0, mask, r);
-        continue;
-      }
-#if defined(__AVX512BF16__)
-      _mm256_mask_storeu_epi16(a.y16 + (m0 + i) * a.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
-#else
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, r);
-      uint16_t* out = a.y16 + (m0 + i) * a.N + n0;
-      for (int l = 0; l < 16 && n0 + l < a.N; ++l) out[l] = bf16_round(lanes[l]);
-#endif
-    }
-  }
-}
 
 // A chunk's 8 inputs kk as two operands (inputs 8 kk + t and 8 kk + 4 + t at byte 4 j + t),
 // the nibbles plus their high bits.
@@ -233,7 +188,7 @@ void tile_float(const Args& a, int64_t m0, int64_t g0) {
       }
     }
   }
-  store<MT, NB>(a, m0, g0, acc);
+  block_gemm::store<int32_t, MT, NB>(a, m0, g0, acc);
 }
 
 #if TOKENMILL_KQ_VNNI
@@ -258,7 +213,7 @@ void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t
     // Sub-block s's dot products into isum: sc (dot - OFF sum(xq)), exact in int32.
     auto fold = [&](int64_t s) {
       for (int i = 0; i < MT; ++i) {
-        const int32_t bs = a.xsum[(m0 + i) * subs + sb * F::NSUB + s];
+        const int32_t bs = a.xt[(m0 + i) * subs + sb * F::NSUB + s];
         for (int j = 0; j < NB; ++j) {
           __m512i t = dot[i][j];
           if constexpr (F::OFF != 0) t = _mm512_sub_epi32(t, _mm512_set1_epi32(F::OFF * bs));
@@ -304,7 +259,7 @@ void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(d, _mm512_set1_ps(xs)), acc[i][j]);
         if constexpr (F::MINS) {  // dmin s sum_s mn sum(xq): integers until the one product
           __m512i msum = _mm512_setzero_si512();
-          const int32_t* bs = a.xsum + (m0 + i) * subs + sb * F::NSUB;
+          const int32_t* bs = a.xt + (m0 + i) * subs + sb * F::NSUB;
           for (int64_t s = 0; s < F::NSUB; ++s)
             msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(lanes_i32<false>(hdr[j] + F::MN_AT + 16 * s),
                                                              _mm512_set1_epi32(bs[s])));
@@ -314,7 +269,7 @@ void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t
       }
     }
   }
-  store<MT, NB>(a, m0, g0, acc);
+  block_gemm::store<int32_t, MT, NB>(a, m0, g0, acc);
 }
 #endif
 
@@ -371,112 +326,52 @@ void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
         for (int64_t sb = 0; sb < sbs; ++sb)
           for (int64_t k = 0; k < F::SB; ++k)
             acc = std::fma(a.x[m * a.K + sb * F::SB + k], weight_at<F>(a.w + g * group_bytes + sb * F::BYTES, l, k), acc);
-        const int64_t n = g * 16 + l;
-        const float r = acc + (a.bias ? a.bias[n] : 0.f);
-        if (a.y32) a.y32[m * a.N + n] = r;
-        else a.y16[m * a.N + n] = bf16_round(r);
+        block_gemm::store_one(a, m, g * 16 + l, acc);
       }
 #endif
 }
 
-template <class F>
-at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
-  NoGil no_gil;
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "kq_gemm runs on the CPU");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "kq_gemm takes bfloat16 or float32 x");
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == F::BYTES,
-              "kq_gemm: x [M, K], packed uint8 [ceil(N/16), K/", F::SB, ", ", F::BYTES, "]");
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  TORCH_CHECK(packed.size(1) * F::SB == K, "kq_gemm: x has K = ", K, ", the weights ", packed.size(1) * F::SB);
-  TORCH_CHECK(n_out > 16 * (groups - 1) && n_out <= 16 * groups, "kq_gemm: n_out does not fit the groups");
-  x = x.contiguous();
-  packed = packed.contiguous();
-  at::Tensor bias32;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == n_out, "kq_gemm: one bias per output");
-    // In the model's dtype first (bf16 is rounded), added in float32, padded to whole groups.
-    bias32 = at::zeros({groups * 16}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n_out).copy_(bias.to(x.scalar_type()).to(at::kFloat));
-  }
-  const bool out32 = float32_out || !bf16;
-  at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  Args a{nullptr, nullptr, nullptr, nullptr, packed.data_ptr<uint8_t>(),
-         bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-         out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-         out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-  // x prepared once, in buffers this thread keeps: quantized (VNNI), or widened to float32.
-  thread_local std::vector<float> widened, scales;
-  thread_local std::vector<int32_t> sums;
-  thread_local std::vector<int8_t> quantized;
-  const bool vnni = TOKENMILL_KQ_VNNI && bf16;
-  const int64_t sbs = K / F::SB, subs = K / F::SUB;
-  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  if (vnni) {
-    quantized.resize(static_cast<size_t>(M * K));
-    scales.resize(static_cast<size_t>(M * sbs));
-    sums.resize(static_cast<size_t>(M * subs));
-    int8_t* xq = quantized.data();
-    float* xs = scales.data();
-    int32_t* xsum = sums.data();
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; ++m) {
-      int8_t* q = xq + m * K;
-      act_quant::quantize_row<F::SB>(x16 + m * K, K, q, [&](int64_t kb, float s, int32_t total) {
-        xs[m * sbs + kb] = s;
-        if constexpr (F::SUB == F::SB) {
-          xsum[m * subs + kb] = total;
-        } else {
-          for (int64_t t = 0; t < F::NSUB; ++t) {  // the sub-blocks' sums of the block just written
-            int32_t part = 0;
-            for (int64_t k = 0; k < F::SUB; ++k) part += q[kb * F::SB + t * F::SUB + k];
-            xsum[m * subs + kb * F::NSUB + t] = part;
-          }
-        }
-      });
-    }
-    a.xq = xq;
-    a.xs = xs;
-    a.xsum = xsum;
-  } else if (bf16) {
-    widened.resize(static_cast<size_t>(M * K));
-    float* dst = widened.data();
-    const int64_t total = M * K;
-#pragma omp parallel for schedule(static) if (total >= (1 << 16))
-    for (int64_t i = 0; i < total; ++i) {
-      const uint32_t u = static_cast<uint32_t>(x16[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-    a.x = dst;
-  } else {
-    a.x = x.data_ptr<float>();
-  }
-  // One task: kMaxGroups groups (48 outputs) for every row; the team splits the tasks evenly.
-  const int64_t tasks = (groups + kMaxGroups - 1) / kMaxGroups;
-#pragma omp parallel for schedule(static) if (tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t g0 = t * kMaxGroups;
-    task<F>(a, M, g0, static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0)), vnni);
-  }
-  return y;
-}
-
 }  // namespace kq
 
-// y = x W^T on packed k-quant blocks of format `format` (kq::Format).
-at::Tensor kq_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out, int64_t format) {
-  switch (format) {
-    case kq::kQ4_0: return kq::gemm<kq::Q4_0>(x, packed, n_out, bias, float32_out);
-    case kq::kQ5_0: return kq::gemm<kq::Q5_0>(x, packed, n_out, bias, float32_out);
-    case kq::kQ4_K: return kq::gemm<kq::Q4_K>(x, packed, n_out, bias, float32_out);
-    case kq::kQ5_K: return kq::gemm<kq::Q5_K>(x, packed, n_out, bias, float32_out);
-    case kq::kQ6_K: return kq::gemm<kq::Q6_K>(x, packed, n_out, bias, float32_out);
-    default: TORCH_CHECK(false, "kq_gemm: unknown format ", format);
+// A format's row of block_gemm.h's driver: x quantized per super-block (kActBlock: 32,
+// or 256 as llama.cpp's Q8_K), with sum(xq) of each sub-block as the terms.
+template <class F>
+struct KqFormat {
+  static constexpr const char* kName = F::kName;
+  static constexpr bool kVnni = TOKENMILL_KQ_VNNI;
+  using Term = int32_t;
+  static constexpr int64_t kActBlock = F::SB, kTermsPerBlock = F::NSUB;
+  static void terms(float, int32_t total, const int8_t* xq, int32_t* out) {
+    if constexpr (F::NSUB == 1) {
+      out[0] = total;
+    } else {
+      for (int64_t t = 0; t < F::NSUB; ++t) {
+        int32_t part = 0;
+        for (int64_t k = 0; k < F::SUB; ++k) part += xq[t * F::SUB + k];
+        out[t] = part;
+      }
+    }
   }
-}
+  static int64_t group_bytes(int64_t K) { return K / F::SB * F::BYTES; }
+  // This thread's tasks [t0, t1), each fetching the next one into L2 as it runs (int8 path).
+  static void tasks(const kq::Args& a, int64_t M, int64_t t0, int64_t t1, int64_t groups, bool vnni) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g0 = t * kq::kMaxGroups;
+      kq::task<F>(a, M, g0, static_cast<int>(std::min<int64_t>(kq::kMaxGroups, groups - g0)), vnni);
+    }
+  }
+};
 
-// The MLP's gate_up: silu(gate) * up from the rounded sums, as silu_and_mul.
-at::Tensor kq_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter, int64_t format) {
-  return silu_and_mul(kq_gemm(x, packed, 2 * inter, at::Tensor(), false, format));
-}
+#define TOKENMILL_KQ_ENTRIES(lower, F)                                              \
+  at::Tensor lower##_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) { \
+    return block_gemm::gemm<KqFormat<F>>(std::move(x), w, float32_out);           \
+  }                                                                                \
+  at::Tensor lower##_gemm_silu(at::Tensor x, const PackedWeight& w) {             \
+    return block_gemm::gemm_silu<KqFormat<F>>(std::move(x), w);                   \
+  }
+TOKENMILL_KQ_ENTRIES(q4_0, kq::Q4_0)
+TOKENMILL_KQ_ENTRIES(q5_0, kq::Q5_0)
+TOKENMILL_KQ_ENTRIES(q4_k, kq::Q4_K)
+TOKENMILL_KQ_ENTRIES(q5_k, kq::Q5_K)
+TOKENMILL_KQ_ENTRIES(q6_k, kq::Q6_K)
+#undef TOKENMILL_KQ_ENTRIES
