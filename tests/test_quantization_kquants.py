@@ -293,9 +293,13 @@ def test_greedy_matches_the_dequantized_reference(gguf_case: dict[str, Any], sce
     file's values, logprobs within 1e-4, under chunked prefill and preemption."""
     llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
               check_integrity=True, **SCENARIOS[scenario])
-    if kernels.load() is not None:
+    if kernels.load() is not None:  # the plan computes on the file's own blocks
         plan = llm.engine.runner.forward
-        assert isinstance(plan, CpuPlan) and plan.quantized
+        assert isinstance(plan, CpuPlan)
+        names = plan.ops.weight_formats()
+        expect = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "mixed": ("q8_0", "q5_k", "q5_0")}[gguf_case["name"]]
+        for layer in plan.layers:
+            assert (names[layer.qkv.format], names[layer.gate_up.format], names[layer.down.format]) == expect
     _check_greedy(_generate(llm), gguf_case["refs"])
     if scenario == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
