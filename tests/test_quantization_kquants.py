@@ -28,6 +28,7 @@ from tests.hf_models import COMMON, TEST_DEVICE, finish_gguf, gguf_tensors, gguf
 from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
 from tests.test_correctness import PROMPTS as ALL_PROMPTS
 from tests.test_quantization import NEEDS_KERNELS, SCENARIOS
+from tests.test_quantization_gguf import _dequantize_into
 from tokenmill import LLM, SamplingParams
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.formats import kquant_block_bytes, pack, pack_kquant
@@ -38,10 +39,8 @@ from tokenmill.model.quantization import (
     KQUANT_FORMATS,
     KQuantFormat,
     dequantize_kquant,
-    dequantize_q8_0,
     kquant_of,
     q8_0_of,
-    quantize_q8_0,
 )
 from tokenmill.model.source import resolve_model_source
 
@@ -176,26 +175,6 @@ def _write_gguf(hf_model: Any, path: Path, layout: dict[str, Any]) -> dict[str, 
         written[gguf_name] = (kind, data)
     finish_gguf(writer)
     return written
-
-
-def _dequantize_into(hf_model: Any, written: dict[str, tuple[Any, np.ndarray]], as_q8_0: tuple[str, ...]) -> None:
-    """Each of hf_model's matrices set to the file's values (llama.cpp's Q/K row order
-    undone); the parts in `as_q8_0` to those values' Q8_0 round trip."""
-    cfg = hf_model.config
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    with torch.no_grad():
-        for gguf_name, _, part_heads, _, param in gguf_tensors(hf_model):
-            if gguf_name not in written:
-                continue
-            kind, data = written[gguf_name]
-            values = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32))
-            values = values.reshape(param.shape)
-            part = gguf_name.split(".")[-2]
-            if part_heads is not None:
-                values = unpermute_rope_rows(values, heads[part])
-            if part in as_q8_0:
-                values = dequantize_q8_0(*quantize_q8_0(values))
-            param.copy_(values)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
