@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +30,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
 from tokenmill.engine.arg_utils import EngineArgs
+from tokenmill.engine.client import CacheFacts, EngineFacts, PromptType
 from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
@@ -49,9 +51,6 @@ if TYPE_CHECKING:
     from tokenmill.distributed.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("tokenmill")
-
-# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
-PromptType: TypeAlias = str | dict[str, Any]
 
 
 @dataclass
@@ -183,6 +182,27 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._compiling: dict[str, tuple[Request, str, Future[Any]]] = {}
         self._failed_compiles: dict[str, str] = {}  # caller's request id -> why
+        self.facts = self._facts(num_blocks)
+
+    def _facts(self, num_blocks: int) -> EngineFacts:
+        """What a front end may know (engine/client.py), fixed from here on."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return EngineFacts(
+            model_name=self.source.name,
+            model_path=self.source.path,
+            max_model_len=self.max_model_len,
+            vocab_size=self.spec.vocab_size,
+            dtype=dtype,
+            default_sampling_params=MappingProxyType(dict(self.default_sampling_params)),
+            cache=CacheFacts(
+                block_size=self.cache_config.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=self.cache_config.enable_prefix_caching,
+                kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
+                cache_dtype=dtype,
+            ),
+            tensor_parallel_ranks=self.tp.rank_locations() if self.tp is not None else (),
+        )
 
     # ---- requests ---------------------------------------------------------------
 
@@ -428,6 +448,10 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def parallel_failure(self) -> str | None:
+        """Why the tensor-parallel group stopped (a rank gone), or None."""
+        return self.tp.failure() if self.tp is not None else None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a no-op otherwise; idempotent)."""
