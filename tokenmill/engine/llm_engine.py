@@ -44,7 +44,7 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, chosen_forward
 from tokenmill.worker.step_timer import StepPhase
 
 if TYPE_CHECKING:
@@ -153,22 +153,25 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
         if self.tp is not None:
             self.tp.start(num_blocks, cache_config.block_size)
+        forward = chosen_forward(model, self.dtype, self.device)
+        if self.tp is not None:  # every forward goes to the other ranks too
+            forward = self.tp.driver(forward)
+        speculative_config = self.speculative_config
+        drafter = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            assert speculative_config.model is not None
+            drafter = DraftModelProposer(
+                speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
+                self.device)
         self.runner = ModelRunner(
             model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device,
-            seed=model_config.seed, eos_token_ids=self.eos_token_ids,
+            seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
+            drafter=drafter,
         )
-        if self.tp is not None:  # every forward goes to the other ranks too
-            self.runner.forward = self.tp.driver(self.runner.forward)
-        speculative_config = self.speculative_config
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
                                         num_spec_tokens)
         self.ngram: NgramProposer | None = None
-        if speculative_config is not None and speculative_config.method == "draft_model":
-            assert speculative_config.model is not None
-            self.runner.drafter = DraftModelProposer(
-                speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
-                self.device)
         if speculative_config is not None and speculative_config.method == "ngram":
             assert speculative_config.prompt_lookup_min and speculative_config.prompt_lookup_max
             self.ngram = NgramProposer(speculative_config.prompt_lookup_min,
@@ -415,10 +418,9 @@ class LLMEngine:
             if (request.num_tokens - request.num_computed_tokens != 1 or params.has_penalties
                     or params.structured_outputs is not None):
                 continue
-            if self.ngram is not None:
-                request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
-            else:
-                request.spec_token_ids = [DRAFT_PLACEHOLDER] * k
+            drafts = (self.ngram.propose(request.all_token_ids, k) if self.ngram is not None
+                      else [DRAFT_PLACEHOLDER] * k)
+            self.scheduler.set_drafts(request.request_id, drafts)
 
     def execute(self, step: ScheduledStep) -> StepResult:
         assert step is self._scheduled_step, "execute() runs what the last schedule() returned"
