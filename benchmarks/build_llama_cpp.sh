@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-quantize (the interactive-1 peer) from the llama.cpp
+# Build llama.cpp's llama-server, llama-quantize and llama-bench (the interactive-1 and sizes peer) from the llama.cpp
 # source that llama-cpp-python's sdist vendors: llama.cpp itself is not packaged for Debian bookworm,
 # and PyPI is the one source this machine can reach.
 #
 #   benchmarks/build_llama_cpp.sh [DEST]        (DEST defaults to /work/llama.cpp-build)
 #
 # Then: tokenmill bench interactive --llama-server DEST/bin/llama-server
-# (or TOKENMILL_LLAMA_SERVER=DEST/bin/llama-server). On a shared machine run it under the heavy lock.
+# (or TOKENMILL_LLAMA_SERVER=DEST/bin/llama-server). The sizes benchmark also uses the sdist's
+# convert_hf_to_gguf.py and gguf-py (under DEST/src). On a shared machine run it under the heavy lock.
 set -euo pipefail
 DEST=${1:-/work/llama.cpp-build}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -25,7 +26,7 @@ cmake -S "$LLAMA" -B "$DEST/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
-cmake --build "$DEST/build" -j "$JOBS" --target llama-server llama-quantize
+cmake --build "$DEST/build" -j "$JOBS" --target llama-server llama-quantize llama-bench
 mkdir -p "$DEST/bin"
-cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/bin/"
+cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/build/bin/llama-bench" "$DEST/bin/"
 "$DEST/bin/llama-server" --version

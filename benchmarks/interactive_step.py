@@ -21,9 +21,8 @@ The client is the benchmarks' own (bench.serve.client_session: aiohttp);
 `--cpu`'s client column is its CPU a token.
 
 `--busy N` starts N processes that spin on a core each (bounded by the run).
-`--small` (engine): decode steps of <= 8 requests on csrc/small_decode.cpp
-(off by default). The perf notes' runs were made when it was on by default and
-`--no-small` turned it off.
+The perf notes' small_decode runs were made with a `--small` switch, gone
+with csrc/small_decode.cpp.
 """
 
 from __future__ import annotations
@@ -55,10 +54,6 @@ def start_busy(num: int) -> list[subprocess.Popen[bytes]]:
 def engine(args: argparse.Namespace) -> None:
     from tokenmill import LLM, SamplingParams
 
-    if args.small:  # csrc/small_decode.cpp (off by default: docs/perf-notes.md), for A/B
-        from tokenmill.backends.cpu import plan
-
-        plan.SMALL_DECODE_MAX_ROWS = 8
     llm = LLM(None, dtype="bfloat16", quantization=args.quantization)
     eng = llm.engine
     prompts = throughput_a(128).prompts
@@ -181,7 +176,6 @@ def main() -> None:
     p.add_argument("--serve-args", default="")
     p.add_argument("--server-prefix", default="", help="server: run it under this command")
     p.add_argument("--cpu", action="store_true", help="server: CPU time per token, by thread")
-    p.add_argument("--small", action="store_true", help="engine: with small_decode")
     p.add_argument("--quantization", default=None, choices=("q8_0", "gguf"),
                    help="the weights kept as Q8_0 blocks, or the file's own (gguf) "
                         "(engine; server: passed to serve)")

@@ -25,7 +25,7 @@ def main() -> None:
     meta = AttentionMetadata(num_decodes=0, query_start_loc=[i * plen for i in range(reqs + 1)],
                              seq_lens=[plen] * reqs, max_decode_seq_len=0, slot_mapping=slot,
                              block_tables=bt, decode_seq_lens=torch.zeros(0, dtype=torch.int64),
-                             block_size=bs, token_req=req, token_seq_lens=pos + 1)
+                             block_size=bs, token_seq_ids=req, token_seq_lens=pos + 1)
     ids = torch.randint(100, 40000, (reqs * plen,))
     rows = torch.tensor([(i + 1) * plen - 1 for i in range(reqs)])
 

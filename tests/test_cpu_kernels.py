@@ -19,7 +19,7 @@ from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 @pytest.fixture(scope="module")
 def kernel_available() -> None:
-    if kernels.paged_decode_kernel() is None:
+    if kernels.paged_attention_kernel() is None:
         pytest.skip(f"C++ kernels could not be built here: {kernels._failed}")
 
 
@@ -58,7 +58,7 @@ def decode_case(
 @pytest.mark.parametrize("sliding_window", [None, 7])
 # 8: the plain C++ loop; 16: AVX-512 on float32 rows; 64, 128: AVX512-BF16 for bf16.
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
-def test_paged_decode_kernel_matches_torch(
+def test_paged_attention_kernel_matches_torch(
     kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
     sliding_window: int | None, head_dim: int,
 ) -> None:
@@ -82,7 +82,7 @@ def test_kv_prefetch_stream_visits_the_rows_attention_reads(
     _, kv_cache, meta = decode_case(torch.bfloat16, 4, 2, sliding_window)
     bs = meta.block_size
     lens = meta.decode_seq_lens.tolist()
-    # Queries read table rows 0..n-1 in order, or (as a step's query_req) other rows.
+    # Queries read table rows 0..n-1 in order, or (as a step's seq_ids) other rows.
     req = list(range(len(lens))) if per_query_row else [3, 3, 0, 7, 5, 5, 1, 2]
     lens = lens if per_query_row else [meta.seq_lens[r] - (1 if i in (0, 4) else 0)
                                        for i, r in enumerate(req)]
@@ -339,7 +339,7 @@ def mixed_step_case(
     query_start_loc = [0]
     for _, n in reqs:
         query_start_loc.append(query_start_loc[-1] + n)
-    token_req = torch.tensor([i for i, (_, n) in enumerate(reqs) for _ in range(n)])
+    token_seq_ids = torch.tensor([i for i, (_, n) in enumerate(reqs) for _ in range(n)])
     positions = torch.tensor([c + j for c, n in reqs for j in range(n)])
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(query_start_loc[-1], num_heads, head_dim, generator=gen).to(dtype)
@@ -349,11 +349,11 @@ def mixed_step_case(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
-        slot_mapping=torch.zeros(len(token_req), dtype=torch.int64),  # unused by attend
+        slot_mapping=torch.zeros(len(token_seq_ids), dtype=torch.int64),  # unused by attend
         block_tables=torch.tensor(tables, dtype=torch.int64),
         decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64),
         block_size=block_size,
-        token_req=token_req,
+        token_seq_ids=token_seq_ids,
         token_seq_lens=positions + 1,
     )
     return q, kv_cache, meta
@@ -399,7 +399,7 @@ def test_heads_sharing_a_kv_head_get_the_bits_of_one_head_alone(
     with AVX512-BF16: up to 3 a pass; AVX2: up to 4 in one sweep over the rows,
     more in passes of 4): each head gets the bits it gets when it has a KV head
     of its own (the cache repeated once per head)."""
-    kernel = kernels.paged_decode_kernel()
+    kernel = kernels.paged_attention_kernel()
     assert kernel is not None
     q, kv_cache, meta = decode_case(dtype, 2 * group, 2, None, head_dim)
     args = (meta.block_tables, meta.decode_seq_lens, 0.125, 0, torch.empty(0, dtype=torch.int64))
@@ -415,9 +415,9 @@ def test_fewer_queries_than_threads_give_the_bits_of_a_full_step(
     kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int, sliding_window: int
 ) -> None:
     """With fewer queries than threads the threads split each query's KV heads
-    (paged_decode_avx512bf16); every query still gets the bits it gets among
+    (paged_attention_avx512bf16); every query still gets the bits it gets among
     eight, where each thread takes whole queries."""
-    kernel = kernels.paged_decode_kernel()
+    kernel = kernels.paged_attention_kernel()
     assert kernel is not None
     q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, None, 64)
     none = torch.empty(0, dtype=torch.int64)
@@ -440,17 +440,17 @@ def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None)
     """A query of a prefill chunk gets the same bits whichever queries share its
     tile: here the chunk alone, and the chunk after other requests' queries
     (which moves where its tiles and the threads' shares start)."""
-    kernel = kernels.paged_decode_kernel()
+    kernel = kernels.paged_attention_kernel()
     assert kernel is not None
     q, kv_cache, meta = mixed_step_case(torch.bfloat16, 64, 16, LONG_CHUNKS, 9, 3)
-    assert meta.token_req is not None and meta.token_seq_lens is not None
-    whole = kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, 0.125, 0, meta.token_req)
+    assert meta.token_seq_ids is not None and meta.token_seq_lens is not None
+    whole = kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, 0.125, 0, meta.token_seq_ids)
     start, end = meta.query_start_loc[3], meta.query_start_loc[4]  # the 40-token chunk after 30
     alone = kernel(q[start:end], kv_cache, meta.block_tables, meta.token_seq_lens[start:end], 0.125, 0,
-                   meta.token_req[start:end])
+                   meta.token_seq_ids[start:end])
     assert torch.equal(alone, whole[start:end])
     shifted = kernel(q[start + 5:end], kv_cache, meta.block_tables, meta.token_seq_lens[start + 5:end],
-                     0.125, 0, meta.token_req[start + 5:end])
+                     0.125, 0, meta.token_seq_ids[start + 5:end])
     assert torch.equal(shifted, whole[start + 5:end])
 
 

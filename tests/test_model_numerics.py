@@ -41,7 +41,7 @@ class PagedRunner:
                  forward: ModelForward | None = None) -> None:
         dtype = model.model.embed_tokens.weight.dtype
         self.model = forward or pick_forward(model, dtype, torch.device("cpu"))[0]
-        self.one_call = one_call  # token_req / token_seq_lens as the engine sends them
+        self.one_call = one_call  # token_seq_ids / token_seq_lens as the engine sends them
         # Ask the model for the last row of every other request only (output_rows).
         self.rows_out = rows_out
         self.kv_caches = [
@@ -94,7 +94,7 @@ class PagedRunner:
         )
         if self.one_call:
             counts = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(batch))]
-            meta.token_req = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
+            meta.token_seq_ids = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
             meta.token_seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
         if self.rows_out:
             rows = [query_start_loc[i + 1] - 1 for i in range(0, len(batch), 2)]
@@ -278,8 +278,6 @@ def _loop_in(loop: str, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return out
 
     monkeypatch.setattr(CpuPlan, "_loop_call", spy)
-    # (Small decode steps would go to small_decode: test_small_decode_gives_the_same_bits.)
-    monkeypatch.setattr(plan, "SMALL_DECODE_MAX_ROWS", 0)
     return used
 
 
@@ -391,7 +389,6 @@ def test_split_layer_stack_gives_the_same_bits(
 
     monkeypatch.setattr(CpuPlan, "_split_call", spy)
     monkeypatch.setattr(plan, "threads", lambda: 2)
-    monkeypatch.setattr(plan, "SMALL_DECODE_MAX_ROWS", 0)  # (its own test below)
     monkeypatch.setattr(plan, "SPLIT_MAX_SHARE", 1.0)
     monkeypatch.setattr(plan, "SPLIT_ROWS_PER_WEIGHT_BYTE", 10**9)
     whole = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True, forward=fast)
@@ -402,61 +399,6 @@ def test_split_layer_stack_gives_the_same_bits(
     assert len(splits) == len(decode_steps) == 3
     for req_id in seqs:
         assert torch.equal(split[req_id], whole[req_id]), req_id
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_small_decode_gives_the_same_bits(
-    tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], threads: int,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Decode-only steps of a few requests in one parallel region, each
-    projection's outputs split between the threads (csrc/small_decode.cpp),
-    with and without the next layer's K/V prefetched: exactly the layer loop's
-    logits; steps with prefills keep the layer loop."""
-    _, _, spec, path = tiny_pair
-    if not _kernels_run("bfloat16") or spec.qk_norm:
-        pytest.skip("the C++ kernels' layer loop does not apply")
-    source = ModelSource(kind="hf", path=str(path), name=path.name)
-    model, spec = load_model(ModelConfig(model=str(path), dtype="bfloat16"), source)
-    fast = _plan_or_skip(model, "bfloat16")
-    ops = kernels.load()
-    assert ops is not None
-    if not ops.small_decode_supported():
-        pytest.skip("small_decode needs the AVX512-BF16 build")
-    seqs = _seqs(spec.vocab_size)
-    calls: list[int] = []
-    real_call = CpuPlan._small_call
-
-    def spy(self: CpuPlan, *args: Any) -> torch.Tensor | None:
-        out = real_call(self, *args)
-        if out is not None:
-            calls.append(args[0].shape[0])
-        return out
-
-    monkeypatch.setattr(CpuPlan, "_small_call", spy)
-    monkeypatch.setattr(plan, "threads", lambda: threads)
-    one = [[("C", 7)], [("C", 1)], [("C", 1)], [("C", 1)]]  # a single stream: B=1
-    for schedule in (MIXED_SCHEDULE, one):
-        ids = {r: seqs[r] for step in schedule for r, _ in step}
-        monkeypatch.setattr(plan, "SMALL_DECODE_MAX_ROWS", 0)
-        calls.clear()
-        whole = run_schedule(model, spec, ids, schedule, one_call=True, forward=fast)
-        assert not calls
-        monkeypatch.setattr(plan, "SMALL_DECODE_MAX_ROWS", 8)
-        decode_steps = [step for step in schedule if all(n == 1 for _, n in step)]
-        spin = ops.small_decode_spin(0)  # (waiters sleep at once: the barrier's other way)
-        try:
-            for mode in (1, 0):  # the K/V prefetch on whatever the CPU, and off
-                before = ops.kv_prefetch_mode(mode)
-                try:
-                    small = run_schedule(model, spec, ids, schedule, one_call=True, forward=fast)
-                finally:
-                    ops.kv_prefetch_mode(before)
-                for req_id in whole:
-                    assert torch.equal(small[req_id], whole[req_id]), (req_id, mode)
-        finally:
-            ops.small_decode_spin(spin)
-        assert calls == [len(step) for step in decode_steps] * 2
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -558,7 +500,7 @@ def test_output_rows_give_the_same_bits_and_cache(
             block_tables=table, decode_seq_lens=torch.zeros(0, dtype=torch.int64),
             block_size=BLOCK_SIZE)
         if one_call:
-            meta.token_req, meta.token_seq_lens = torch.zeros(3, dtype=torch.int64), torch.arange(1, 4)
+            meta.token_seq_ids, meta.token_seq_lens = torch.zeros(3, dtype=torch.int64), torch.arange(1, 4)
         out = forward(meta_ids, torch.arange(3), runner.kv_caches, meta,
                       torch.empty(0, dtype=torch.int64))
         assert out.shape == (0, spec.hidden_size)

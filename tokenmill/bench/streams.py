@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,16 +167,20 @@ class ServerSpec:
 
 
 class RunningServer:
-    """Start `spec`'s server (its output to `log`), wait for /health, stop it on exit."""
+    """Start `spec`'s server (its output to `log`), wait for /health, stop it on exit.
+    `on_spawn` sees the process as soon as it exists (bench sizes samples its memory from then)."""
 
-    def __init__(self, spec: ServerSpec, log: Path) -> None:
-        self.spec, self.log = spec, log
+    def __init__(self, spec: ServerSpec, log: Path,
+                 on_spawn: Callable[[subprocess.Popen[bytes]], None] | None = None) -> None:
+        self.spec, self.log, self.on_spawn = spec, log, on_spawn
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> RunningServer:
         print(f"== {self.spec.label}: {' '.join(self.spec.cmd)}", file=sys.stderr, flush=True)
         self.process = spawn_server(self.spec.cmd, {**os.environ, **self.spec.env}, self.log)
         try:
+            if self.on_spawn is not None:
+                self.on_spawn(self.process)
             wait_healthy(self.process, self.spec.base_url, self.spec.startup_timeout_s,
                          f"{self.spec.label}'s server", f"; see {self.log}")
         except BaseException:

@@ -138,6 +138,14 @@ def strip_quantization(config_path: Path) -> None:
         config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def save_gguf_tokenizer(gguf: str | Path, out_dir: Path) -> None:
+    """The GGUF file's tokenizer as Hugging Face files (tokenizer.json and its config) in out_dir."""
+    from transformers import AutoTokenizer
+
+    directory, filename = os.path.split(os.path.abspath(gguf))
+    AutoTokenizer.from_pretrained(directory, gguf_file=filename).save_pretrained(out_dir)
+
+
 def convert_model(gguf: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
     """The GGUF file as a Hugging Face directory (weights dequantized to `dtype`,
     tokenizer alongside); done once, a finished directory is reused."""
@@ -146,7 +154,7 @@ def convert_model(gguf: str | Path, out_dir: Path, dtype: str = "float32") -> Pa
     if done.exists():
         return out_dir
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     directory, filename = os.path.split(os.path.abspath(gguf))
     print(f"== converting {gguf} to {out_dir} ({dtype}) for vLLM", file=sys.stderr, flush=True)
@@ -158,7 +166,7 @@ def convert_model(gguf: str | Path, out_dir: Path, dtype: str = "float32") -> Pa
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(directory, gguf_file=filename).save_pretrained(out_dir)
+    save_gguf_tokenizer(gguf, out_dir)
     strip_quantization(out_dir / "config.json")
     done.write_text(f"{os.path.abspath(gguf)}\n")
     return out_dir

@@ -64,3 +64,32 @@ def interactive_1(requests_one: int = 3, requests_four: int = 2, long_len: int =
     long = np.random.default_rng(4).integers(100, 49000, size=(num_long, long_len)).tolist()
     return Interactive1(warmup=prompts[-1][:16], one=prompts[:a], four=prompts[a:b],
                         long=long, busy=prompts[b:b + 4])
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes workload's prompts: throughput-A's in order, each sent once."""
+
+    warmup: list[int]
+    phases: dict[int, list[list[list[int]]]]  # streams -> each stream's prompts, in order
+    long: list[list[int]]  # 512-token prompts, each sent alone with max_tokens 1
+    tg_prompt: list[int]  # one token, then 128 generated: llama-bench's tg128 through HTTP
+
+
+def sizes(streams: tuple[int, ...] = (1, 4, 16), requests_one: int = 2, long_len: int = 512,
+          num_long: int = 2) -> Sizes:
+    """Phase by phase, in the order given, each takes the next prompts of throughput-A: the
+    1-stream phase `requests_one` of them, an S-stream phase one a stream. Warm-up: the last
+    prompt's first 16 tokens; tg128's prompt: its first token. Long prompts from
+    default_rng(5).integers(100, 49000, size=(num_long, long_len))."""
+    prompts = throughput_a(128).prompts
+    phases: dict[int, list[list[list[int]]]] = {}
+    start = 0
+    for s in streams:
+        n = requests_one if s == 1 else s
+        if start + n >= len(prompts):
+            raise ValueError(f"the sizes workload has {len(prompts) - 1} prompts; asked for {start + n}")
+        phases[s] = [prompts[start + i:start + n:s] for i in range(s)]
+        start += n
+    long = np.random.default_rng(5).integers(100, 49000, size=(num_long, long_len)).tolist()
+    return Sizes(warmup=prompts[-1][:16], phases=phases, long=long, tg_prompt=prompts[-1][:1])

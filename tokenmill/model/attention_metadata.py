@@ -45,13 +45,15 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, seq_lens of the decodes
     block_size: int
     # Per token (for kernels that treat every token as one query, prefills
-    # included): its request's row in block_tables, and the context it sees
-    # (its position + 1). None where the builder did not provide them.
-    token_req: torch.Tensor | None = None  # [num_tokens] int64
+    # included): its sequence (its row of block_tables), and the context it
+    # sees (its position + 1). None where the builder did not provide them.
+    token_seq_ids: torch.Tensor | None = None  # [num_tokens] int64
     token_seq_lens: torch.Tensor | None = None  # [num_tokens] int64
-    # Each sequence's scheduled request (index), where some request is several
-    # decode sequences (verifying drafts); None: a sequence per request. Rows of
-    # one request must stay on one thread (row i reads the K/V row i - 1 writes).
+    # The one map from sequences to requests: seq_req[i] is sequence i's
+    # request, its index among the step's scheduled requests. Set only where
+    # some request is several decode sequences (verifying drafts); None: sequence
+    # i is request i. Rows of one request must stay on one thread (row i reads
+    # the K/V row i - 1 writes).
     seq_req: list[int] | None = None
 
     @property

@@ -362,7 +362,7 @@ class ModelRunner:
             block_tables=block_tables.to(self.device),
             decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int64, device=self.device),
             block_size=bs,
-            token_req=token_seq.to(self.device),
+            token_seq_ids=token_seq.to(self.device),
             token_seq_lens=(positions + 1).to(self.device),
             seq_req=seq_req if expanded else None,
         )
@@ -395,7 +395,7 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
             decode_seq_lens=lens,
             block_size=bs,
-            token_req=torch.arange(n, device=device),
+            token_seq_ids=torch.arange(n, device=device),
             token_seq_lens=lens,  # (a decode's context is its position + 1; read only)
             seq_req=None,
         )

@@ -1,4 +1,4 @@
-"""Paged attention on the C++ kernel (csrc/paged_decode.cpp): one call per
+"""Paged attention on the C++ kernel (csrc/paged_attention.cpp): one call per
 layer serves a whole step, every token one query reading K/V in place from its
 blocks (no gathered copies), a prefill chunk's tokens each seeing the context
 up to its own position. Where the kernel does not apply (another device or
@@ -18,15 +18,15 @@ _ROW_PER_QUERY = torch.empty(0, dtype=torch.int64)  # the kernel's "query i uses
 
 
 class KernelCall(NamedTuple):
-    """paged_decode's per-step arguments: the same for every layer of a step."""
+    """paged_attention's per-step arguments: the same for every layer of a step."""
 
     tables: torch.Tensor  # block tables [num_reqs, max_num_blocks]
     seq_lens: torch.Tensor  # each query's seq_len (it sits at seq_len - 1)
-    query_req: torch.Tensor  # each query's block table row; empty: query i reads row i
+    seq_ids: torch.Tensor  # each query's sequence (its row of tables); empty: query i is sequence i
 
     def rows(self, output_rows: torch.Tensor) -> KernelCall:
         """The same call for the queries in `output_rows` only."""
-        rows = self.query_req[output_rows] if self.query_req.numel() else output_rows
+        rows = self.seq_ids[output_rows] if self.seq_ids.numel() else output_rows
         return KernelCall(self.tables, self.seq_lens[output_rows], rows)
 
 
@@ -40,9 +40,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         the whole step, else None (the torch code serves)."""
         if q.device.type != "cpu" or q.dtype != kv_cache.dtype or kernels.load() is None:
             return None
-        if meta.token_req is not None and meta.token_seq_lens is not None:
+        if meta.token_seq_ids is not None and meta.token_seq_lens is not None:
             # Every token one query, prefill chunks included.
-            return KernelCall(meta.block_tables, meta.token_seq_lens, meta.token_req)
+            return KernelCall(meta.block_tables, meta.token_seq_lens, meta.token_seq_ids)
         if meta.num_decodes == meta.num_reqs:  # decodes only: query i is request i
             return KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
         return None
@@ -53,8 +53,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel."""
         ops = kernels.load()
         assert ops is not None, "kernel_call gave a call: the kernels are loaded"
-        return ops.paged_decode(q, kv_cache, call.tables, call.seq_lens, scale, sliding_window or 0,
-                                call.query_req)
+        return ops.paged_attention(q, kv_cache, call.tables, call.seq_lens, scale, sliding_window or 0,
+                                   call.seq_ids)
 
     def attend(
         self,

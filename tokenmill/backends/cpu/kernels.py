@@ -27,11 +27,12 @@ logger = logging.getLogger("tokenmill")
 
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
-_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
-                                      "packed_gemm.cpp",
-                                      "layer_stack.cpp", "small_decode.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
+                                      "packed_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+                                      "layer_loop.cpp", "layer_stack.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
-                                      "weight_watch.h", "act_quant.h")]
+                                      "weight_watch.h", "act_quant.h", "cpu_features.h", "distributed.h",
+                                      "layer_loop.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a
@@ -86,9 +87,9 @@ class CpuOps(Protocol):
     """The compiled module's functions (csrc/*.cpp says what each computes).
     Tensors are CPU, float32 or bfloat16 unless named otherwise."""
 
-    def paged_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                     query_req: torch.Tensor) -> torch.Tensor: ...
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, sliding_window: int,
+                        seq_ids: torch.Tensor) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -130,7 +131,7 @@ class CpuOps(Protocol):
 
     def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                   seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
+                   seq_lens: torch.Tensor, seq_ids: torch.Tensor, output_rows: torch.Tensor,
                    all_rows: bool) -> torch.Tensor: ...
 
     def WeightWatch(self, dicts: list[dict[str, Any]], names: list[str],
@@ -141,7 +142,7 @@ class CpuOps(Protocol):
 
     def layer_loop_tp(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                      seq_lens: torch.Tensor, query_req: torch.Tensor, output_rows: torch.Tensor,
+                      seq_lens: torch.Tensor, seq_ids: torch.Tensor, output_rows: torch.Tensor,
                       all_rows: bool, group: CppShmGroup) -> torch.Tensor: ...
 
     def shm_all_reduce(self, group: CppShmGroup, t: torch.Tensor) -> None: ...
@@ -155,19 +156,11 @@ class CpuOps(Protocol):
 
     def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_req: torch.Tensor,
+                    seq_lens: torch.Tensor, seq_ids: torch.Tensor,
                     bounds: list[int]) -> torch.Tensor: ...
 
-    def small_decode(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
-                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                     seq_lens: torch.Tensor, query_req: torch.Tensor, threads: int) -> torch.Tensor: ...
-
-    def small_decode_supported(self) -> bool: ...
-
-    def small_decode_spin(self, rounds: int) -> int: ...
-
     def kv_prefetch_rows(self, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                         query_req: torch.Tensor, window: int) -> torch.Tensor: ...
+                         seq_ids: torch.Tensor, window: int) -> torch.Tensor: ...
 
     def kv_prefetch_mode(self, mode: int) -> int: ...
 
@@ -238,9 +231,9 @@ def _build() -> CpuOps:
     return cast("CpuOps", module)
 
 
-def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+def paged_attention_kernel() -> Callable[..., torch.Tensor] | None:
     module = load()
-    return None if module is None else module.paged_decode
+    return None if module is None else module.paged_attention
 
 
 def fused_ops(x: torch.Tensor) -> CpuOps | None:

@@ -191,13 +191,6 @@ class CpuPlan:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             cos=self.rotary.cos_cache, sin=self.rotary.sin_cache,
         )
-        # small_decode's conditions that hold for the whole model (csrc/small_decode.cpp).
-        first_layer = self.layers[0] if self.layers else None
-        self._small_ok = (
-            first_layer is not None and self.dtype == torch.bfloat16 and not self.quantized
-            and bool(self.ops.small_decode_supported())
-            and all(lay.qkv.n == first_layer.qkv.n and lay.gate_up.n == first_layer.gate_up.n
-                    and lay.gate_up.n % 32 == 0 for lay in self.layers))
         # A query row through a layer's projections (2 FLOPs a parameter at ~200
         # GFLOP/s a thread) against attention reading one context token's K and
         # V (at ~10 GB/s a thread): what split_bounds weighs a row against its context.
@@ -251,10 +244,6 @@ class CpuPlan:
                 return looped
             return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
                                      torch.autograd._profiler_enabled())
-        if output_rows is None and n <= SMALL_DECODE_MAX_ROWS:
-            small = self._small_call(hidden, positions, kv_caches, meta)
-            if small is not None:
-                return small
         if output_rows is None and n <= self.max_rows:  # (all rows where it samples all: decodes)
             split = self._split_call(hidden, positions, kv_caches, meta)
             if split is not None:
@@ -280,24 +269,6 @@ class CpuPlan:
                      meta: AttentionMetadata) -> KernelCall | None:
         return self.attention.kernel_call(q, kv_caches[0], meta) if self.layers else None
 
-    def _small_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                    meta: AttentionMetadata) -> torch.Tensor | None:
-        """A decode-only step of a few requests in one C++ parallel region, each
-        weight read once by one thread (csrc/small_decode.cpp); else None."""
-        # (Not with speculative rows (seq_req): its threads split rows by count, and a
-        # request's row i would read the K/V its row i - 1 writes on another thread.)
-        if (self.dtype != torch.bfloat16 or meta.num_decodes != meta.num_reqs or meta.seq_req is not None
-                or meta.num_decodes != hidden.shape[0] or not self._small_ok
-                or torch.autograd._profiler_enabled()):
-            return None
-        call = self._kernel_call(hidden, kv_caches, meta)
-        if call is None:
-            return None
-        return self.ops.small_decode(
-            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
-            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            query_req=call.query_req, threads=threads())
-
     def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor | None:
         """The whole stack in one C++ call with the rows split between threads
@@ -313,7 +284,7 @@ class CpuPlan:
         return self.ops.layer_stack(
             model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            query_req=call.query_req, bounds=bounds)
+            seq_ids=call.seq_ids, bounds=bounds)
 
     def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                    meta: AttentionMetadata, output_rows: torch.Tensor | None,
@@ -326,7 +297,7 @@ class CpuPlan:
         return self.ops.layer_loop(
             model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
             slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            query_req=call.query_req, output_rows=_NO_ROWS if output_rows is None else output_rows,
+            seq_ids=call.seq_ids, output_rows=_NO_ROWS if output_rows is None else output_rows,
             all_rows=output_rows is None)
 
     def _tp_loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -345,7 +316,7 @@ class CpuPlan:
             return self.ops.layer_loop_tp(
                 model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
                 slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-                query_req=call.query_req,
+                seq_ids=call.seq_ids,
                 output_rows=_NO_ROWS if output_rows is None else output_rows,
                 all_rows=output_rows is None, group=native)
         except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
@@ -440,11 +411,6 @@ def threads() -> int:
 # of the weights for itself, which pays only once each weight serves enough
 # rows (docs/perf-notes.md).
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
-# Decode-only steps of up to this many requests run csrc/small_decode.cpp. Off
-# (0): idle it measured 0-3% faster than the layer loop, but beside a busy core
-# 1.2-1.6x slower (B=1 36 vs 23 ms), which is the case it was for
-# (docs/perf-notes.md); its test sets it.
-SMALL_DECODE_MAX_ROWS = 0
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
 

@@ -5,6 +5,7 @@
 
 #include <pybind11/stl.h>
 
+#include "distributed.h"
 #include "layer_stack.h"
 #include "weight_watch.h"
 
@@ -63,8 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::list, py::list, py::list>(), py::arg("dicts"), py::arg("names"), py::arg("tensors"))
       .def("unchanged", &WeightWatch::unchanged);
 
-  TOKENMILL_DEF(paged_decode, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-                py::arg("scale"), py::arg("sliding_window"), py::arg("query_req"));
+  TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"));
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
@@ -80,24 +81,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
   m.def("packed_gemm_max_rows", torch::wrap_pybind_function(packed_gemm_max_rows));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
-                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
+                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
                 py::arg("output_rows"), py::arg("all_rows"));
   TOKENMILL_DEF(layer_loop_tp, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
-                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
+                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
                 py::arg("output_rows"), py::arg("all_rows"), py::arg("group"));
   TOKENMILL_DEF(shm_all_reduce, py::arg("group"), py::arg("t"));
   TOKENMILL_DEF(shm_gather, py::arg("group"), py::arg("local"), py::arg("out"), py::arg("widths"));
   TOKENMILL_DEF(shm_send, py::arg("group"), py::arg("data"));
   TOKENMILL_DEF(shm_receive, py::arg("group"));
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
-                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
+                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
                 py::arg("bounds"));
-  TOKENMILL_DEF(small_decode, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
-                py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_req"),
-                py::arg("threads"));
-  m.def("small_decode_supported", torch::wrap_pybind_function(small_decode_supported));
-  TOKENMILL_DEF(small_decode_spin, py::arg("rounds"));
   TOKENMILL_DEF(kv_prefetch_rows, py::arg("kv_cache"), py::arg("tables"), py::arg("seq_lens"),
-                py::arg("query_req"), py::arg("window"));
+                py::arg("seq_ids"), py::arg("window"));
   TOKENMILL_DEF(kv_prefetch_mode, py::arg("mode"));
 }

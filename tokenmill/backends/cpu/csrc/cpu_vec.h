@@ -1,4 +1,4 @@
-// Vector helpers shared by the AVX-512 kernels (paged_decode.cpp).
+// Vector helpers shared by the AVX-512 kernels (paged_attention.cpp).
 #pragma once
 #if defined(__AVX512F__)
 #include <immintrin.h>

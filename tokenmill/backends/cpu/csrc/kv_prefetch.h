@@ -29,7 +29,7 @@
 // deleted every prefetch of a lambda that did nothing else (it finds such a
 // lambda free of side effects and drops the call), which left the AVX2 and
 // AVX-512 float attention kernels without the prefetches their source asked
-// for (objdump: no prefetch instruction in them; paged_decode.cpp says what
+// for (objdump: no prefetch instruction in them; paged_attention.cpp says what
 // they measured once made to work). An asm volatile statement stays.
 template <auto Hint>
 inline void prefetch_line(const char* p) {
@@ -55,7 +55,7 @@ struct KvPrefetch {
   const int64_t* table = nullptr;   // block tables [rows, max_blocks]
   int64_t max_blocks = 0;
   const int64_t* lens = nullptr;    // seq_len of each query
-  const int64_t* req = nullptr;     // table row of each query, or null: query i reads row i
+  const int64_t* seq = nullptr;     // each query's sequence (table row), or null: query i reads row i
   int64_t window = 0;               // the layer's sliding window (0: none)
   int64_t block_size = 0, block_bytes = 0, row_bytes = 0;
   int64_t q = 0, q_end = 0;         // queries [q, q_end) still to come
@@ -69,7 +69,7 @@ struct KvPrefetch {
       blk = t / block_size;
       off = t % block_size;
     }
-    const char* row = k + table[(req ? req[q] : q) * max_blocks + blk] * block_bytes + off * row_bytes;
+    const char* row = k + table[(seq ? seq[q] : q) * max_blocks + blk] * block_bytes + off * row_bytes;
     if (++off == block_size) {
       off = 0;
       ++blk;
@@ -88,7 +88,7 @@ struct KvPrefetch {
   }
 };
 
-// The queries [lo, hi) that thread tid of nth takes in paged_decode's bf16
+// The queries [lo, hi) that thread tid of nth takes in paged_attention's bf16
 // kernel: contiguous ranges of about equal work, a query costing its context
 // (its window's) and a fixed 16 (the queries of a prefill chunk cost more the
 // later they sit). Shared with the layer loop's streams, so that each thread

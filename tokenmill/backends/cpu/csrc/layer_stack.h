@@ -1,4 +1,4 @@
-// The weights the decoder-layer calls (layer_stack.cpp) take, by name: one
+// The weights the decoder-layer calls (layer_loop.cpp, layer_stack.cpp) take, by name: one
 // LayerWeights per layer and one ModelWeights for the stack, built once by
 // the CPU plan (plan.py) and bound to Python in bindings.cpp.
 #pragma once
@@ -28,14 +28,4 @@ struct ModelWeights {
   double eps = 1e-6;      // every norm's epsilon
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   at::Tensor cos, sin;  // the rotary tables [max_positions, head_dim / 2]
-};
-
-// A tensor-parallel group's all-reduce over shared memory, for ranks on one
-// machine (layer_stack.cpp shm_all_reduce; distributed/shm.py maps the region).
-struct ShmGroup {
-  at::Tensor region;          // uint8, the whole shared mapping (its layout: layer_stack.cpp)
-  int64_t rank = 0, size = 1;
-  int64_t capacity = 0;       // float32 values a slot holds; longer tensors go in chunks
-  std::vector<int64_t> pids;  // each rank's process id, to tell a dead peer from a slow one
-  double timeout_s = 120.0;   // no peer for this long: the group stops
 };

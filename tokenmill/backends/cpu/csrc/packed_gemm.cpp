@@ -572,47 +572,6 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
   }
 }
 
-#if TOKENMILL_GEMM_BF16
-// Groups [g0, g1) of run<BF16, SILU>'s tasks, every row, on the calling thread
-// alone (small_decode.cpp splits a projection's groups between its threads,
-// so each weight is read once a step). Each group prefetches the next one of
-// the range meanwhile, as run's tasks do, and the tiles feed this thread's
-// K/V prefetch stream where it has one. The same tiles, so the same bits.
-template <bool BF16, bool SILU>
-void run_groups(const GemmArgs& a, int64_t M, int64_t nblocks, int64_t g0, int64_t g1) {
-  constexpr int64_t GB = SILU ? 2 : kGroupBlocks;
-  const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
-  const int64_t outs = SILU ? nblocks / 2 : nblocks, half = SILU ? nblocks / 2 : 0;
-  const char* base = static_cast<const char*>(a.w);
-  auto blocks = [&](int64_t g, const char** w) {
-    const int64_t b0 = g * GB, nb = std::min(GB, outs - b0);
-    for (int64_t j = 0; j < nb; ++j) {
-      if (SILU) {
-        w[2 * j] = base + (b0 + j) * blk;
-        w[2 * j + 1] = base + (b0 + j + half) * blk;
-      } else {
-        w[j] = base + (b0 + j) * blk;
-      }
-    }
-    return nb;
-  };
-  for (int64_t g = g0; g < g1; ++g) {
-    const char* w[2 * GB];
-    const char* next[2 * GB];
-    const int64_t nb = blocks(g, w), col = g * GB;
-    const char* const* pf = g + 1 < g1 && blocks(g + 1, next) == GB ? next : nullptr;
-    if constexpr (SILU) {
-      if (nb == 2) rows_kv<BF16, 4, true>(a, 0, M, w, col, pf);
-      else rows_kv<BF16, 2, true>(a, 0, M, w, col, pf);
-    } else {
-      if (nb == 3) rows_kv<BF16, 3>(a, 0, M, w, col, pf);
-      else if (nb == 2) rows_kv<BF16, 2>(a, 0, M, w, col, pf);
-      else rows_kv<BF16, 1>(a, 0, M, w, col, pf);
-    }
-  }
-}
-#endif
-
 // Each group of blocks reads all of its rows of x: past a few hundred rows x
 // no longer stays in cache between groups, so the rows go in stretches of 512.
 // f(part, rows).
@@ -721,35 +680,6 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
   in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
   return y;
 }
-
-// The output groups packed_gemm_part splits a projection into (its packed
-// weights have nblocks blocks of 16 outputs; silu: gate_up for packed_gemm_silu).
-int64_t packed_gemm_groups(int64_t nblocks, bool silu) {
-  const int64_t per = silu ? 2 : kGroupBlocks, outs = silu ? nblocks / 2 : nblocks;
-  return (outs + per - 1) / per;
-}
-
-// Whether packed_gemm_part serves bf16 here (the AVX512-BF16 build).
-bool packed_gemm_part_bf16() { return TOKENMILL_GEMM_BF16; }
-
-// Output groups [g0, g1) of packed_gemm(x, packed, n_out, bias32, false) (silu:
-// of packed_gemm_silu(x, packed, n_out), n_out = inter) into y [M, n_out], on
-// the calling thread alone: bf16 x [M, K] and weights, the AVX512-BF16 build
-// only (packed_gemm_part_bf16); bias32 null or [nblocks * 16] float32 as
-// packed_gemm pads it. Every output group written once by whichever thread
-// takes it, with the same tiles as packed_gemm: the same bits.
-void packed_gemm_part(const void* x, const void* packed, const float* bias32, void* y, int64_t M, int64_t K,
-                      int64_t n_out, int64_t nblocks, bool silu, int64_t g0, int64_t g1) {
-#if TOKENMILL_GEMM_BF16
-  GemmArgs a{x, packed, bias32, static_cast<uint16_t*>(y), nullptr, K, n_out};
-  if (silu) run_groups<true, true>(a, M, nblocks, g0, g1);
-  else run_groups<true, false>(a, M, nblocks, g0, g1);
-#else
-  (void)x, (void)packed, (void)bias32, (void)y, (void)M, (void)K, (void)n_out, (void)nblocks, (void)silu, (void)g0,
-      (void)g1;
-  TORCH_CHECK(false, "packed_gemm_part needs AVX512-BF16");
-#endif
-}
 #else
 std::vector<std::string> packed_gemm_dtypes() { return {}; }
 int64_t packed_gemm_max_rows() { return 0; }
@@ -760,11 +690,5 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor, int64_t, at::Tensor, bool) {
 at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor, int64_t) {
   TORCH_CHECK(false, "packed_gemm_silu needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
-}
-int64_t packed_gemm_groups(int64_t, bool) { return 0; }
-bool packed_gemm_part_bf16() { return false; }
-void packed_gemm_part(const void*, const void*, const float*, void*, int64_t, int64_t, int64_t, int64_t, bool,
-                      int64_t, int64_t) {
-  TORCH_CHECK(false, "packed_gemm_part needs AVX512-BF16");
 }
 #endif

@@ -8,7 +8,7 @@
 //   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables [num_reqs, max_num_blocks] int64
 //   seq_lens     [num_queries] int64   (query i sits at position seq_lens[i] - 1)
-//   query_req    [num_queries] int64   (block table row of query i; empty: row i)
+//   seq_ids      [num_queries] int64   (query i's sequence: its block table row; empty: row i)
 //   -> out       [num_queries, num_heads, head_dim]
 //
 // Scores, softmax and the weighted sum are accumulated in float32.
@@ -59,9 +59,9 @@ static inline void axpy(float alpha, const float* __restrict x, float* __restric
 }
 
 template <typename scalar_t>
-static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
+static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
   const int64_t num_decodes = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -77,7 +77,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_base = k_base + kv_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
+  const int64_t* seq = seq_ids.numel() ? seq_ids.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
@@ -95,7 +95,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     for (float& x : qf) x *= fscale;
     // scores[head][t] = q_head . k_{kv head of head}[t]
     for (int64_t t = first; t < seq_len; ++t) {
-      const int64_t block = bt[(req ? req[b] : b) * max_blocks + t / block_size];
+      const int64_t block = bt[(seq ? seq[b] : b) * max_blocks + t / block_size];
       to_float(k_base + block * block_stride + (t % block_size) * row_stride, row.data(), row_stride);
       for (int64_t head = 0; head < num_heads; ++head)
         scores[head * n + (t - first)] =
@@ -111,7 +111,7 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
     }
     for (int64_t t = first; t < seq_len; ++t) {  // acc[head] += p[head][t] * v[t]
-      const int64_t block = bt[(req ? req[b] : b) * max_blocks + t / block_size];
+      const int64_t block = bt[(seq ? seq[b] : b) * max_blocks + t / block_size];
       to_float(v_base + block * block_stride + (t % block_size) * row_stride, row.data(), row_stride);
       for (int64_t head = 0; head < num_heads; ++head)
         axpy(scores[head * n + (t - first)], &row[(head / group) * head_dim], &acc[head * head_dim],
@@ -137,9 +137,9 @@ static inline __m512 load16(const at::BFloat16* p) {
 }
 
 template <typename scalar_t, int C>  // C = head_dim / 16
-static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
+static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+                                double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
   constexpr int64_t head_dim = 16 * C;
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -155,7 +155,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_base = k_base + kv_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
+  const int64_t* seq = seq_ids.numel() ? seq_ids.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
@@ -176,7 +176,7 @@ static void paged_decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
       scores.resize(n_pad);
       rows.resize(n);
       for (int64_t t = first; t < seq_len; ++t)
-        rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
+        rows[t - first] = k_base + bt[(seq ? seq[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
       for (int64_t head = 0; head < num_heads; ++head) {
         const int64_t kv_off = (head / group) * head_dim;
@@ -461,9 +461,9 @@ static inline void group_values(int gc, const at::BFloat16* const* rows, int64_t
 }
 
 template <int C>  // C = head_dim / 16, even
-static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
+static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+                                    double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
   using scalar_t = at::BFloat16;
   constexpr int64_t head_dim = 16 * C;
   constexpr int P = C / 2;  // 32-element chunks of a head
@@ -479,7 +479,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const int64_t q_row = q.stride(0);  // q may be a view of wider rows
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
+  const int64_t* seq = seq_ids.numel() ? seq_ids.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
@@ -493,14 +493,14 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t kv_bytes = kv_stride * static_cast<int64_t>(sizeof(scalar_t));  // K row -> its V row
 
-  auto row_of = [&](int64_t b) { return req ? req[b] : b; };
+  auto row_of = [&](int64_t b) { return seq ? seq[b] : b; };
   // Whether query b is one of a run of queries of one request at consecutive
   // positions (a prefill chunk of 2 tokens or more): those go in tiles.
   auto follows = [&](int64_t b) {  // query b (> 0) is query b - 1's next position, same request
-    return req[b] == req[b - 1] && lens[b] == lens[b - 1] + 1;
+    return seq[b] == seq[b - 1] && lens[b] == lens[b - 1] + 1;
   };
   auto in_chunk = [&](int64_t b) {
-    if (!req || sliding_window > 0) return false;
+    if (!seq || sliding_window > 0) return false;
     return (b > 0 && follows(b)) || (b + 1 < num_decodes && follows(b + 1));
   };
   // rows[t - first] = K row of context token t, for t in [first, last): a division per block, not per token.
@@ -524,7 +524,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
   // flight. A head's sums are computed the same way either way: the same bits.
   bool split_heads = num_kv_heads > 1 && num_decodes < omp_get_max_threads();
   for (int64_t b = 1; b < num_decodes && split_heads; ++b)
-    split_heads = !(req && sliding_window <= 0 && follows(b));  // (no prefill tiles: they take all heads)
+    split_heads = !(seq && sliding_window <= 0 && follows(b));  // (no prefill tiles: they take all heads)
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -567,7 +567,7 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
         while (e < hi && e - b < 16 && follows(e)) ++e;
         const int64_t n = lens[e - 1], n_rows = std::max<int64_t>((n + 7) & ~int64_t(7), n + 1);
         rows.resize(n_rows);
-        fill_rows(bt + req[b] * max_blocks, 0, n, rows);
+        fill_rows(bt + seq[b] * max_blocks, 0, n, rows);
         for (int64_t t = n; t < n_rows; ++t) rows[t] = rows[n - 1];
         prefill_tile_bf16<C>(q_ptr, q_row, b, e - b, lens, rows.data(), kv_stride, num_heads, num_kv_heads,
                              vscale, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
@@ -646,24 +646,24 @@ static void paged_decode_avx512bf16(const at::Tensor& q, const at::Tensor& kv_ca
 #endif
 
 template <typename scalar_t>
-static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
+static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     switch (q.size(2)) {
-      case 32: paged_decode_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-      case 64: paged_decode_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-      case 128: paged_decode_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
       default: break;
     }
   }
 #endif
   switch (q.size(2)) {
-    case 16: paged_decode_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-    case 32: paged_decode_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-    case 64: paged_decode_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-    case 128: paged_decode_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 16: paged_attention_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 32: paged_attention_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 64: paged_attention_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 128: paged_attention_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
     default: return false;
   }
 }
@@ -854,9 +854,9 @@ static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int
 }
 
 template <typename scalar_t, int C>  // C = head_dim / 8
-static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
+static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
   constexpr int64_t head_dim = 8 * C;
   constexpr int GM = 4;  // query heads of a KV head taken together (more: in turns)
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
@@ -872,7 +872,7 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t q_row = q.stride(0);
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* req = query_req.numel() ? query_req.data_ptr<int64_t>() : nullptr;
+  const int64_t* seq = seq_ids.numel() ? seq_ids.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
@@ -892,7 +892,7 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
       scores.resize(GM * n_pad);
       rows.resize(n);
       for (int64_t t = first; t < seq_len; ++t)
-        rows[t - first] = k_base + bt[(req ? req[b] : b) * max_blocks + t / block_size] * block_stride +
+        rows[t - first] = k_base + bt[(seq ? seq[b] : b) * max_blocks + t / block_size] * block_stride +
                           (t % block_size) * row_stride;
       if (group <= GM) {
         rscores.resize(num_heads * n_pad);
@@ -932,29 +932,29 @@ static void paged_decode_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
 }
 
 template <typename scalar_t>
-static bool paged_decode_fast(const at::Tensor& q, const at::Tensor& kv_cache,
+static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& query_req, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
   switch (q.size(2)) {
-    case 32: paged_decode_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-    case 64: paged_decode_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
-    case 128: paged_decode_avx2<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out); return true;
+    case 32: paged_attention_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 64: paged_attention_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 128: paged_attention_avx2<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
     default: return false;
   }
 }
 #else
 template <typename scalar_t>
-static bool paged_decode_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+static bool paged_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, double, int64_t, const at::Tensor&, at::Tensor&) {
   return false;
 }
 #endif
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t sliding_window,
-                        at::Tensor query_req) {
+                        at::Tensor seq_ids) {
   NoGil no_gil;
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
   // q may be a view of the fused qkv rows: each row's heads contiguous is enough.
@@ -963,25 +963,25 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   block_tables = block_tables.to(at::kLong).contiguous();
   seq_lens = seq_lens.to(at::kLong).contiguous();
   TORCH_CHECK(seq_lens.numel() == q.size(0), "one seq_len per query");
-  if (query_req.numel()) {
-    query_req = query_req.to(at::kLong).contiguous();
-    TORCH_CHECK(query_req.numel() == q.size(0), "one block table row per query");
-    const int64_t* r = query_req.data_ptr<int64_t>();
+  if (seq_ids.numel()) {
+    seq_ids = seq_ids.to(at::kLong).contiguous();
+    TORCH_CHECK(seq_ids.numel() == q.size(0), "one block table row per query");
+    const int64_t* r = seq_ids.data_ptr<int64_t>();
     bool in_range = true;
-    for (int64_t i = 0; i < query_req.numel(); ++i) in_range &= r[i] >= 0 && r[i] < block_tables.size(0);
-    TORCH_CHECK(in_range, "query_req out of range");
+    for (int64_t i = 0; i < seq_ids.numel(); ++i) in_range &= r[i] >= 0 && r[i] < block_tables.size(0);
+    TORCH_CHECK(in_range, "seq_ids out of range");
   } else {
     TORCH_CHECK(block_tables.size(0) >= q.size(0), "a block table row per query");
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    if (!paged_decode_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out))
-      paged_decode_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out);
+    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out))
+      paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    if (!paged_decode_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out))
-      paged_decode_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, query_req, out);
+    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out))
+      paged_attention_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out);
   } else {
-    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
   return out;
 }

