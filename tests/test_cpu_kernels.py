@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_quantization_kquants import _random_blocks
 from tokenmill.backends.cpu import formats, kernels, memory
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.model.attention import TorchAttentionBackend, write_kv_cache
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import RMSNorm
-from tokenmill.model.quantization import q4_0_as_q4_1, quantize_q8_0
+from tokenmill.model.quantization import KQUANT_FORMATS, q4_0_as_q4_1, quantize_q8_0
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
@@ -340,12 +341,15 @@ def test_the_format_table_matches_the_kernels() -> None:
     q4_0 = torch.randint(0, 256, (48, 4, 18), dtype=torch.uint8, generator=gen)
     q4_0[..., 0:2] = torch.full((48, 4, 1), 0.01, dtype=torch.float16).view(torch.uint8)
     sources = {"bfloat16": w.to(torch.bfloat16), "float32": w, "q8_0": (q, d), "q4_1": q4_0_as_q4_1(q4_0),
-               "q4_0": q4_0}
+               "q4_0_as_q4_1": q4_0, "q4_0": q4_0}
+    for fmt in KQUANT_FORMATS.values():  # (the k-quants' rows a super-block of 256: K = 256)
+        if fmt.name != "Q4_0":
+            sources[fmt.name.lower()] = _random_blocks(fmt, 48, 256 if fmt.block_values == 256 else 128)
     for name, row in formats.FORMATS.items():
         packed = formats.pack(ops, name, sources[name])
-        assert (packed.n, packed.k) == (48, 128)
-        assert formats.packed_bytes(packed) == row.bytes_per_weight * 48 * 128, name
-        x = torch.randn(2, 128, generator=gen).to(torch.float32 if name == "float32" else torch.bfloat16)
+        assert packed.n == 48 and packed.k in (128, 256)
+        assert formats.packed_bytes(packed) == row.bytes_per_weight * 48 * packed.k, name
+        x = torch.randn(2, packed.k, generator=gen).to(torch.float32 if name == "float32" else torch.bfloat16)
         assert ops.packed_gemm(x, packed, True).shape == (2, 48)
 
 

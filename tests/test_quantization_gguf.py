@@ -1,4 +1,4 @@
-"""quantization="gguf": a GGUF file's own Q4_1 (Q4_0 too) and Q8_0 blocks kept as
+"""quantization="gguf": a GGUF file's own Q4_1, Q4_0 and Q8_0 blocks kept as
 they are, computed on by the CPU plan's q4_gemm (csrc/q4_gemm.cpp) and q8_gemm.
 
 The oracle is transformers on the dequantized weights (d * q + m, the same values
@@ -41,6 +41,7 @@ from tokenmill.model.loader import load_model, unpermute_rope_rows
 from tokenmill.model.quantization import (
     dequantize_q4_1,
     dequantize_q8_0,
+    kquant_of,
     q4_0_as_q4_1,
     q4_1_of,
     q8_0_of,
@@ -111,7 +112,8 @@ def test_q4_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
 # --- tiny GGUF files ----------------------------------------------------------------
 
 # The matrices' GGUF types: "q4_1" as the default model's file (Q4_1, a Q8_0 token_embd,
-# tied head); "mixed": an untied Q4_1 head, a Q4_0 embedding and ffn_down, and an F16
+# tied head); "mixed": an untied Q4_1 head, a Q4_0 embedding and ffn_down (kept as
+# Q4_0: csrc/kq_gemm.cpp, tests/test_quantization_kquants.py), and an F16
 # attn_v (so the fused qkv is Q8_0: the Q4_1 q/k requantized, as quantization="q8_0").
 LAYOUTS: dict[str, dict[str, Any]] = {
     "q4_1": {"tied": True, "types": {"token_embd": Q8_0}},
@@ -181,9 +183,13 @@ def _raw(written: dict[str, tuple[Any, np.ndarray]], name: str, heads: int | Non
     kind, data = written[name]
     size = {Q4_1: 20, Q4_0: 18}[kind]
     blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(data.shape[0], -1, size))
-    if kind == Q4_0:
-        blocks = q4_0_as_q4_1(blocks)
     return blocks if heads is None else unpermute_rope_rows(blocks, heads)
+
+
+def _held(module: torch.nn.Module) -> torch.Tensor | None:
+    """A module's Q4_1 blocks, or its Q4_0 ones (kept as Q4_0 where alone)."""
+    kept = kquant_of(module)
+    return q4_1_of(module) if kept is None else kept[1]
 
 
 def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> None:
@@ -196,7 +202,7 @@ def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> Non
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             assert "weight" not in module._parameters  # no float copy
         assert torch.equal(q4_1_of(attn.o_proj), _raw(written, f"blk.{i}.attn_output.weight"))
-        assert torch.equal(q4_1_of(mlp.down_proj), _raw(written, f"blk.{i}.ffn_down.weight"))
+        assert torch.equal(_held(mlp.down_proj), _raw(written, f"blk.{i}.ffn_down.weight"))
         gate_up = q4_1_of(mlp.gate_up_proj)
         assert gate_up is not None
         assert torch.equal(gate_up, torch.cat([_raw(written, f"blk.{i}.ffn_gate.weight"),
@@ -211,7 +217,7 @@ def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> Non
                 _raw(written, f"blk.{i}.attn_v.weight")]))
     assert model.model.norm.weight.dtype == torch.float32  # norms stay float
     if mixed:
-        assert torch.equal(q4_1_of(model.model.embed_tokens), _raw(written, "token_embd.weight"))
+        assert torch.equal(_held(model.model.embed_tokens), _raw(written, "token_embd.weight"))
         assert torch.equal(q4_1_of(model.lm_head), _raw(written, "output.weight"))
     else:  # the default file's shape: a Q8_0 embedding, the head sharing its blocks
         embed, head = q8_0_of(model.model.embed_tokens), q8_0_of(model.lm_head)
@@ -237,7 +243,8 @@ def test_greedy_matches_the_dequantized_reference(gguf_case: dict[str, Any], sce
         plan = llm.engine.runner.forward
         assert isinstance(plan, CpuPlan)
         kernels_here = plan.ops.weight_formats()
-        assert all(kernels_here[layer.down.format] == "q4_1" for layer in plan.layers)  # Q4_1 blocks
+        down = "q4_0" if gguf_case["name"] == "mixed" else "q4_1"  # the file's blocks
+        assert all(kernels_here[layer.down.format] == down for layer in plan.layers)
     for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(_generate(llm), gguf_case["refs"], strict=True)):
         completion = out.outputs[0]
         assert completion.token_ids == ref_tokens, f"prompt {i}"
@@ -274,9 +281,9 @@ def test_the_plan_holds_the_only_copy_of_each_q4_1_weight(gguf_case: dict[str, A
     plan = llm.engine.runner.forward
     if not isinstance(plan, CpuPlan):
         pytest.skip("the C++ kernels are not built here")
-    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
-    assert down.q4_1.device.type == "meta" and down.q4_1.shape[-1] == 20
-    assert plan.layers[1].down.data.device.type == "cpu"
+    o_proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj  # (Q4_1 in both layouts)
+    assert o_proj.q4_1.device.type == "meta" and o_proj.q4_1.shape[-1] == 20
+    assert plan.layers[1].o.data.device.type == "cpu"
 
 
 def test_reference_model_dequantizes_q4_1_on_the_fly(gguf_case: dict[str, Any]) -> None:

@@ -3,8 +3,8 @@ type_traits): each row says how to pack a weight of that format, which C++
 GEMM serves it (csrc/formats.h, by name), and its bytes per weight.
 
 A weight enters as its module holds it (`source_of`): a float Parameter
-(bfloat16, float32) or GGUF blocks kept by model/quantization.py (Q8_0, Q4_1;
-Q4_0 is loaded as Q4_1). `pack` turns it into a `PackedWeight` (csrc/formats.h:
+(bfloat16, float32) or GGUF blocks kept by model/quantization.py (Q8_0, Q4_1,
+and Q4_0, Q5_0, Q4_K, Q5_K, Q6_K as KQUANT_FORMATS). `pack` turns it into a `PackedWeight` (csrc/formats.h:
 format, out and in features, data, bias), the one argument every GEMM call
 takes; the C++ dispatches on its format, never on a shape.
 
@@ -26,7 +26,15 @@ import torch
 from torch import nn
 
 from tokenmill.backends.cpu.memory import mapped_zeros
-from tokenmill.model.quantization import q4_0_as_q4_1, q4_1_of, q8_0_of
+from tokenmill.model.quantization import (
+    KQUANT_FORMATS,
+    KQuantFormat,
+    kquant_fields,
+    kquant_of,
+    q4_0_as_q4_1,
+    q4_1_of,
+    q8_0_of,
+)
 
 
 class CppPackedWeight(Protocol):
@@ -142,6 +150,57 @@ def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def kquant_block_bytes(fmt: KQuantFormat) -> int:
+    """Bytes of one packed super-block of 16 outputs (csrc/kq_gemm.cpp's Fmt::BYTES)."""
+    subs = fmt.block_values // fmt.sub
+    header = 32 * (2 if fmt.mins else 1) + 16 * subs * (int(fmt.scales) + int(fmt.mins))
+    return header + fmt.block_values // 32 * (256 + 64 * fmt.high_bits)
+
+
+def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks of `fmt` (uint8 [N, K / SB, block_bytes], model/quantization.py's
+    layouts) -> the layout csrc/kq_gemm.cpp reads front to back, zero rows padding N
+    to a multiple of 16: uint8 [ceil(N/16), K / SB, kquant_block_bytes(fmt)], each
+    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc (and mn) a
+    byte each in lane order, then per 32 inputs the q's low nibbles as q4_gemm's
+    operands (for 8 inputs kk, byte 4 j + t: q[j][8 kk + t] low, q[j][8 kk + 4 + t]
+    high) and their high bits as 64-bit masks (bit 4 j + t; for each kk and bit, the
+    low operand's then the high one's). On huge pages (mapped_zeros), as pack_weight."""
+    n, nb = blocks.shape[0], blocks.shape[1]
+    groups = -(-n // 16)
+    if groups * 16 != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, nb, fmt.block_bytes)])
+    f = kquant_fields(fmt, blocks)
+    chunks = fmt.block_values // 32
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [G*16, nb, ...] -> [G, nb, ..., 16] as bytes
+        t = t.reshape(groups, 16, nb, -1).permute(0, 2, 3, 1)
+        return t.contiguous().view(torch.uint8).reshape(groups, nb, -1)
+
+    parts = [lanes(f.d.unsqueeze(-1))]
+    if f.dmin is not None:
+        parts.append(lanes(f.dmin.unsqueeze(-1)))
+    if f.sc is not None:
+        parts.append(lanes(f.sc.to(torch.int8)))
+    if f.mn is not None:
+        parts.append(lanes(f.mn))
+    q = f.q.reshape(groups, 16, nb, chunks, 4, 2, 4)  # (g, j, sb, c, kk, low/high operand, t)
+    nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
+    body = [nibbles.reshape(groups, nb, chunks, 256)]
+    if fmt.high_bits:
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int16)
+        bits = torch.stack([(q >> (4 + b)) & 1 for b in range(fmt.high_bits)], dim=5)  # (g, j, sb, c, kk, b, h, t)
+        bits = bits.permute(0, 2, 3, 4, 5, 6, 1, 7).reshape(groups, nb, chunks, 4, fmt.high_bits, 2, 8, 8)
+        masks = (bits.to(torch.int16) * weights).sum(-1).to(torch.uint8)  # bit p = 4 j + t of 8 bytes
+        body.append(masks.reshape(groups, nb, chunks, 64 * fmt.high_bits))
+    parts.append(torch.cat(body, dim=-1).reshape(groups, nb, -1))
+    packed = torch.cat(parts, dim=-1)
+    assert packed.shape[-1] == kquant_block_bytes(fmt), (packed.shape, fmt)
+    out = mapped_zeros(tuple(packed.shape), torch.uint8)
+    out.copy_(packed)
+    return out
+
+
 def _dense(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return pack_weight(w.detach()), w.shape[0], w.shape[1]
 
@@ -159,22 +218,36 @@ def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return _q4_1(q4_0_as_q4_1(blocks))  # (m = -8 d: the same values, model/quantization.py)
 
 
+def _kquant(fmt: KQuantFormat) -> Callable[[torch.Tensor], tuple[torch.Tensor, int, int]]:
+    def packer(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        return pack_kquant(fmt, blocks), blocks.shape[0], blocks.shape[1] * fmt.block_values
+
+    return packer
+
+
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("bfloat16", "bfloat16", 2.0, _dense),
     WeightFormat("float32", "float32", 4.0, _dense),
     WeightFormat("q8_0", "q8_0", 1.0625, _q8_0),
     WeightFormat("q4_1", "q4_1", 0.625, _q4_1),
-    WeightFormat("q4_0", "q4_1", 0.625, _q4_0),
+    # (Q4_0 as Q4_1: a fused module holding both; the loader keeps Q4_0 alone as q4_0)
+    WeightFormat("q4_0_as_q4_1", "q4_1", 0.625, _q4_0),
+    # The GGUF formats csrc/kq_gemm.cpp computes on: a super-block of 16 outputs is
+    # 16 of the file's blocks, but Q4_K's / Q5_K's 6-bit scales unpacked (20 bytes for 16).
+    *(WeightFormat(fmt.name.lower(), fmt.name.lower(), kquant_block_bytes(fmt) / (16 * fmt.block_values),
+                   _kquant(fmt)) for fmt in KQUANT_FORMATS.values()),
 )}
 
 
 def source_of(module: nn.Module) -> tuple[str, Any]:
     """A Linear's weight as it holds it: (format name, what that row's pack takes)."""
-    q8, q4 = q8_0_of(module), q4_1_of(module)
+    q8, q4, kq = q8_0_of(module), q4_1_of(module), kquant_of(module)
     if q8 is not None:
         return "q8_0", q8
     if q4 is not None:
         return "q4_1", q4
+    if kq is not None:
+        return kq[0].name.lower(), kq[1]
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
     name = str(weight.dtype).removeprefix("torch.")

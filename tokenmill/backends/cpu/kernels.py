@@ -28,7 +28,7 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "packed_gemm.cpp", "q8_gemm.cpp",
-                                      "q4_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+                                      "q4_gemm.cpp", "kq_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
                                       "layer_loop.cpp", "layer_stack.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
                                       "act_quant.h", "formats.h", "block_gemm.h", "cpu_features.h",

@@ -13,6 +13,12 @@
 //       // prefetch state its own; `vnni`: a.xq / a.xs / a.xt hold x, else a.x (float32)
 //   static constexpr bool kVnni;                 // built with the int8 dot (AVX512-VNNI)
 //
+// A format whose activation scale spans more than a block (the k-quants: llama.cpp's
+// Q8_K, 256 inputs) says so, and keeps several terms a scale block in place of term():
+//   static constexpr int64_t kActBlock;          // inputs an activation scale (a multiple of 32)
+//   static constexpr int64_t kTermsPerBlock;     // terms a scale block
+//   static void terms(float s, int32_t total, const int8_t* xq, Term* out);  // from its int8 x
+//
 // Each output is its row's sequence of operations whatever the other rows of
 // the call or the thread that takes its task: the batch changes no bit.
 #pragma once
@@ -36,6 +42,18 @@ namespace block_gemm {
 
 constexpr int64_t kBlock = 32;     // inputs a block (act_quant.h's too)
 constexpr int kTaskGroups = 3;     // groups of 16 outputs a task
+
+// A format's activation block and terms a block (header comment): 32 and 1 unless it says.
+template <typename F>
+constexpr int64_t act_block() {
+  if constexpr (requires { F::kActBlock; }) return F::kActBlock;
+  else return kBlock;
+}
+template <typename F>
+constexpr int64_t terms_per_block() {
+  if constexpr (requires { F::kTermsPerBlock; }) return F::kTermsPerBlock;
+  else return 1;
+}
 
 template <typename Term>
 struct BlockArgs {
@@ -106,7 +124,7 @@ at::Tensor gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
   const int64_t M = x.size(0), K = x.size(1), groups = (w.n + 15) / 16;
   TORCH_CHECK(x.dim() == 2 && K == w.k, F::kName, " GEMM: x [M, K] with K = ", w.k, " (the weight's), got ",
               x.sizes());
-  TORCH_CHECK(K % kBlock == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+  TORCH_CHECK(K % act_block<F>() == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == groups * F::group_bytes(K),
               F::kName, " GEMM: the packed weight is not ", groups, " groups of ", F::group_bytes(K),
               " bytes (pack it with formats.pack)");
@@ -130,20 +148,22 @@ at::Tensor gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
   thread_local std::vector<int8_t> quantized;
   thread_local std::vector<Term> terms;
   const bool vnni = F::kVnni && bf16;
-  const int64_t kb_count = K / kBlock;
+  constexpr int64_t AB = act_block<F>(), TB = terms_per_block<F>();
+  const int64_t kb_count = K / AB;
   const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   if (vnni) {
     quantized.resize(static_cast<size_t>(M * K));
     scales.resize(static_cast<size_t>(M * kb_count));
-    terms.resize(static_cast<size_t>(M * kb_count));
+    terms.resize(static_cast<size_t>(M * kb_count * TB));
     int8_t* xq = quantized.data();
     float* xs = scales.data();
     Term* xt = terms.data();
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; ++m)
-      act_quant::quantize_row(x16 + m * K, K, xq + m * K, [&](int64_t kb, float s, int32_t total) {
+      act_quant::quantize_row<AB>(x16 + m * K, K, xq + m * K, [&](int64_t kb, float s, int32_t total) {
         xs[m * kb_count + kb] = s;
-        xt[m * kb_count + kb] = F::term(s, total);
+        if constexpr (requires { &F::terms; }) F::terms(s, total, xq + m * K + kb * AB, xt + (m * kb_count + kb) * TB);
+        else xt[m * kb_count + kb] = F::term(s, total);
       });
     a.xq = xq;
     a.xs = xs;

@@ -22,7 +22,12 @@ enum class WeightFormat : int64_t {
   kBF16 = 0,     // bfloat16 [ceil(N/16), K/2, 16, 2] (packed_gemm.cpp)
   kFloat32 = 1,  // float32 [ceil(N/16), K, 16] (packed_gemm.cpp)
   kQ8_0 = 2,     // GGUF Q8_0 blocks, 3 groups of 16 outputs interleaved a task (q8_gemm.cpp)
-  kQ4_1 = 3,     // GGUF Q4_1 blocks (and Q4_0 as Q4_1), 320 bytes a block of 16 outputs (q4_gemm.cpp)
+  kQ4_1 = 3,     // GGUF Q4_1 blocks (and Q4_0 fused with Q4_1), 320 bytes a block of 16 outputs (q4_gemm.cpp)
+  kQ4_0 = 4,     // GGUF Q4_0, Q5_0, Q4_K, Q5_K, Q6_K blocks, a super-block of 16 outputs at a time (kq_gemm.cpp)
+  kQ5_0 = 5,
+  kQ4_K = 6,
+  kQ5_K = 7,
+  kQ6_K = 8,
 };
 
 // One weight [N, K] packed for the GEMM: its format, its shape, its bytes in
@@ -54,6 +59,16 @@ at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
 at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w);
 at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
 at::Tensor q4_1_gemm_silu(at::Tensor x, const PackedWeight& w);
+at::Tensor q4_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
+at::Tensor q4_0_gemm_silu(at::Tensor x, const PackedWeight& w);
+at::Tensor q5_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
+at::Tensor q5_0_gemm_silu(at::Tensor x, const PackedWeight& w);
+at::Tensor q4_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
+at::Tensor q4_k_gemm_silu(at::Tensor x, const PackedWeight& w);
+at::Tensor q5_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
+at::Tensor q5_k_gemm_silu(at::Tensor x, const PackedWeight& w);
+at::Tensor q6_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
+at::Tensor q6_k_gemm_silu(at::Tensor x, const PackedWeight& w);
 
 // Indexed by WeightFormat.
 inline constexpr FormatRow kFormats[] = {
@@ -61,6 +76,11 @@ inline constexpr FormatRow kFormats[] = {
     {WeightFormat::kFloat32, "float32", dense_gemm, dense_gemm_silu},
     {WeightFormat::kQ8_0, "q8_0", q8_0_gemm, q8_0_gemm_silu},
     {WeightFormat::kQ4_1, "q4_1", q4_1_gemm, q4_1_gemm_silu},
+    {WeightFormat::kQ4_0, "q4_0", q4_0_gemm, q4_0_gemm_silu},
+    {WeightFormat::kQ5_0, "q5_0", q5_0_gemm, q5_0_gemm_silu},
+    {WeightFormat::kQ4_K, "q4_k", q4_k_gemm, q4_k_gemm_silu},
+    {WeightFormat::kQ5_K, "q5_k", q5_k_gemm, q5_k_gemm_silu},
+    {WeightFormat::kQ6_K, "q6_k", q6_k_gemm, q6_k_gemm_silu},
 };
 inline constexpr int64_t kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 
