@@ -262,21 +262,26 @@ def main_study(args: argparse.Namespace) -> int:
         if base is not None:
             r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
     decomp = decomposition(rows)
-    latency = run_latency(args, out) if args.latency_configs else {}
-
     stem = f"study-{args.dtype}"
-    (out / f"{stem}.json").write_text(json.dumps({
-        "budget": {"num_kv_blocks": args.num_kv_blocks, "block_size": BLOCK_SIZE,
-                   "tokens": args.num_kv_blocks * BLOCK_SIZE,
-                   "max_num_seqs": args.max_num_seqs, "derivation": budget},
-        "rows": [asdict(r) for r in rows + peer_rows],
-        "decomposition": decomp,
-        "latency": {c: [asdict(r) for r in reports] for c, reports in latency.items()},
-    }, indent=2))
+
+    def write(latency: dict[str, list[serve_bench.RateReport]]) -> None:
+        (out / f"{stem}.json").write_text(json.dumps({
+            "budget": {"num_kv_blocks": args.num_kv_blocks, "block_size": BLOCK_SIZE,
+                       "tokens": args.num_kv_blocks * BLOCK_SIZE,
+                       "max_num_seqs": args.max_num_seqs, "derivation": budget},
+            "rows": [asdict(r) for r in rows + peer_rows],
+            "decomposition": decomp,
+            "latency": {c: [asdict(r) for r in reports] for c, reports in latency.items()},
+        }, indent=2))
+
+    write({})  # the throughput half is kept if the latency half is cut short
     plot(rows + peer_rows, out / f"{stem}.png")
     print("\n" + format_table(rows + peer_rows).replace("vs static", "vs naive static"))
     print("\nThe seed's decomposition (generated tok/s ratios):\n" + format_decomposition(decomp))
-    print("\nMemory, per run (the pool's mean fraction over steps):\n" + format_memory(rows))
+    print("\nMemory, per run (the pool's mean fraction over steps):\n" + format_memory(rows),
+          flush=True)
+    latency = run_latency(args, out) if args.latency_configs else {}
+    write(latency)
     if latency:
         plot_latency(latency, out / f"{stem}-latency.png")
         print("\nserve-B per configuration:\n" + format_latency(latency))

@@ -72,16 +72,18 @@ class ModelForward(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype,
-                 device: torch.device) -> tuple[ModelForward, str]:
+def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
+                 release: bool = True) -> tuple[ModelForward, str]:
     """The CPU plan where it serves `model`, else the reference model (with the
     C++ paged attention where the kernels exist on the CPU); and a line saying
-    which and why."""
+    which and why. `release`: the plan keeps the only copy of each weight (the
+    model's own are dropped as it packs them; tests that run the reference on
+    the same model after pass False)."""
     if device.type != "cpu":
         return model, f"reference torch model ({device.type})"
     name = str(dtype).removeprefix("torch.")
     reason = unsupported(model, dtype)
-    plan = CpuPlan.build(model, dtype) if reason is None else None
+    plan = CpuPlan.build(model, dtype, release) if reason is None else None
     if plan is not None:
         return plan, f"CPU backend (C++ kernels, {name})"
     if kernels.load() is not None:
