@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from tokenmill import envs
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.kernels import CppShmGroup, CpuOps
+from tokenmill.backends.cpu.options import CpuBackendOptions
 
 LINE = 64  # bytes of a rank's flag (its own cache line): csrc/layer_stack.cpp
 SLOT_FLOATS = 1 << 18  # 1 MiB a slot (a prefill's [2048, 576] goes in 5 chunks)
@@ -34,7 +36,7 @@ SHM_DIR = "/dev/shm"
 
 def enabled() -> bool:
     """TOKENMILL_TP_SHM=0 keeps this rank (and so its group) on gloo."""
-    return os.environ.get("TOKENMILL_TP_SHM", "1") not in ("0", "")
+    return envs.tp_shm()
 
 
 def host_key() -> str:
@@ -113,4 +115,4 @@ class ShmAllReduce:
 
 
 def ops_for_shm() -> CpuOps | None:
-    return kernels.load() if enabled() else None
+    return kernels.load() if enabled() and CpuBackendOptions.from_env().cpp_kernels else None
