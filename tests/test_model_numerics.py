@@ -438,7 +438,7 @@ def test_decode_steps_with_the_kv_prefetch_give_the_same_bits(
     ops = kernels.load()
     assert ops is not None
     results = []
-    for mode in (1, 0):  # on, whatever the CPU (csrc/layer_stack.cpp kv_prefetch_pays); off
+    for mode in (1, 0):  # on, whatever the CPU (csrc/cpu_features.cpp kv_prefetch_pays); off
         before = ops.kv_prefetch_mode(mode)
         try:
             results.append(run_schedule(model, spec, seqs, schedule, one_call=True, forward=fast))

@@ -79,7 +79,7 @@ class CppModelWeights(Protocol):
 
 
 class CppShmGroup(Protocol):
-    """A tensor-parallel group's shared-memory all-reduce (csrc/layer_stack.h ShmGroup)."""
+    """A tensor-parallel group's shared-memory all-reduce (csrc/distributed.h ShmGroup)."""
 
     rank: int
     size: int

@@ -176,7 +176,7 @@ class CpuPlan:
         self.embed_f32 = getattr(embed, "compute_dtype", self.dtype) == torch.float32
         self.final_norm = model.norm.weight.detach()
         self.head = _proj(self.model.lm_head)
-        # The same for csrc/layer_stack.cpp, by name (csrc/layer_stack.h).
+        # The same for the C++ layer calls (csrc/layer_loop.cpp, layer_stack.cpp), by name (csrc/layer_stack.h).
         self.weights = self.ops.ModelWeights(
             layers=[self.ops.LayerWeights(
                 norm1=lay.norm1, qkv=lay.qkv.packed, qkv_bias=lay.qkv.bias, o=lay.o.packed,
