@@ -29,4 +29,8 @@ cmake -S "$LLAMA" -B "$DEST/build" -G Ninja \
 cmake --build "$DEST/build" -j "$JOBS" --target llama-server llama-quantize llama-bench
 mkdir -p "$DEST/bin"
 cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/build/bin/llama-bench" "$DEST/bin/"
+# The sizes benchmark runs the sdist's convert_hf_to_gguf.py with tokenmill's python and the sdist's
+# gguf-py; the one module the converter needs that tokenmill's venv lacks goes beside it, never into
+# tokenmill's environment (bench/sizes_files.py puts it on the converter's PYTHONPATH only).
+[ -d "$DEST/convert-deps/sentencepiece" ] || "$PY" -m pip install --target "$DEST/convert-deps" sentencepiece
 "$DEST/bin/llama-server" --version

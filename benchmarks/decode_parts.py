@@ -8,8 +8,7 @@ part is timed alone on them (median of --reps calls, ms):
 
   step          LLMEngine.step() (the decode steps of the run)
   prepare       ModelRunner._prepare_inputs on the step's requests
-  fresh         CpuPlan.fresh() (the per-step check of every watched weight)
-  forward       the plan's forward (fresh, embedding, the layer loop)
+  forward       the plan's forward (embedding, the layer loop)
   layer_loop    the C++ layer loop alone
   gemms         the 120 projections in layer order, called one by one from
                 Python on the plan's packed weights (as layer_loop calls them)
@@ -71,10 +70,10 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
 
     def gemms() -> None:
         for lay in plan.layers:
-            ops.packed_gemm(xs[576], lay.qkv.packed, lay.qkv.n, lay.qkv.bias, False)
-            ops.packed_gemm(xs[plan.q_size], lay.o.packed, lay.o.n, lay.o.bias, False)
-            a = ops.packed_gemm_silu(xs[576], lay.gate_up.packed, lay.gate_up.n // 2)
-            ops.packed_gemm(a, lay.down.packed, lay.down.n, lay.down.bias, False)
+            ops.packed_gemm(xs[576], lay.qkv, False)
+            ops.packed_gemm(xs[plan.q_size], lay.o, False)
+            a = ops.packed_gemm_silu(xs[576], lay.gate_up)
+            ops.packed_gemm(a, lay.down, False)
 
     def null_calls() -> None:  # the Python + pybind cost of 120 calls
         for _ in plan.layers:
@@ -85,8 +84,7 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
         res = {
             "step": statistics.median(steps[3:]) * 1e3,
             "prepare": median_ms(lambda: orig_prepare(captured["reqs"]), args.reps),
-            "fresh": median_ms(plan.fresh, args.reps),
-            "embed": median_ms(lambda: plan.model.model.embed_tokens(input_ids), args.reps),
+            "embed": median_ms(lambda: plan.embed(input_ids), args.reps),
             "forward": median_ms(lambda: plan(input_ids, positions, kv, meta), args.reps),
             "layer_loop": median_ms(loop, args.reps),
             "gemms": median_ms(gemms, args.reps),

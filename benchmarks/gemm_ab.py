@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from tokenmill.backends.cpu import memory
+from tokenmill.backends.cpu import formats
 
 from ab_modules import load_module
 
@@ -35,20 +35,20 @@ def main() -> None:
     silu = os.environ.get("TOKENMILL_AB_SILU") == "1"
     torch.manual_seed(0)
     # Distinct weights a layer: cold, as in a step.
-    packed = [[memory.pack_weight((torch.randn(n, k) * 0.05).to(dtype)) for k, n in SHAPES]
-              for _ in range(LAYERS)]
-    none = torch.empty(0)
+    weights = [[(torch.randn(n, k) * 0.05).to(dtype) for k, n in SHAPES] for _ in range(LAYERS)]
+    name = str(dtype).removeprefix("torch.")
+    # Each build's own PackedWeight (formats.pack), the same packed data.
+    packed = {id(m): [[formats.pack(m, name, w) for w in layer] for layer in weights] for m in mods}
 
-    def project(module: ModuleType, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        n = SHAPES[j][1]
+    def project(module: ModuleType, j: int, x: torch.Tensor, w: object) -> torch.Tensor:
         if silu and j == 2:
-            return module.packed_gemm_silu(x, w, n // 2)
-        return module.packed_gemm(x, w, n, none, False)
+            return module.packed_gemm_silu(x, w)
+        return module.packed_gemm(x, w, False)
 
     def run_layers(module: ModuleType, xs: list[torch.Tensor]) -> None:
         for layer in range(LAYERS):
             for j in range(len(SHAPES)):
-                project(module, j, xs[j], packed[layer][j])
+                project(module, j, xs[j], packed[id(module)][layer][j])
 
     def timed(module: ModuleType, inputs: list[list[torch.Tensor]]) -> float:
         """Seconds for every projection of every layer: on the team, or split."""
@@ -76,7 +76,7 @@ def main() -> None:
     for rows in row_counts:
         inputs = [[torch.randn(rows, k).to(dtype) for k, _ in SHAPES]
                   for _ in range(2 if split else 1)]
-        outs = [[project(m, j, x, packed[0][j]) for j, x in enumerate(inputs[0])] for m in mods]
+        outs = [[project(m, j, x, packed[id(m)][0][j]) for j, x in enumerate(inputs[0])] for m in mods]
         if not all(torch.equal(a, b) for a, b in zip(*outs, strict=True)):
             sys.exit(f"rows {rows}: the two builds give different bits")
         flops = sum(2 * k * n for k, n in SHAPES) * LAYERS * rows * len(inputs)

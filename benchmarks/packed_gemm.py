@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.backends.cpu import kernels, memory
+from tokenmill.backends.cpu import formats, kernels
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
 LAYERS = 30
@@ -22,7 +22,7 @@ def main() -> None:
     torch.manual_seed(0)
     # Distinct weights per layer: cold, as in a real step.
     ws = [[torch.randn(n, k, dtype=dt) * 0.05 for k, n in SHAPES] for _ in range(LAYERS)]
-    packed = [[memory.pack_weight(w) for w in layer] for layer in ws]
+    packed = [[formats.pack(ops, str(dt).removeprefix("torch."), w) for w in layer] for layer in ws]
     nbytes = sum(w.numel() * w.element_size() for w in ws[0]) * LAYERS
     flops_a_row = sum(2 * k * n for k, n in SHAPES) * LAYERS
 
@@ -42,7 +42,7 @@ def main() -> None:
         return min(times)
 
     def ours(x: torch.Tensor, layer: int, j: int) -> torch.Tensor:
-        return ops.packed_gemm(x, packed[layer][j], SHAPES[j][1], torch.empty(0), False)
+        return ops.packed_gemm(x, packed[layer][j], False)
 
     def torchs(x: torch.Tensor, layer: int, j: int) -> torch.Tensor:
         return torch.nn.functional.linear(x, ws[layer][j])

@@ -12,22 +12,23 @@ import time
 
 import torch
 
-from tokenmill.backends.cpu import kernels, memory
+from tokenmill.backends.cpu import formats, kernels
+from tokenmill.backends.cpu.kernels import CppPackedWeight, CpuOps
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
 LAYERS = 30
 
 
-def q4(n: int, k: int) -> torch.Tensor:
+def q4(ops: CpuOps, n: int, k: int) -> CppPackedWeight:
     blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8)
     blocks[:, :, 0:4] = (torch.rand(n, k // 32, 2) * 1e-3 + 1e-4).to(torch.float16).view(torch.uint8)
-    return memory.pack_q4_1(blocks)
+    return formats.pack(ops, "q4_1", blocks)
 
 
-def q8(n: int, k: int) -> torch.Tensor:
+def q8(ops: CpuOps, n: int, k: int) -> CppPackedWeight:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     d = (torch.rand(n, k // 32) * 1e-3 + 1e-4).to(torch.float16)
-    return memory.pack_q8_0(q, d)
+    return formats.pack(ops, "q8_0", (q, d))
 
 
 def main() -> None:
@@ -36,10 +37,9 @@ def main() -> None:
     ops = kernels.load()
     assert ops is not None
     torch.manual_seed(0)
-    weights = {name: [[(make(n, k), n) for k, n in SHAPES] for _ in range(LAYERS)]
+    weights = {name: [[make(ops, n, k) for k, n in SHAPES] for _ in range(LAYERS)]
                for name, make in (("q4_1", q4), ("q8_0", q8))}
-    nbytes = {name: sum(p.numel() for layer in w for p, _ in layer) for name, w in weights.items()}
-    none = torch.empty(0)
+    nbytes = {name: sum(formats.packed_bytes(p) for layer in w for p in layer) for name, w in weights.items()}
     for m in rows:
         xs = {k: (torch.randn(m, k) * 0.5).to(torch.bfloat16) for k in (576, 1536)}
         best = dict.fromkeys(weights, float("inf"))
@@ -47,8 +47,8 @@ def main() -> None:
             for name, layers in weights.items():
                 t0 = time.perf_counter()
                 for layer in layers:
-                    for (packed, n), (k, _) in zip(layer, SHAPES, strict=True):
-                        ops.packed_gemm(xs[k], packed, n, none, False)
+                    for packed, (k, _) in zip(layer, SHAPES, strict=True):
+                        ops.packed_gemm(xs[k], packed, False)
                 best[name] = min(best[name], time.perf_counter() - t0)
         print(f"rows {m}: " + ", ".join(f"{name} {t * 1e3:.2f} ms ({nbytes[name] / t / 1e9:.1f} GB/s, "
                                         f"{nbytes[name] / 1e6:.0f} MB)" for name, t in best.items()))

@@ -2,7 +2,7 @@
 
 # name_a, name_b: builds as kernels.load() names them (tokenmill_cpu_kernels_<digest>),
 # found under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); name@tree
-# packs the weights with that source tree's memory.pack_q8_0 (its PYTHONPATH: a
+# packs the weights with that source tree's formats.pack (its PYTHONPATH: a
 # build of another layout than this tree's). Random
 # Q8_0 weights, distinct for each of the 30 layers (cold, as in a decode step),
 # bf16 x (the served path: VNNI). Checks first that both builds give the same
@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from tokenmill.backends.cpu import memory
+from tokenmill.backends.cpu import formats
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
 HEAD = (576, 49152)
@@ -41,10 +41,10 @@ def load_module(name: str) -> ModuleType:
     return module
 
 
-def q8(n: int, k: int) -> torch.Tensor:
+def q8(mod: ModuleType, n: int, k: int) -> object:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     d = (torch.rand(n, k // 32) * 1e-3 + 1e-4).to(torch.float16)
-    return memory.pack_q8_0(q, d)
+    return formats.pack(mod, "q8_0", (q, d))  # type: ignore[arg-type]
 
 
 def one(name: str, row_counts: list[int]) -> None:
@@ -52,9 +52,8 @@ def one(name: str, row_counts: list[int]) -> None:
     collide): one warm step, then the best of 3 timed, a row count; prints JSON."""
     mod = load_module(name)
     torch.manual_seed(0)
-    layers = [[(q8(n, k), n) for k, n in SHAPES] for _ in range(LAYERS)]
-    head = (q8(HEAD[1], HEAD[0]), HEAD[1])
-    none = torch.empty(0)
+    layers = [[q8(mod, n, k) for k, n in SHAPES] for _ in range(LAYERS)]
+    head = q8(mod, HEAD[1], HEAD[0])
     result = {}
     for m in row_counts:
         xs = {k: (torch.randn(m, k) * 0.5).to(torch.bfloat16) for k in (576, 1536)}
@@ -62,9 +61,9 @@ def one(name: str, row_counts: list[int]) -> None:
         def step(xs: dict[int, torch.Tensor] = xs) -> list[torch.Tensor]:
             out = []
             for layer in layers:
-                for (packed, n), (k, _) in zip(layer, SHAPES, strict=True):
-                    out.append(mod.packed_gemm(xs[k], packed, n, none, False))
-            out.append(mod.packed_gemm(xs[HEAD[0]], head[0], head[1], none, True))
+                for packed, (k, _) in zip(layer, SHAPES, strict=True):
+                    out.append(mod.packed_gemm(xs[k], packed, False))
+            out.append(mod.packed_gemm(xs[HEAD[0]], head, True))
             return out
 
         digest = hashlib.sha256(b"".join(t.view(torch.uint8).numpy().tobytes() for t in step())).hexdigest()[:16]

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tokenmill.backends.cpu import kernels, memory
+from tokenmill.backends.cpu import formats, kernels
 from tokenmill.bench.roofline import measure_read_bandwidth
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 64
@@ -29,9 +29,9 @@ if ops is None:
     sys.exit("the C++ kernels are not available here")
 gomp = ctypes.CDLL("libgomp.so.1")
 torch.manual_seed(0)
-layers = [[memory.pack_weight(torch.randn(n, k, dtype=dt) * 0.05) for k, n in SHAPES]
+layers = [[formats.pack(ops, "bfloat16", torch.randn(n, k, dtype=dt) * 0.05) for k, n in SHAPES]
           for _ in range(LAYERS)]
-head = memory.pack_weight(torch.randn(VOCAB, HIDDEN, dtype=dt) * 0.05)
+head = formats.pack(ops, "bfloat16", torch.randn(VOCAB, HIDDEN, dtype=dt) * 0.05)
 proj_flop = 2.0 * B * LAYERS * sum(k * n for k, n in SHAPES)
 head_flop = 2.0 * B * HIDDEN * VOCAB
 attn_flop = 4.0 * B * CTX * HEADS * HEAD_DIM * LAYERS
@@ -41,9 +41,9 @@ kv_bytes = 2.0 * B * CTX * KV_HEADS * HEAD_DIM * LAYERS * 2
 def gemms(rows: int) -> None:
     xs = [torch.randn(rows, k, dtype=dt) for k, _ in SHAPES]
     for layer in layers:
-        for (_, n), x, w in zip(SHAPES, xs, layer, strict=True):
-            ops.packed_gemm(x, w, n, torch.empty(0), False)
-    ops.packed_gemm(xs[0], head, VOCAB, torch.empty(0), True)
+        for x, w in zip(xs, layer, strict=True):
+            ops.packed_gemm(x, w, False)
+    ops.packed_gemm(xs[0], head, True)
 
 
 def team_s(reps: int) -> float:

@@ -270,3 +270,41 @@ def test_low_memory_stops_the_server(fake_script: Path, tmp_path: Path) -> None:
         sizes_bench.run_server_row(row, fake_spec(fake_script, "fake"), sizes_workload((1,), 1), args,
                                    tmp_path, guard_bytes=1 << 60)
     assert row.error.startswith("stopped: MemAvailable fell under")
+
+
+def test_files_are_made_by_llama_cpps_tools_in_order_and_kept(tmp_path: Path) -> None:
+    """Fake converter and llama-quantize that log their arguments: BF16 and Q8_0 from the
+    converter (its gguf-py on PYTHONPATH), Q4_K_M quantized from the BF16 file, each file
+    written under .part and renamed; a second call makes nothing."""
+    from tokenmill.bench import sizes_files
+
+    log = tmp_path / "calls.log"
+    root = tmp_path / "llama.cpp-build"
+    src = root / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    (src / "gguf-py").mkdir(parents=True)
+    (root / "bin").mkdir()
+    (src / "convert_hf_to_gguf.py").write_text(
+        "import os, sys\n"
+        f"open({str(log)!r}, 'a').write('convert ' + ' '.join(sys.argv[1:]) + ' ' + os.environ['PYTHONPATH'] + '\\n')\n"
+        "open(sys.argv[sys.argv.index('--outfile') + 1], 'w').write('gguf')\n")
+    quantize = root / "bin" / "llama-quantize"
+    quantize.write_text(f"#!/bin/sh\necho quantize \"$@\" >> {log}\ncp \"$1\" \"$2\"\n")
+    quantize.chmod(0o755)
+    models = tmp_path / "models"
+    (models / TINY.name).mkdir(parents=True)
+    (models / TINY.name / random_model.DONE_NAME).write_text("{}")  # the model is there already
+    llama = sizes_files.LlamaCpp(root)
+    files = sizes_files.make_files(TINY, ["q4_k_m", "q8_0"], models, llama, Path("unused.gguf"))
+    assert set(files) == {"dir", "bf16", "q8_0", "q4_k_m"}
+    assert all(p.exists() for p in files.values()) and not list(models.glob("*.part"))
+    calls = log.read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["convert", "convert", "quantize"]
+    assert "--outtype bf16" in calls[0] and "--outtype q8_0" in calls[1]
+    assert calls[0].split()[-1].startswith(str(src / "gguf-py"))
+    assert calls[2].split()[1:] == [str(files["bf16"]), str(files["q4_k_m"]) + ".part", "Q4_K_M"]
+    assert files["q4_k_m"].name == "tiny.Q4_K_M.gguf"
+    sizes_files.make_files(TINY, ["q4_k_m", "q8_0"], models, llama, Path("unused.gguf"))
+    assert len(log.read_text().splitlines()) == 3
+    with pytest.raises(FileNotFoundError, match="build_llama_cpp"):
+        sizes_files.make_files(TINY, ["q4_k_m"], tmp_path / "other", sizes_files.LlamaCpp(tmp_path / "none"),
+                               Path("unused.gguf"))

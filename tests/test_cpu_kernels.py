@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.backends.cpu import kernels, memory
+from tests.test_quantization_kquants import _random_blocks
+from tokenmill.backends.cpu import formats, kernels, memory
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.model.attention import TorchAttentionBackend, write_kv_cache
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import RMSNorm
+from tokenmill.model.quantization import KQUANT_FORMATS, q4_0_as_q4_1, quantize_q8_0
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
 
@@ -206,7 +208,7 @@ def test_pack_weight_layout_on_a_mapped_tensor(dtype: torch.dtype) -> None:
     padding N to 16), in a tensor of its own memory map (mapped_zeros: huge
     pages asked for), which outlives the weight it was packed from."""
     weight = torch.randn(40, 12).to(dtype)
-    packed = memory.pack_weight(weight.clone())
+    packed = formats.pack_weight(weight.clone())
     padded = torch.cat([weight, torch.zeros(8, 12, dtype=dtype)])
     if dtype == torch.float32:
         assert packed.shape == (3, 12, 16)
@@ -237,22 +239,21 @@ def test_packed_gemm_matches_float32_matmul(rows: int, outputs: int, bias: bool)
     ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no packed bf16 kernel here (no AVX2 with FMA, or the kernels could not be built)")
-    packed = memory.pack_weight(weight)
-    assert packed.shape == (-(-outputs // 16), 48, 16, 2)
-    ours = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), False)
+    packed = formats.pack(ops, "bfloat16", weight, b)
+    assert packed.data.shape == (-(-outputs // 16), 48, 16, 2) and (packed.n, packed.k) == (outputs, 96)
+    ours = ops.packed_gemm(x, packed, False)
     # Exact products, float32 sums, one rounding to bf16: equal to the float32
     # matmul rounded once, up to the order of the sum (at most one bf16 step).
     ref = x.float() @ weight.float().T + (b.float() if b is not None else 0.0)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, outputs)
     torch.testing.assert_close(ours.float(), ref, rtol=2**-8, atol=1e-3)
     torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=2**-7, atol=1e-2)
-    logits = ops.packed_gemm(x, packed, outputs, b if b is not None else torch.empty(0), True)
+    logits = ops.packed_gemm(x, packed, True)
     assert logits.dtype == torch.float32  # float32 out: the unrounded sums
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-4)
     # A row's bits do not depend on the rows beside it (other tiles, threads).
     for lo, hi in [(rows - 1, rows), (0, min(rows, 4)), (rows // 2, rows)]:
-        assert torch.equal(ops.packed_gemm(x[lo:hi], packed, outputs, b if b is not None else torch.empty(0),
-                                           True), logits[lo:hi])
+        assert torch.equal(ops.packed_gemm(x[lo:hi], packed, True), logits[lo:hi])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 200])
@@ -265,16 +266,15 @@ def test_packed_gemm_float32_matches_torch(rows: int, outputs: int, bias: bool) 
     ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no AVX2/AVX-512 GEMM here (or the kernels could not be built)")
-    packed = memory.pack_weight(weight)
-    assert packed.shape == (-(-outputs // 16), 96, 16)
-    bias = b if b is not None else torch.empty(0)
-    ours = ops.packed_gemm(x, packed, outputs, bias, False)
+    packed = formats.pack(ops, "float32", weight, b)
+    assert packed.data.shape == (-(-outputs // 16), 96, 16)
+    ours = ops.packed_gemm(x, packed, False)
     assert ours.dtype == torch.float32 and ours.shape == (rows, outputs)
     # float32 sums in another order than torch's: equal up to rounding.
     torch.testing.assert_close(ours, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     # A row's bits do not depend on the rows beside it (the tiles it falls in, threads).
     for lo, hi in [(rows - 1, rows), (0, min(rows, 4)), (rows // 2, rows)]:
-        assert torch.equal(ops.packed_gemm(x[lo:hi], packed, outputs, bias, False), ours[lo:hi])
+        assert torch.equal(ops.packed_gemm(x[lo:hi], packed, False), ours[lo:hi])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -293,16 +293,17 @@ def test_packed_gemm_silu_gives_silu_and_mul_bits(rows: int, inter: int, dtype: 
     ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip(f"no packed kernel for {dtype} here (or the kernels could not be built)")
-    packed = memory.pack_weight(weight)
-    two_steps = ops.silu_and_mul(ops.packed_gemm(x, packed, 2 * inter, torch.empty(0), False))
-    fused = ops.packed_gemm_silu(x, packed, inter)
+    name = str(dtype).removeprefix("torch.")
+    packed = formats.pack(ops, name, weight)
+    two_steps = ops.silu_and_mul(ops.packed_gemm(x, packed, False))
+    fused = ops.packed_gemm_silu(x, packed)
     assert fused.shape == (rows, inter) and fused.dtype == dtype and torch.equal(fused, two_steps)
     gate_up = F.linear(x, weight).float()  # and near torch's own MLP activation
     torch.testing.assert_close(fused.float(), F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
                                rtol=2**-6 if dtype == torch.bfloat16 else 1e-4,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-3)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.packed_gemm_silu(x, memory.pack_weight(weight[:40]), 20)
+        ops.packed_gemm_silu(x, formats.pack(ops, name, weight[:24]))
 
 
 def test_packed_gemm_refuses_mismatched_shapes() -> None:
@@ -310,11 +311,46 @@ def test_packed_gemm_refuses_mismatched_shapes() -> None:
     ops = kernels.packed_gemm_ops(x)
     if ops is None:
         pytest.skip("no packed bf16 kernel here (no AVX2 with FMA, or the kernels could not be built)")
-    packed = memory.pack_weight(torch.randn(32, 96).to(torch.bfloat16))
+    weight = torch.randn(32, 96).to(torch.bfloat16)
+    packed = formats.pack(ops, "bfloat16", weight)
     with pytest.raises(RuntimeError, match="K = 64"):
-        ops.packed_gemm(x, packed, 32, torch.empty(0), False)
-    with pytest.raises(RuntimeError, match="n_out"):
-        ops.packed_gemm(torch.randn(3, 96).to(torch.bfloat16), packed, 33, torch.empty(0), False)
+        ops.packed_gemm(x, packed, False)
+    with pytest.raises(RuntimeError, match="n does not fit"):
+        ops.packed_gemm(torch.randn(3, 96).to(torch.bfloat16), ops.PackedWeight(
+            format=packed.format, n=33, k=96, data=packed.data, bias=torch.empty(0)), False)
+    with pytest.raises(RuntimeError, match="weight's dtype"):  # the format says bf16: float32 x is refused
+        ops.packed_gemm(torch.randn(3, 96), packed, False)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        ops.PackedWeight(format=99, n=32, k=96, data=packed.data, bias=torch.empty(0))
+    q8 = formats.pack(ops, "q8_0", quantize_q8_0(weight))  # a block format checks its bytes
+    with pytest.raises(RuntimeError, match="groups of"):
+        ops.packed_gemm(x, ops.PackedWeight(format=q8.format, n=32, k=64, data=q8.data, bias=torch.empty(0)),
+                        False)
+
+
+def test_the_format_table_matches_the_kernels() -> None:
+    """Every row of formats.FORMATS names a C++ GEMM that exists, and packs to
+    its bytes per weight (K a multiple of 64)."""
+    ops = kernels.load()
+    if ops is None or kernels.packed_gemm_ops(torch.empty(1, 2, dtype=torch.bfloat16)) is None:
+        pytest.skip("the kernels could not be built here")
+    assert set(ops.weight_formats()) == {row.kernel for row in formats.FORMATS.values()}
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 128, generator=gen)
+    q, d = quantize_q8_0(w)
+    q4_0 = torch.randint(0, 256, (48, 4, 18), dtype=torch.uint8, generator=gen)
+    q4_0[..., 0:2] = torch.full((48, 4, 1), 0.01, dtype=torch.float16).view(torch.uint8)
+    sources = {"bfloat16": w.to(torch.bfloat16), "float32": w, "q8_0": (q, d), "q4_1": q4_0_as_q4_1(q4_0),
+               "q4_0_as_q4_1": q4_0, "q4_0": q4_0}
+    for fmt in KQUANT_FORMATS.values():  # (the k-quants' rows a super-block of 256: K = 256)
+        if fmt.name != "Q4_0":
+            sources[fmt.name.lower()] = _random_blocks(fmt, 48, 256 if fmt.block_values == 256 else 128)
+    for name, row in formats.FORMATS.items():
+        packed = formats.pack(ops, name, sources[name])
+        assert packed.n == 48 and packed.k in (128, 256)
+        assert formats.packed_bytes(packed) == row.bytes_per_weight * 48 * packed.k, name
+        x = torch.randn(2, packed.k, generator=gen).to(torch.float32 if name == "float32" else torch.bfloat16)
+        assert ops.packed_gemm(x, packed, True).shape == (2, 48)
 
 
 def mixed_step_case(

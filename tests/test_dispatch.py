@@ -25,8 +25,7 @@ def _meta(query_lens: list[int], seq_len: int = 300, per_token: bool = True) -> 
         token_seq_ids=_NONE if per_token else None, token_seq_lens=_NONE if per_token else None)
 
 
-FACTS = PathFacts(has_layers=True, shard=False, tp_layer_loop=True, max_rows=4096, row_cost=460.0,
-                  split_min_rows=16.0)
+FACTS = PathFacts(has_layers=True, shard=False, tp_layer_loop=True, row_cost=460.0, split_min_rows=16.0)
 SHARD = dataclasses.replace(FACTS, shard=True)
 DECODES = _meta([1] * 64)
 MIXED = _meta([1] * 4 + [32])
@@ -43,8 +42,8 @@ CASES = [
     ("decodes, per-request metadata: split", _meta([1] * 64, per_token=False), FACTS, False, True, 2, False,
      Path.SPLIT),
     ("under the profiler: python", DECODES, FACTS, True, True, 2, False, Path.PYTHON),
-    ("more rows than the packed GEMMs serve: python", _meta([1] * 4 + [5000]), FACTS, False, True, 2, False,
-     Path.PYTHON),
+    ("a long prefill: loop (every row count runs from the packed weights)", _meta([1] * 4 + [5000]), FACTS,
+     False, True, 2, False, Path.LOOP),
     ("no layers: python", DECODES, dataclasses.replace(FACTS, has_layers=False), False, True, 2, False,
      Path.PYTHON),
     ("a shard over shared memory: its C++ loop", DECODES, SHARD, False, True, 2, True, Path.TP_LOOP),

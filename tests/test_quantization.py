@@ -42,8 +42,7 @@ from tests.hf_models import (
 from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
 from tests.test_correctness import PROMPTS as ALL_PROMPTS
 from tokenmill import LLM, SamplingParams
-from tokenmill.backends.cpu import kernels
-from tokenmill.backends.cpu.memory import pack_q8_0
+from tokenmill.backends.cpu import formats, kernels
 from tokenmill.backends.cpu.plan import CpuPlan
 from tokenmill.config import ModelConfig
 from tokenmill.engine.arg_utils import EngineArgs
@@ -113,27 +112,27 @@ def test_q8_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     n, k = 40, 96
     q, d = quantize_q8_0(torch.randn(n, k))
-    packed = pack_q8_0(q, d)
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 64 * 2 + 16 * k)
-    weight = dequantize_q8_0(q, d)
     bias = torch.randn(n).to(dtype)
+    packed = formats.pack(ops, "q8_0", (q, d), bias)
+    assert packed.data.dtype == torch.uint8 and tuple(packed.data.shape) == (3, 64 * 2 + 16 * k)
+    weight = dequantize_q8_0(q, d)
     x = torch.randn(13, k).to(dtype)
     ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     slack = 1e-4 + (_x_rounding_bound(x, weight) if dtype == torch.bfloat16 else 0.0)
-    full = ops.packed_gemm(x, packed, n, bias, True)
+    full = ops.packed_gemm(x, packed, True)
     assert full.dtype == torch.float32
     assert bool(((full.double() - ref).abs() <= slack + 1e-5 * ref.abs()).all())
     if dtype == torch.float32:
         torch.testing.assert_close(full.double(), ref, atol=1e-4, rtol=1e-5)
     for m in (1, 2, 3, 5, 7):
-        assert torch.equal(ops.packed_gemm(x[:m], packed, n, bias, True), full[:m])
-        assert torch.equal(ops.packed_gemm(x[m:], packed, n, bias, True), full[m:])
-    y16 = ops.packed_gemm(x, packed, n, bias, False)
+        assert torch.equal(ops.packed_gemm(x[:m], packed, True), full[:m])
+        assert torch.equal(ops.packed_gemm(x[m:], packed, True), full[m:])
+    y16 = ops.packed_gemm(x, packed, False)
     assert y16.dtype == dtype
     assert torch.equal(y16, full.to(dtype))
-    packed_32 = pack_q8_0(q[:32], d[:32])
-    gate_up = ops.packed_gemm(x, packed_32, 32, torch.empty(0), False)
-    assert torch.equal(ops.packed_gemm_silu(x, packed_32, 16), ops.silu_and_mul(gate_up))
+    packed_32 = formats.pack(ops, "q8_0", (q[:32], d[:32]))
+    gate_up = ops.packed_gemm(x, packed_32, False)
+    assert torch.equal(ops.packed_gemm_silu(x, packed_32), ops.silu_and_mul(gate_up))
 
 
 def _unpack_q8_0(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,19 +171,18 @@ def test_q8_layout_and_row_counts() -> None:
     torch.manual_seed(1)
     n, k = 16 * 7 + 5, 160  # 8 groups: tasks of 3, 3, 2; 5 blocks
     q, d = quantize_q8_0(torch.randn(n, k))
-    packed = pack_q8_0(q, d)
-    assert tuple(packed.shape) == (8, 64 * 3 + 16 * k)
-    back_q, back_d = _unpack_q8_0(packed, n, k)
+    packed = formats.pack(ops, "q8_0", (q, d))
+    assert tuple(packed.data.shape) == (8, 64 * 3 + 16 * k)
+    back_q, back_d = _unpack_q8_0(packed.data, n, k)
     assert torch.equal(back_q, q) and torch.equal(back_d, d)
     weight = dequantize_q8_0(q, d)
     x = torch.randn(64, k).to(torch.bfloat16)
-    full = ops.packed_gemm(x, packed, n, torch.empty(0), True)
+    full = ops.packed_gemm(x, packed, True)
     ref = torch.nn.functional.linear(x.double(), weight.double())
     assert bool(((full.double() - ref).abs() <= 1e-4 + _x_rounding_bound(x, weight) + 1e-5 * ref.abs()).all())
     for m in (1, 3, 4, 17):
         for start in (0, 64 - m):
-            assert torch.equal(ops.packed_gemm(x[start:start + m], packed, n, torch.empty(0), True),
-                               full[start:start + m])
+            assert torch.equal(ops.packed_gemm(x[start:start + m], packed, True), full[start:start + m])
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2"])
@@ -218,8 +216,9 @@ def test_greedy_matches_the_dequantized_reference(q8_case: dict[str, Any], scena
               check_integrity=True, **SCENARIOS[scenario])
     runner = llm.engine.runner
     if kernels.load() is not None:
-        assert isinstance(runner.forward, CpuPlan) and runner.forward.quantized
-        assert all(layer.qkv.packed.dtype == torch.uint8 for layer in runner.forward.layers)
+        assert isinstance(runner.forward, CpuPlan)
+        q8_0 = formats.FORMATS["q8_0"].kernel
+        assert all(ops_formats()[layer.qkv.format] == q8_0 for layer in runner.forward.layers)
     for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(_generate(llm), q8_case["refs"], strict=True)):
         completion = out.outputs[0]
         assert completion.token_ids == ref_tokens, f"prompt {i}"
@@ -247,35 +246,31 @@ def test_q8_embed_gives_embed_rows_bits(dtype: torch.dtype) -> None:
         ops.q8_embed(q, d, torch.tensor([300]), False)
 
 
-def test_a_changed_or_replaced_q8_0_block_is_repacked(q8_case: dict[str, Any]) -> None:
-    """CpuPlan.fresh() watches the Q8_0 blocks (buffers) as it watches float
-    weights: one changed in place or replaced is packed again before the next
-    forward, and the outputs follow it."""
-    llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
-              num_kv_blocks=512)
+def ops_formats() -> list[str]:
+    ops = kernels.load()
+    assert ops is not None
+    return list(ops.weight_formats())
+
+
+def test_the_plan_holds_the_only_copy_of_each_q8_0_weight(q8_case: dict[str, Any]) -> None:
+    """The runner's plan packs each projection's Q8_0 blocks and releases the
+    module's own (meta tensors of the same shape remain: the size still counts,
+    a reference forward through them fails); the embedding keeps its blocks
+    (its rows come from q8_embed), which a tied head shares."""
+    llm = LLM(q8_case["path"], dtype="bfloat16", quantization="q8_0", skip_tokenizer_init=True,
+              num_kv_blocks=64)
     plan = llm.engine.runner.forward
     if not isinstance(plan, CpuPlan):
         pytest.skip("the C++ kernels are not built here")
-    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
-
-    def logprobs() -> list[float]:
-        return [e[t].logprob for out in _generate(llm)
-                for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)]
-
-    def packed_now() -> bool:
-        return torch.equal(plan.layers[1].down.packed, pack_q8_0(down.qweight, down.qscale))
-
-    before = logprobs()
-    assert plan.fresh() and packed_now()
-    with torch.no_grad():
-        down.qweight.mul_(-1)  # in place
-    assert not plan.fresh()
-    flipped = logprobs()
-    assert plan.fresh() and packed_now() and flipped != before
-    down.qscale = down.qscale * 2  # replaced (nn.Module puts it in _buffers)
-    assert not plan.fresh()
-    assert logprobs() != flipped
-    assert plan.fresh() and packed_now()
+    model = llm.engine.runner.model
+    down = model.model.layers[1].mlp.down_proj
+    assert down.qweight.device.type == "meta" and down.qscale.device.type == "meta"
+    assert down.qweight.shape == (down.out_features, down.in_features)
+    assert model.model.embed_tokens.qweight.device.type == "cpu"
+    assert llm.model_info()["num_params"] > 0
+    with pytest.raises(RuntimeError, match="released to the CPU plan"):
+        down(torch.zeros(1, down.in_features))
+    assert len(_generate(llm)) == len(PROMPTS)
 
 
 def test_bf16_logprobs_near_the_dequantized_reference(q8_case: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""quantization="gguf": a GGUF file's own Q4_1 (Q4_0 too) and Q8_0 blocks kept as
+"""quantization="gguf": a GGUF file's own Q4_1, Q4_0 and Q8_0 blocks kept as
 they are, computed on by the CPU plan's q4_gemm (csrc/q4_gemm.cpp) and q8_gemm.
 
 The oracle is transformers on the dequantized weights (d * q + m, the same values
@@ -33,8 +33,7 @@ from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
 from tests.test_correctness import PROMPTS as ALL_PROMPTS
 from tests.test_quantization import NEEDS_KERNELS, SCENARIOS, _x_rounding_bound
 from tokenmill import LLM, SamplingParams
-from tokenmill.backends.cpu import kernels
-from tokenmill.backends.cpu.memory import pack_q4_1
+from tokenmill.backends.cpu import formats, kernels
 from tokenmill.backends.cpu.plan import CpuPlan
 from tokenmill.config import ModelConfig
 from tokenmill.engine.arg_utils import EngineArgs
@@ -42,6 +41,7 @@ from tokenmill.model.loader import load_model, unpermute_rope_rows
 from tokenmill.model.quantization import (
     dequantize_q4_1,
     dequantize_q8_0,
+    kquant_of,
     q4_0_as_q4_1,
     q4_1_of,
     q8_0_of,
@@ -88,31 +88,32 @@ def test_q4_gemm_against_the_dequantized_weights(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     n, k = 40, 96
     blocks = torch.from_numpy(_q4_1_blocks(n, k))
-    packed = pack_q4_1(blocks)
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 3, 320)
-    weight = dequantize_q4_1(blocks)
     bias = torch.randn(n).to(dtype)
+    packed = formats.pack(ops, "q4_1", blocks, bias)
+    assert packed.data.dtype == torch.uint8 and tuple(packed.data.shape) == (3, 3, 320)
+    weight = dequantize_q4_1(blocks)
     x = torch.randn(13, k).to(dtype)
     ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     slack = 1e-4 + (_x_rounding_bound(x, weight) if dtype == torch.bfloat16 else 0.0)
-    full = ops.packed_gemm(x, packed, n, bias, True)
+    full = ops.packed_gemm(x, packed, True)
     assert full.dtype == torch.float32
     assert bool(((full.double() - ref).abs() <= slack + 1e-5 * ref.abs()).all())
     if dtype == torch.float32:
         torch.testing.assert_close(full.double(), ref, atol=1e-4, rtol=1e-5)
     for m in (1, 2, 3, 4, 5, 7):
-        assert torch.equal(ops.packed_gemm(x[:m], packed, n, bias, True), full[:m])
-        assert torch.equal(ops.packed_gemm(x[m:], packed, n, bias, True), full[m:])
-    y16 = ops.packed_gemm(x, packed, n, bias, False)
+        assert torch.equal(ops.packed_gemm(x[:m], packed, True), full[:m])
+        assert torch.equal(ops.packed_gemm(x[m:], packed, True), full[m:])
+    y16 = ops.packed_gemm(x, packed, False)
     assert y16.dtype == dtype and torch.equal(y16, full.to(dtype))
-    gate_up = ops.packed_gemm(x, packed[:2], 32, torch.empty(0), False)
-    assert torch.equal(ops.packed_gemm_silu(x, packed[:2], 16), ops.silu_and_mul(gate_up))
+    gate_up = formats.pack(ops, "q4_1", blocks[:32])
+    assert torch.equal(ops.packed_gemm_silu(x, gate_up), ops.silu_and_mul(ops.packed_gemm(x, gate_up, False)))
 
 
 # --- tiny GGUF files ----------------------------------------------------------------
 
 # The matrices' GGUF types: "q4_1" as the default model's file (Q4_1, a Q8_0 token_embd,
-# tied head); "mixed": an untied Q4_1 head, a Q4_0 embedding and ffn_down, and an F16
+# tied head); "mixed": an untied Q4_1 head, a Q4_0 embedding and ffn_down (kept as
+# Q4_0: csrc/kq_gemm.cpp, tests/test_quantization_kquants.py), and an F16
 # attn_v (so the fused qkv is Q8_0: the Q4_1 q/k requantized, as quantization="q8_0").
 LAYOUTS: dict[str, dict[str, Any]] = {
     "q4_1": {"tied": True, "types": {"token_embd": Q8_0}},
@@ -182,9 +183,13 @@ def _raw(written: dict[str, tuple[Any, np.ndarray]], name: str, heads: int | Non
     kind, data = written[name]
     size = {Q4_1: 20, Q4_0: 18}[kind]
     blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(data.shape[0], -1, size))
-    if kind == Q4_0:
-        blocks = q4_0_as_q4_1(blocks)
     return blocks if heads is None else unpermute_rope_rows(blocks, heads)
+
+
+def _held(module: torch.nn.Module) -> torch.Tensor | None:
+    """A module's Q4_1 blocks, or its Q4_0 ones (kept as Q4_0 where alone)."""
+    kept = kquant_of(module)
+    return q4_1_of(module) if kept is None else kept[1]
 
 
 def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> None:
@@ -197,7 +202,7 @@ def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> Non
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             assert "weight" not in module._parameters  # no float copy
         assert torch.equal(q4_1_of(attn.o_proj), _raw(written, f"blk.{i}.attn_output.weight"))
-        assert torch.equal(q4_1_of(mlp.down_proj), _raw(written, f"blk.{i}.ffn_down.weight"))
+        assert torch.equal(_held(mlp.down_proj), _raw(written, f"blk.{i}.ffn_down.weight"))
         gate_up = q4_1_of(mlp.gate_up_proj)
         assert gate_up is not None
         assert torch.equal(gate_up, torch.cat([_raw(written, f"blk.{i}.ffn_gate.weight"),
@@ -212,7 +217,7 @@ def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> Non
                 _raw(written, f"blk.{i}.attn_v.weight")]))
     assert model.model.norm.weight.dtype == torch.float32  # norms stay float
     if mixed:
-        assert torch.equal(q4_1_of(model.model.embed_tokens), _raw(written, "token_embd.weight"))
+        assert torch.equal(_held(model.model.embed_tokens), _raw(written, "token_embd.weight"))
         assert torch.equal(q4_1_of(model.lm_head), _raw(written, "output.weight"))
     else:  # the default file's shape: a Q8_0 embedding, the head sharing its blocks
         embed, head = q8_0_of(model.model.embed_tokens), q8_0_of(model.lm_head)
@@ -236,8 +241,10 @@ def test_greedy_matches_the_dequantized_reference(gguf_case: dict[str, Any], sce
               check_integrity=True, **SCENARIOS[scenario])
     if kernels.load() is not None:
         plan = llm.engine.runner.forward
-        assert isinstance(plan, CpuPlan) and plan.quantized
-        assert all(layer.down.packed.shape[-1] == 320 for layer in plan.layers)  # Q4_1 blocks
+        assert isinstance(plan, CpuPlan)
+        kernels_here = plan.ops.weight_formats()
+        down = "q4_0" if gguf_case["name"] == "mixed" else "q4_1"  # the file's blocks
+        assert all(kernels_here[layer.down.format] == down for layer in plan.layers)
     for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(_generate(llm), gguf_case["refs"], strict=True)):
         completion = out.outputs[0]
         assert completion.token_ids == ref_tokens, f"prompt {i}"
@@ -266,35 +273,17 @@ def test_bf16_logprobs_near_the_dequantized_reference(gguf_case: dict[str, Any])
     assert compared > 0 and worst < 0.1
 
 
-def test_a_changed_or_replaced_q4_1_block_is_repacked(gguf_case: dict[str, Any]) -> None:
-    """CpuPlan.fresh() watches the Q4_1 blocks (a buffer): changed in place or
-    replaced, they are packed again before the next forward."""
+def test_the_plan_holds_the_only_copy_of_each_q4_1_weight(gguf_case: dict[str, Any]) -> None:
+    """The runner's plan packs the file's Q4_1 blocks and releases the module's
+    own: a meta tensor of the same shape remains; the output is unchanged."""
     llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
               num_kv_blocks=512)
     plan = llm.engine.runner.forward
     if not isinstance(plan, CpuPlan):
         pytest.skip("the C++ kernels are not built here")
-    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
-
-    def logprobs() -> list[float]:
-        return [e[t].logprob for out in _generate(llm, 4)
-                for e, t in zip(out.outputs[0].logprobs or [], out.outputs[0].token_ids, strict=True)]
-
-    def packed_now() -> bool:
-        return torch.equal(plan.layers[1].down.packed, pack_q4_1(down.q4_1))
-
-    before = logprobs()
-    assert plan.fresh() and packed_now()
-    with torch.no_grad():
-        down.q4_1[:, :, 4:] ^= 0xFF  # in place: every q to 15 - q
-    assert not plan.fresh()
-    flipped = logprobs()
-    assert plan.fresh() and packed_now() and flipped != before
-    down.q4_1 = down.q4_1.clone()  # replaced (nn.Module puts it in _buffers)
-    down.q4_1[:, :, 4:] ^= 0xFF
-    assert not plan.fresh()
-    assert logprobs() == before
-    assert plan.fresh() and packed_now()
+    o_proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj  # (Q4_1 in both layouts)
+    assert o_proj.q4_1.device.type == "meta" and o_proj.q4_1.shape[-1] == 20
+    assert plan.layers[1].o.data.device.type == "cpu"
 
 
 def test_reference_model_dequantizes_q4_1_on_the_fly(gguf_case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

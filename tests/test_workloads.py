@@ -7,7 +7,7 @@ import pytest
 from tokenmill.bench.workloads import chat_prefix, throughput_a
 
 
-@pytest.mark.parametrize(("cap", "generated"), [(32, 3707), (128, 10642), (512, 16717)])
+@pytest.mark.parametrize(("cap", "generated"), [(32, 3707), (128, 10642), (512, 16717), (1536, 16826)])
 def test_throughput_a_check_sums(cap: int, generated: int) -> None:
     workload = throughput_a(cap)
     assert len(workload.prompts) == 128

@@ -264,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm_peer.add_serve_args(serve_vllm_parser)
     serve_vllm_parser.set_defaults(func=vllm_peer.main_serve_vllm)
+    from tokenmill.bench import study
+
+    study_parser = bench_sub.add_parser(
+        "study", help="the seed's four systems (static / continuous x reserved / paged KV) "
+                      "at one KV budget: throughput-A to CAP 1536, peers, serve-B latency")
+    study.add_args(study_parser)
+    study_parser.set_defaults(func=study.main_study)
     from tokenmill.bench import report
 
     all_parser = bench_sub.add_parser("all", help="run every benchmark and write BENCHMARKS.md")

@@ -17,6 +17,9 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("q8_0", "gguf")  # ModelConfig.quantization's values besides None
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+# How a request gets KV memory: block by block ("paged"), or its whole prompt +
+# max_tokens at admission ("reserved", the systems before paging; CacheConfig).
+KV_ALLOCATIONS = ("paged", "reserved")
 
 # Tokens per step: one default offline (LLM, `tokenmill generate`) and a smaller
 # one for `tokenmill serve` on the CPU (engine/arg_utils.py), as vLLM has one for
@@ -106,12 +109,18 @@ class ModelSpec:
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache. Its size comes from `kv_cache_memory_bytes` (default:
-    a share of free RAM) or from an explicit `num_blocks_override`."""
+    a share of free RAM) or from an explicit `num_blocks_override`.
+
+    `kv_allocation` (tokenmill's own; vLLM has only paging): "paged" gives a
+    request blocks as its tokens need them; "reserved" admits a request only
+    when its whole prompt + max_tokens fits and holds that space until it
+    finishes, as systems before paging did (for the batching study)."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_allocation: str = "paged"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -123,6 +132,10 @@ class CacheConfig:
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError(
                 f"num_kv_blocks (num_blocks_override) must be >= 1, got {self.num_blocks_override}"
+            )
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(
+                f"kv_allocation={self.kv_allocation!r} is not supported; use one of {KV_ALLOCATIONS}"
             )
 
 

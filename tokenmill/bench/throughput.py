@@ -22,11 +22,22 @@ from typing import Any
 from tokenmill.bench import extras
 from tokenmill.bench.workloads import Workload, throughput_a
 
+# The engine options of each configuration. "+reserved": KV memory reserved for a
+# request's whole prompt + max_tokens at admission (the systems before paging).
 POLICIES: dict[str, dict[str, Any]] = {
-    "static": {"scheduling_policy": "static", "enable_prefix_caching": False},
-    "continuous": {"scheduling_policy": "fcfs", "enable_prefix_caching": False},
-    "continuous+prefix": {"scheduling_policy": "fcfs", "enable_prefix_caching": True},
+    "static": {"scheduling_policy": "static", "enable_prefix_caching": False,
+               "kv_allocation": "paged"},
+    "continuous": {"scheduling_policy": "fcfs", "enable_prefix_caching": False,
+                   "kv_allocation": "paged"},
+    "continuous+prefix": {"scheduling_policy": "fcfs", "enable_prefix_caching": True,
+                          "kv_allocation": "paged"},
+    "static+reserved": {"scheduling_policy": "static", "enable_prefix_caching": False,
+                        "kv_allocation": "reserved"},
+    "continuous+reserved": {"scheduling_policy": "fcfs", "enable_prefix_caching": False,
+                            "kv_allocation": "reserved"},
 }
+# `bench throughput`'s default: the scheduling study on paged memory.
+DEFAULT_POLICIES = "static,continuous,continuous+prefix"
 
 
 @dataclass
@@ -46,19 +57,26 @@ class ThroughputRow:
     num_preemptions: int
     peak_rss_mib: float
     ratio_vs_static: float | None = None
+    # The KV pool's mean fraction over steps: holding tokens, and held (those plus
+    # reservations not filled yet); None where not measured (peers).
+    mean_kv_used: float | None = None
+    mean_kv_held: float | None = None
+    num_kv_blocks: int | None = None  # the pool, where the run set it
     # What a peer ran with that the columns do not say (environment variables,
     # scheduler limits, how peak RSS was measured); empty for tokenmill's rows.
     settings: dict[str, Any] = field(default_factory=dict)
 
 
 def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
-            max_num_batched_tokens: int, device: str = "cpu") -> ThroughputRow:
-    """One timed run in this process."""
+            max_num_batched_tokens: int, device: str = "cpu",
+            num_kv_blocks: int | None = None) -> ThroughputRow:
+    """One timed run in this process (num_kv_blocks None: the engine's default pool)."""
     from tokenmill import LLM, SamplingParams
 
     workload: Workload = throughput_a(cap)
     llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, **POLICIES[policy])
+              max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+              **POLICIES[policy])
     # Warm-up: first-call costs (thread pools, allocator) stay out of the timing. Its
     # prompts share no block with the workload's, so the prefix cache gains nothing.
     warmup = [[(i * 131 + j) % 90 + 1 for j in range(128)] for i in range(4)]
@@ -76,6 +94,8 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     stats = llm.last_generate_stats
     row = make_row(policy, cap, dtype, workload, wall, stats.num_computed_tokens,
                    stats.mean_batch_size, stats.num_steps, stats.num_preemptions)
+    row.mean_kv_used, row.mean_kv_held = stats.mean_kv_used, stats.mean_kv_held
+    row.num_kv_blocks = num_kv_blocks
     if device != "cpu":
         import torch
 
@@ -161,6 +181,8 @@ def one_run_command(args: argparse.Namespace, policy: str, cap: int) -> list[str
            "--device", getattr(args, "device", "cpu")]
     if args.model:
         cmd += ["--model", args.model]
+    if getattr(args, "num_kv_blocks", None):
+        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return cmd
 
 
@@ -231,7 +253,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--workload", default="throughput-A", choices=["throughput-A"])
     p.add_argument("--caps", default="32,128,512", type=positive_ints)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"of {', '.join(POLICIES)}")
     p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -272,11 +294,12 @@ def _main() -> int:
     p.add_argument("--one", action="store_true", help="(internal) one timed run, JSON on stdout")
     p.add_argument("--policy", default="continuous")
     p.add_argument("--cap", type=int, default=128)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
     args = p.parse_args()
     if args.one:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         row = run_one(args.model, args.policy, args.cap, args.dtype, args.max_num_seqs,
-                      args.max_num_batched_tokens, args.device)
+                      args.max_num_batched_tokens, args.device, args.num_kv_blocks)
         print(json.dumps(asdict(row)))
         return 0
     return main_throughput(args)

@@ -49,6 +49,21 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks promised to running requests and not handed out yet: none when
+        paging (kv_reservation.py's policy promises some)."""
+        return 0
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError (saying what to do) if the request can never get its
+        memory. Paging gives blocks as tokens need them, so a prompt that fits the
+        context (the scheduler checks that) is enough."""
+
+    def _num_allocatable(self, request: Request) -> int:
+        """Blocks `request` may take now: every free one when paging."""
+        return self.pool.num_free_blocks
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks that prefixes this request, and
         the number of tokens it covers. At least one token is always left to
@@ -83,7 +98,7 @@ class KVCacheManager:
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
         # Hits sitting in the free queue stop being free once touched.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+        if num_new_blocks + num_revived > self._num_allocatable(request):
             return None
 
         self.pool.touch(new_computed_blocks)

@@ -36,6 +36,7 @@ from tokenmill.core.contracts import (
     SchedulerOutput,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_reservation import make_kv_cache_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import RequestQueue, make_request_queue
 
@@ -50,6 +51,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int  # of those, tokens found (cumulative)
     num_preemptions: int  # cumulative
+    # Blocks promised to running requests, not handed out yet (kv_allocation="reserved").
+    num_reserved_blocks: int = 0
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
 
 
@@ -86,9 +89,10 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
         # A request must always fit alone in the pool, or preemption could loop.
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
+        # Paged or reserved (cache_config.kv_allocation): a policy of the KV manager alone.
+        self.kv: KVCacheManager = make_kv_cache_manager(cache_config, num_blocks, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.queue: RequestQueue = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []  # in admission order
@@ -119,6 +123,7 @@ class Scheduler:
                 f"context length of {self.max_model_len} tokens (max_model_len, capped by "
                 "the KV cache size); shorten the prompt or raise max_model_len / the KV cache"
             )
+        self.kv.check_request(request)
         self.requests[request.request_id] = request
         self.queue.add(request)
 
@@ -177,13 +182,14 @@ class Scheduler:
                 budget -= num_new
 
         # 2. Waiting requests, in queue order, unless we just had to preempt.
-        num_running_before = len(self.running)
+        # (Admitting may preempt too, in a subclass: what is new is what was not running.)
+        running_before = {r.request_id for r in self.running}
         if not preempted:
             budget = self._admit_waiting(budget, num_new_by_req)
 
         # 3. Describe the step and advance the computed counts.
         scheduled = []
-        admitted = {r.request_id for r in self.running[num_running_before:]}
+        admitted = {r.request_id for r in self.running} - running_before
         for request in self.running:
             if request.request_id not in num_new_by_req:
                 continue
@@ -389,6 +395,7 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_reserved_blocks=self.kv.num_reserved_blocks,
             spec_decoding=dataclasses.replace(
                 self.spec_stats,
                 num_accepted_tokens_per_pos=list(self.spec_stats.num_accepted_tokens_per_pos),

@@ -15,6 +15,7 @@ from typing import Any
 from tokenmill.config import (
     CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_ALLOCATIONS,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SUPPORTED_DTYPES,
@@ -43,6 +44,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override
     enable_prefix_caching: bool = True
+    # tokenmill's own (vLLM only pages): "paged", or "reserved" (config.CacheConfig).
+    kv_allocation: str = "paged"
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
@@ -74,6 +77,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_blocks_override=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_allocation=self.kv_allocation,
             ),
             SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -132,6 +136,11 @@ class EngineArgs:
         parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                             action="store_false")
         parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+        parser.add_argument(
+            "--kv-allocation", default="paged", choices=KV_ALLOCATIONS,
+            help="paged: KV blocks as a request's tokens need them; reserved: a request is "
+                 "admitted only when its whole prompt + max_tokens fits, and holds that "
+                 "space until it finishes (the systems before paging, for `bench study`)")
         parser.add_argument("--skip-tokenizer-init", action="store_true",
                             help="no tokenizer: prompts and outputs are token ids")
         parser.add_argument(

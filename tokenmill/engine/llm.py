@@ -179,7 +179,7 @@ class LLM:
                         dynamic_ncols=True)
         start = time.monotonic()
         num_in = num_out = 0
-        stats = self.last_generate_stats = GenerateStats()
+        stats = self.last_generate_stats = GenerateStats(num_kv_blocks=engine.scheduler.kv.num_blocks)
         try:
             while pending:
                 result = engine.step()
@@ -188,6 +188,8 @@ class LLM:
                 stats.num_computed_tokens += step.num_scheduled_tokens
                 stats.num_scheduled_reqs += step.num_scheduled_reqs
                 stats.num_preemptions += step.num_preempted
+                stats.kv_blocks_used += step.num_kv_blocks_used
+                stats.kv_blocks_held += step.num_kv_blocks_held
                 for phase, seconds in step.phase_s.items():
                     stats.phase_s[phase.value] = stats.phase_s.get(phase.value, 0.0) + seconds
                 for out in result.outputs:

@@ -66,6 +66,10 @@ class StepStats:
     first_scheduled_req_ids: tuple[str, ...] = ()
     # Seconds in each part of the step (worker/step_timer.py).
     phase_s: dict[StepPhase, float] = dataclasses.field(default_factory=dict)
+    # KV blocks once the step was scheduled: holding tokens, and those plus the
+    # ones promised to running requests (kv_allocation="reserved"; else equal).
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_held: int = 0
 
 
 @dataclass
@@ -80,6 +84,8 @@ class ScheduledStep:
 
     scheduler_output: SchedulerOutput
     first_scheduled_req_ids: tuple[str, ...]
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_held: int = 0
 
 
 class LLMEngine:
@@ -378,7 +384,10 @@ class LLMEngine:
                     request_id = self.output_processor.mark_scheduled(scheduled.request_id, now)
                     if request_id is not None:
                         first_scheduled.append(request_id)
-        self._scheduled_step = ScheduledStep(scheduler_output, tuple(first_scheduled))
+            kv = self.scheduler.kv
+            used = kv.num_blocks - kv.pool.num_free_blocks
+        self._scheduled_step = ScheduledStep(scheduler_output, tuple(first_scheduled),
+                                             used, used + kv.num_reserved_blocks)
         return self._scheduled_step
 
     def _propose_drafts(self, spec: SpeculativeConfig) -> None:
@@ -421,6 +430,8 @@ class LLMEngine:
             num_preempted=len(scheduler_output.preempted_req_ids),
             first_scheduled_req_ids=step.first_scheduled_req_ids,
             phase_s=timer.take(),
+            num_kv_blocks_used=step.num_kv_blocks_used,
+            num_kv_blocks_held=step.num_kv_blocks_held,
         )
         if self.check_integrity:
             self.scheduler.check_integrity()

@@ -31,11 +31,14 @@ from torch import nn
 from tokenmill.config import ModelConfig, ModelSpec
 from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
 from tokenmill.model.quantization import (
+    KQUANT_FORMATS,
     Q4_1_BYTES,
     Q8_0_BLOCK,
+    dequantize_kquant,
     dequantize_q4_1,
     q4_0_as_q4_1,
     quantize_q8_0,
+    set_kquant,
     set_q4_1,
     set_q8_0,
 )
@@ -75,22 +78,43 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclasses.dataclass(frozen=True)
-class Q4_1Blocks:
-    """A GGUF Q4_1 (or Q4_0, made Q4_1) tensor's blocks: uint8 [out, in / 32, 20]."""
+class GgufBlocks:
+    """A GGUF tensor's blocks as the file has them, of a type quantization="gguf"
+    keeps (_KEPT_TYPES): uint8 [out, in / values a block, bytes a block]."""
 
+    type: str  # the GGUF type's name
     blocks: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.blocks.shape[0], self.blocks.shape[1] * Q8_0_BLOCK)
+        return (self.blocks.shape[0], self.blocks.shape[1] * _block_values(self.type))
+
+    def values(self) -> torch.Tensor:
+        """float32 [out, in]: the blocks dequantized (gguf-py's values)."""
+        if self.type == "Q4_1":
+            return dequantize_q4_1(self.blocks)
+        return dequantize_kquant(KQUANT_FORMATS[self.type], self.blocks)
+
+    def as_q4_1(self) -> torch.Tensor:
+        """Q4_1 blocks of the same values (Q4_0: m = -8 d)."""
+        return self.blocks if self.type == "Q4_1" else q4_0_as_q4_1(self.blocks)
 
 
 # A checkpoint tensor: float values, or (with quantization="q8_0" / "gguf") a GGUF
 # Q8_0 tensor's own blocks as (q int8 [out, in], d float16 [out, in / 32]), or
-# (with "gguf") a Q4_1 / Q4_0 tensor's blocks.
-TensorThunk = Callable[[], "torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Q4_1Blocks"]
-# GGUF types quantization="gguf" keeps as Q4_1 blocks (model/quantization.py).
-_Q4_TYPES = ("Q4_0", "Q4_1")
+# (with "gguf") a kept type's blocks.
+TensorThunk = Callable[[], "torch.Tensor | tuple[torch.Tensor, torch.Tensor] | GgufBlocks"]
+# GGUF types quantization="gguf" keeps as the file has them (model/quantization.py);
+# Q4_0 fused with Q4_1 is kept as Q4_1.
+_KEPT_TYPES = ("Q4_1", *KQUANT_FORMATS)
+
+
+def _block_values(type_name: str) -> int:
+    return Q8_0_BLOCK if type_name == "Q4_1" else KQUANT_FORMATS[type_name].block_values
+
+
+def _block_bytes(type_name: str) -> int:
+    return Q4_1_BYTES if type_name == "Q4_1" else KQUANT_FORMATS[type_name].block_bytes
 
 
 class WeightLoadError(ValueError):
@@ -166,8 +190,9 @@ def load_weights(
     (model/quantization.py): a GGUF Q8_0 tensor's own blocks as they are, any
     other tensor quantized here; their float Parameters are never written.
     With "gguf" (`storage`: checkpoint name -> GGUF type) a module whose
-    tensors are all Q4_1 / Q4_0 keeps them as Q4_1 blocks, the others are
-    Q8_0 as above (a fused module mixing Q4 and other types: Q8_0)."""
+    tensors are all of one kept type (Q4_1, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)
+    keeps their blocks as they are (Q4_0 fused with Q4_1: as Q4_1), the others
+    are Q8_0 as above (a fused module mixing types: Q8_0)."""
     targets = checkpoint_targets(model)
     unexpected = sorted(n for n in tensors if n not in targets and not ignored(n))
     missing = sorted(n for n in targets if n not in tensors)
@@ -183,9 +208,9 @@ def load_weights(
         )
     params = dict(model.named_parameters())
     blocks = _q8_0_destinations(model, params, quantization) if quantization is not None else {}
-    q4_blocks: dict[str, torch.Tensor] = {}
+    kept: dict[str, tuple[str, torch.Tensor]] = {}
     if quantization == "gguf":
-        q4_blocks = _q4_1_destinations(targets, blocks, storage or {})
+        kept = _kept_destinations(targets, blocks, storage or {})
     with torch.no_grad():
         for name, (param_name, shard) in targets.items():
             dest: torch.Tensor = params[param_name]  # not .data: the copy counts as a change of the weight
@@ -201,21 +226,22 @@ def load_weights(
                 raise WeightLoadError(
                     f"tensor {name} has shape {shape}, expected {tuple(dest.shape)}"
                 )
-            if param_name in q4_blocks:
-                assert isinstance(tensor, Q4_1Blocks), name
-                q4_blocks[param_name][rows].copy_(tensor.blocks)
+            if param_name in kept:
+                assert isinstance(tensor, GgufBlocks), name
+                kind, dest_blocks = kept[param_name]
+                dest_blocks[rows].copy_(tensor.as_q4_1() if kind == "Q4_1" else tensor.blocks)
             elif param_name in blocks:
-                if isinstance(tensor, Q4_1Blocks):  # (a fused module that is not all Q4)
-                    tensor = dequantize_q4_1(tensor.blocks)
+                if isinstance(tensor, GgufBlocks):  # (a fused module mixing types)
+                    tensor = tensor.values()
                 q, d = tensor if isinstance(tensor, tuple) else quantize_q8_0(tensor)
                 blocks[param_name][0][rows].copy_(q)
                 blocks[param_name][1][rows].copy_(d)
             else:
                 assert isinstance(tensor, torch.Tensor), name
                 dest.copy_(tensor)  # casts to the model's dtype and moves to its device
-    for param_name, q4 in q4_blocks.items():
+    for param_name, (kind, kept_blocks) in kept.items():
         module = model.get_submodule(param_name.rpartition(".")[0])
-        set_q4_1(module, q4)
+        _set_kept(module, kind, kept_blocks)
         if isinstance(module, Embedding):
             module.compute_dtype = params[param_name].dtype
     for param_name, (q, d) in blocks.items():
@@ -223,31 +249,43 @@ def load_weights(
         set_q8_0(module, q, d)
         if isinstance(module, Embedding):
             module.compute_dtype = params[param_name].dtype
-    tied = "lm_head.weight" not in blocks and "lm_head.weight" not in q4_blocks
-    if (blocks or q4_blocks) and isinstance(model, LlamaForCausalLM) and tied:
+    tied = "lm_head.weight" not in blocks and "lm_head.weight" not in kept
+    if (blocks or kept) and isinstance(model, LlamaForCausalLM) and tied:
         embed = "model.embed_tokens.weight"  # tied: the head shares the embedding's blocks
-        if embed in q4_blocks:
-            set_q4_1(model.lm_head, q4_blocks[embed])
+        if embed in kept:
+            _set_kept(model.lm_head, *kept[embed])
         else:
             set_q8_0(model.lm_head, *blocks[embed])
 
 
-def _q4_1_destinations(
+def _kept_destinations(
     targets: Mapping[str, tuple[str, str | None]],
     blocks: dict[str, tuple[torch.Tensor, torch.Tensor]], storage: Mapping[str, str],
-) -> dict[str, torch.Tensor]:
-    """quantization="gguf": parameter name -> empty Q4_1 blocks for each quantized
-    weight whose checkpoint tensors are all Q4_1 / Q4_0 (taken out of `blocks`,
-    the Q8_0 destinations)."""
+) -> dict[str, tuple[str, torch.Tensor]]:
+    """quantization="gguf": parameter name -> (GGUF type, its empty blocks) for each
+    quantized weight whose checkpoint tensors are all of one kept type, or Q4_0
+    and Q4_1 (kept as Q4_1); taken out of `blocks`, the Q8_0 destinations."""
     parts: dict[str, list[str]] = {}
     for name, (param_name, _) in targets.items():
         parts.setdefault(param_name, []).append(name)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, tuple[str, torch.Tensor]] = {}
     for param_name in list(blocks):
-        if all(storage.get(name) in _Q4_TYPES for name in parts.get(param_name, [])):
+        kinds = {storage.get(name) for name in parts.get(param_name, [])}
+        if kinds == {"Q4_0", "Q4_1"}:
+            kinds = {"Q4_1"}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind in _KEPT_TYPES:
             rows, k = blocks.pop(param_name)[0].shape
-            out[param_name] = torch.empty(rows, k // Q8_0_BLOCK, Q4_1_BYTES, dtype=torch.uint8)
+            out[param_name] = (kind, torch.empty(rows, k // _block_values(kind), _block_bytes(kind),
+                                                 dtype=torch.uint8))
     return out
+
+
+def _set_kept(module: nn.Module, kind: str, kept_blocks: torch.Tensor) -> None:
+    if kind == "Q4_1":
+        set_q4_1(module, kept_blocks)
+    else:
+        set_kquant(module, KQUANT_FORMATS[kind], kept_blocks)
 
 
 def _q8_0_destinations(
@@ -439,12 +477,13 @@ def gguf_to_hf_name(name: str) -> str:
 
 
 def _gguf_thunk(
-    tensor: Any, rope_heads: int | None, q8_0_blocks: bool = False, q4_blocks: bool = False
+    tensor: Any, rope_heads: int | None, q8_0_blocks: bool = False, kept_blocks: bool = False
 ) -> TensorThunk:
-    def load() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Q4_1Blocks:
-        if q4_blocks and tensor.tensor_type.name in _Q4_TYPES:
-            blocks = q4_gguf_blocks(tensor)
-            return Q4_1Blocks(blocks if rope_heads is None else unpermute_rope_rows(blocks, rope_heads))
+    def load() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | GgufBlocks:
+        kind = tensor.tensor_type.name
+        if kept_blocks and kind in _KEPT_TYPES:
+            blocks = gguf_blocks(tensor)
+            return GgufBlocks(kind, blocks if rope_heads is None else unpermute_rope_rows(blocks, rope_heads))
         if q8_0_blocks and tensor.tensor_type.name == "Q8_0":
             q, d = q8_0_gguf_blocks(tensor)
             if rope_heads is None:
@@ -467,16 +506,14 @@ def q8_0_gguf_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
-def q4_gguf_blocks(tensor: Any) -> torch.Tensor:
-    """A GGUF Q4_1 tensor's blocks as they are in the file (20 bytes each:
-    float16 d, float16 m, 16 bytes of nibbles), uint8 [out, in / 32, 20]; a
-    Q4_0 tensor's (18 bytes) made Q4_1 with m = -8 d (the same values)."""
+def gguf_blocks(tensor: Any) -> torch.Tensor:
+    """A GGUF tensor of a kept type: its blocks as they are in the file
+    (model/quantization.py's layouts), uint8 [out, in / values a block, bytes a block]."""
+    kind = tensor.tensor_type.name
     shape = tuple(int(dim) for dim in reversed(tensor.shape))  # [out, in]
     rows, k = int(np.prod(shape[:-1])), shape[-1]
-    size = Q4_1_BYTES if tensor.tensor_type.name == "Q4_1" else Q4_1_BYTES - 2
-    raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, k // Q8_0_BLOCK, size)  # (a copy)
-    blocks = torch.from_numpy(raw)
-    return blocks if size == Q4_1_BYTES else q4_0_as_q4_1(blocks)
+    raw = np.array(tensor.data, dtype=np.uint8)  # (a copy: the file's map is read-only)
+    return torch.from_numpy(raw.reshape(rows, k // _block_values(kind), _block_bytes(kind)))
 
 
 def dequantize_gguf_tensor(tensor: Any) -> torch.Tensor:

@@ -100,6 +100,7 @@ def settings_for(args: argparse.Namespace, throughput: bool, policy: str = "cont
     return EngineSettings(scheduling_policy=opts["scheduling_policy"], max_num_seqs=seqs,
                           max_num_batched_tokens=budget, block_size=args.block_size,
                           enable_prefix_caching=opts["enable_prefix_caching"],
+                          kv_allocation=opts["kv_allocation"],
                           num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           num_speculative_tokens=args.num_speculative_tokens,
@@ -148,7 +149,10 @@ def main_simulate(args: argparse.Namespace) -> int:
         throughput_bench.plot(rows, out / f"{stem}.png")
         print(throughput_bench.format_table(rows))
         if args.compare:
-            measured = [ThroughputRow(**d) for d in json.loads(Path(args.compare).read_text())]
+            data = json.loads(Path(args.compare).read_text())
+            if isinstance(data, dict):  # `bench study`'s JSON: its rows beside its budget
+                data = data["rows"]
+            measured = [ThroughputRow(**d) for d in data]
             print("\n" + compare_throughput(rows, measured))
     else:
         reports = []

@@ -74,16 +74,19 @@ class ModelForward(Protocol):
 
 
 def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
-                 options: CpuBackendOptions | None = None) -> tuple[ModelForward, str]:
+                 options: CpuBackendOptions | None = None, release: bool = True) -> tuple[ModelForward, str]:
     """The CPU plan where it serves `model`, else the reference model (with the
     C++ paged attention where the kernels exist on the CPU); and a line saying
-    which and why. `options`: the CPU backend's (None: from the environment)."""
+    which and why. `options`: the CPU backend's (None: from the environment);
+    `release`: the plan keeps the only copy of each weight (the model's own are
+    dropped as it packs them; tests that run the reference on the same model
+    after pass False)."""
     if device.type != "cpu":
         return model, f"reference torch model ({device.type})"
     options = options or CpuBackendOptions.from_env()
     name = str(dtype).removeprefix("torch.")
     reason = unsupported(model, dtype, options)
-    plan = CpuPlan.build(model, dtype, options) if reason is None else None
+    plan = CpuPlan.build(model, dtype, options, release) if reason is None else None
     if plan is not None:
         return plan, f"CPU backend (C++ kernels, {name})"
     if options.cpp_kernels and kernels.load() is not None:

@@ -8,7 +8,7 @@ step takes is read (and tested) in one place. Every path gives the same bits
 | SPLIT | `layer_stack` (csrc/layer_stack.cpp): each thread its own requests through every layer | decode-only steps that divide well between threads (`split_bounds`), every row sampled |
 | LOOP | `layer_loop` (csrc/layer_loop.cpp): every kernel on the whole OpenMP team | any other step one attention call per layer serves |
 | TP_LOOP | `layer_loop_tp`: LOOP on a tensor-parallel shard, all-reducing over shared memory | a shard whose group has a live shared-memory handle |
-| PYTHON | `CpuPlan._python_loop`: the same kernels called from Python | under the profiler (a row per op), where the attention kernel cannot serve the step in one call, a shard over gloo (or with `tp_layer_loop` off), and more rows than packed_gemm serves |
+| PYTHON | `CpuPlan._python_loop`: the same kernels called from Python | under the profiler (a row per op), where the attention kernel cannot serve the step in one call, a shard over gloo (or with `tp_layer_loop` off) |
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class PathFacts:
     has_layers: bool
     shard: bool  # a tensor-parallel shard (o/down all-reduce after their GEMMs)
     tp_layer_loop: bool  # a shard may take TP_LOOP (CpuBackendOptions.tp_layer_loop)
-    max_rows: int  # the most rows the packed GEMMs serve; more go through torch's matmul (PYTHON)
     row_cost: float  # a query row's cost in context tokens read (split_bounds)
     split_min_rows: float  # the fewest rows a thread for SPLIT (SPLIT_ROWS_PER_WEIGHT_BYTE x weight bytes)
     split_max_share: float = SPLIT_MAX_SHARE
@@ -66,7 +65,7 @@ def choose_path(meta: AttentionMetadata, facts: PathFacts, *, profiling: bool, a
     profiler is on: the per-op rows of `bench --profile`), `all_rows` (no
     `output_rows`: every row is sampled), `threads` (the forward's OpenMP
     threads), `shm_group` (a shard's group all-reduces over shared memory now)."""
-    if profiling or not facts.has_layers or not one_attention_call(meta) or meta.num_tokens > facts.max_rows:
+    if profiling or not facts.has_layers or not one_attention_call(meta):
         return Route(Path.PYTHON)
     if facts.shard:
         return Route(Path.TP_LOOP if shm_group and facts.tp_layer_loop else Path.PYTHON)

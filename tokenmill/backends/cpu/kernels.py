@@ -19,22 +19,22 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 
-from tokenmill.backends.cpu.memory import pack_weight
+from tokenmill.backends.cpu.formats import CppPackedWeight, pack
 
 logger = logging.getLogger("tokenmill")
 
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "q8_gemm.cpp", "q4_gemm.cpp",
-                                      "packed_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "packed_gemm.cpp", "q8_gemm.cpp",
+                                      "q4_gemm.cpp", "kq_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
                                       "layer_loop.cpp", "layer_stack.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
-                                      "weight_watch.h", "act_quant.h", "cpu_features.h", "distributed.h",
-                                      "layer_loop.h")]
+                                      "act_quant.h", "formats.h", "block_gemm.h", "cpu_features.h",
+                                      "distributed.h", "layer_loop.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a
@@ -46,25 +46,13 @@ class CppLayerWeights(Protocol):
     """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h)."""
 
     norm1: torch.Tensor
-    qkv: torch.Tensor  # packed (memory.pack_weight), as o, gate_up and down
-    qkv_bias: torch.Tensor  # empty: none, as o_bias
-    o: torch.Tensor
-    o_bias: torch.Tensor
+    qkv: CppPackedWeight
+    o: CppPackedWeight
     norm2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    qkv_n: int  # output features, as o_n, gate_up_n and down_n
-    o_n: int
-    gate_up_n: int
-    down_n: int
+    gate_up: CppPackedWeight  # [gate; up], no bias
+    down: CppPackedWeight
     sliding_window: int  # 0: none
     scale: float
-
-
-class CppWeightWatch(Protocol):
-    """csrc/weight_watch.h: the tensors a plan packed, and whether any was replaced or changed since."""
-
-    def unchanged(self) -> bool: ...
 
 
 class CppModelWeights(Protocol):
@@ -112,20 +100,21 @@ class CpuOps(Protocol):
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                             rows: torch.Tensor) -> None: ...
 
-    def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor,
-                    float32_out: bool) -> torch.Tensor: ...  # (uint8 `packed`: Q8_0 / Q4_1, q8_gemm.cpp / q4_gemm.cpp)
+    def packed_gemm(self, x: torch.Tensor, weight: CppPackedWeight,
+                    float32_out: bool) -> torch.Tensor: ...  # (in weight's format: csrc/formats.h)
 
-    def packed_gemm_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor: ...
+    def packed_gemm_silu(self, x: torch.Tensor, weight: CppPackedWeight) -> torch.Tensor: ...
 
     def packed_gemm_dtypes(self) -> list[str]: ...
 
-    def packed_gemm_max_rows(self) -> int: ...
+    def weight_formats(self) -> list[str]: ...
 
-    def LayerWeights(self, *, norm1: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor,
-                     o: torch.Tensor, o_bias: torch.Tensor, norm2: torch.Tensor,
-                     gate_up: torch.Tensor, down: torch.Tensor, qkv_n: int, o_n: int,
-                     gate_up_n: int, down_n: int, sliding_window: int,
-                     scale: float) -> CppLayerWeights: ...
+    def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
+                     bias: torch.Tensor) -> CppPackedWeight: ...
+
+    def LayerWeights(self, *, norm1: torch.Tensor, qkv: CppPackedWeight, o: CppPackedWeight,
+                     norm2: torch.Tensor, gate_up: CppPackedWeight, down: CppPackedWeight,
+                     sliding_window: int, scale: float) -> CppLayerWeights: ...
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
@@ -135,9 +124,6 @@ class CpuOps(Protocol):
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                    seq_lens: torch.Tensor, seq_ids: torch.Tensor, output_rows: torch.Tensor,
                    all_rows: bool) -> torch.Tensor: ...
-
-    def WeightWatch(self, dicts: list[dict[str, Any]], names: list[str],
-                    tensors: list[torch.Tensor]) -> CppWeightWatch: ...
 
     def ShmGroup(self, *, region: torch.Tensor, rank: int, size: int, capacity: int, pids: list[int],
                  timeout_s: float) -> CppShmGroup: ...
@@ -253,11 +239,6 @@ def packed_gemm_ops(x: torch.Tensor) -> CpuOps | None:
     return module if str(x.dtype).removeprefix("torch.") in _packed_dtypes else None
 
 
-def packed_max_rows() -> int:
-    """The most rows worth a packed_gemm call (past them torch's matmul is the
-    faster; csrc/packed_gemm.cpp packed_gemm_max_rows), 0 without the kernels."""
-    module = load()
-    return 0 if module is None else int(module.packed_gemm_max_rows())
 
 
 def best_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 10) -> float:
@@ -282,7 +263,8 @@ def best_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
             best = fastest(functools.partial(torch.nn.functional.linear, x, w))
             ops = packed_gemm_ops(x)
             if ops is not None:
-                kernel = functools.partial(ops.packed_gemm, x, pack_weight(w), n, torch.empty(0), False)
+                packed = pack(ops, str(dtype).removeprefix("torch."), w)
+                kernel = functools.partial(ops.packed_gemm, x, packed, False)
                 best = min(best, fastest(kernel))
             total_s += best
             total_flop += 2.0 * rows * k * n

@@ -9,6 +9,14 @@ stack, the C++ layer loop, a shard's C++ loop over shared memory, the Python
 loop below), decided from the step's metadata alone; the same bits each
 (every kernel computes a row alone).
 
+Every projection is one `PackedWeight` (formats.py: the format table) and
+every GEMM call, at any number of rows, runs from it: the plan holds the only
+copy of each weight. Built by the runner (`release=True`), it drops the
+modules' own float weights and GGUF blocks as it packs them, layer by layer, so
+neither the load's peak nor RSS after it holds a weight twice; the released
+modules keep meta tensors of their shapes (their size still counts, a forward
+through them fails). Built directly (tests), it leaves the model as it is.
+
 The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu),
 and with `output_rows` (the rows the runner samples) the last layer runs past
 its K/V write for those rows only.
@@ -27,61 +35,62 @@ from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 from torch.profiler import record_function
 
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.dispatch import SPLIT_ROWS_PER_WEIGHT_BYTE, Path, PathFacts, choose_path
-from tokenmill.backends.cpu.kernels import CpuOps
-from tokenmill.backends.cpu.memory import pack_q4_1, pack_q8_0, pack_weight
+from tokenmill.backends.cpu.formats import pack_module
+from tokenmill.backends.cpu.kernels import CppPackedWeight, CpuOps
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
-from tokenmill.model.quantization import is_quantized, q4_1_of, q8_0_of
+from tokenmill.model.quantization import q8_0_of
 
 logger = logging.getLogger("tokenmill")
 
-_NO_BIAS = torch.empty(0)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
-
-
-class _Proj(NamedTuple):
-    """A projection: its packed weight for packed_gemm, and the original for torch's matmul."""
-
-    packed: torch.Tensor  # uint8: Q8_0 / Q4_1 blocks (memory.pack_q8_0 / pack_q4_1), which packed_gemm takes too
-    n: int  # output features
-    bias: torch.Tensor  # empty: none
-    weight: torch.Tensor  # empty where quantized: `ref` then
-    ref: Linear | None = None  # a quantized projection's module (its dequantizing forward)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ref is not None:
-            return self.ref(x)
-        return F.linear(x, self.weight, self.bias if self.bias.numel() else None)
 
 
 class _Layer(NamedTuple):
     norm1: torch.Tensor
-    qkv: _Proj
-    o: _Proj
+    qkv: CppPackedWeight
+    o: CppPackedWeight
     norm2: torch.Tensor
-    gate_up: _Proj
-    down: _Proj
+    gate_up: CppPackedWeight
+    down: CppPackedWeight
     scale: float
     sliding_window: int | None
 
 
-def _proj(lin: Linear) -> _Proj:
-    bias = _NO_BIAS if lin.bias is None else lin.bias.detach()
-    q8, q4 = q8_0_of(lin), q4_1_of(lin)
-    if q8 is not None:  # kept quantized: no float copy of the weight at all
-        return _Proj(pack_q8_0(*q8), lin.out_features, bias, _NO_BIAS, lin)
-    if q4 is not None:
-        return _Proj(pack_q4_1(q4), lin.out_features, bias, _NO_BIAS, lin)
-    weight = lin.weight.detach()
-    return _Proj(pack_weight(weight), lin.out_features, bias, weight)
+# The tensors a module holds a weight in (model/quantization.py: a float
+# Parameter, or Q8_0 / Q4_1 blocks as buffers), which the packed copy replaces.
+_WEIGHT_NAMES = ("weight", "qweight", "qscale", "q4_1")
+
+
+def release_weights(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    """Drop `module`'s weight tensors (not those in `keep`: shared with a module
+    still in use) for meta tensors of the same shape and dtype: the packed copy
+    is then the only one; the module still reports its size, and a forward
+    through it raises rather than computing on nothing."""
+    module.forward = _released_forward  # (an instance attribute: nn.Module.__call__ finds it first)
+    for store in (module._parameters, module._buffers):
+        for name in _WEIGHT_NAMES:
+            t = store.get(name)
+            if t is None or t.device.type == "meta" or any(t is k for k in keep):
+                continue
+            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            if store is module._parameters:
+                module._parameters[name] = nn.Parameter(meta, requires_grad=False)
+            else:
+                module._buffers[name] = meta
+
+
+def _released_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+    raise RuntimeError("this module's weights were released to the CPU plan, which holds the only copy "
+                       "(run the plan, or load the model again for the reference forward)")
 
 
 def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackendOptions) -> str | None:
@@ -94,6 +103,8 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
         return reason
     if kernels.fused_ops(probe) is None or kernels.packed_gemm_ops(probe) is None:
         return f"this build of the C++ kernels has no {str(dtype).removeprefix('torch.')} GEMM"
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "the model's weights were released to another CPU plan (load it again)"
     if any(p.device.type != "cpu" or p.dtype != dtype for p in model.parameters()):
         return "the weights are not all on the CPU in that dtype"
     for layer in model.model.layers:
@@ -113,8 +124,8 @@ class CpuPlan:
     """Serves `forward` and `compute_logits` of the model it was built from
     (LlamaForCausalLM's signatures), on the C++ kernels."""
 
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, ops: CpuOps,
-                 options: CpuBackendOptions) -> None:
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, ops: CpuOps, options: CpuBackendOptions,
+                 release: bool = False) -> None:
         self.model = model
         self.options = options
         self.dtype = dtype
@@ -125,64 +136,69 @@ class CpuPlan:
         self.q_size = self.num_heads * self.head_dim
         self.eps = float(spec.rms_norm_eps)
         self.rotary = model.model.rotary_emb
-        self.max_rows = int(ops.packed_gemm_max_rows())  # more rows go to torch's matmul
-        self.quantized = is_quantized(model.lm_head)  # (the loader quantizes all or none)
-        if self.quantized:  # q8_gemm / q4_gemm serve any number of rows (torch would dequantize every call)
-            self.max_rows = 1 << 62
-        self.sources: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
         self.last_path: Path | None = None  # the path of the last forward (logged when it changes)
-        self._pack()
+        self._pack(release)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype,
-              options: CpuBackendOptions | None = None) -> CpuPlan | None:
-        """The plan for `model` in `dtype`, or None where `unsupported` says why not."""
+    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackendOptions | None = None,
+              release: bool = False) -> CpuPlan | None:
+        """The plan for `model` in `dtype`, or None where `unsupported` says why not.
+        `options`: the CPU backend's (None: from the environment); `release`: the
+        plan keeps the only copy of each weight (module docstring)."""
         options = options or CpuBackendOptions.from_env()
         ops = kernels.load() if options.cpp_kernels else None
         if ops is None or unsupported(model, dtype, options) is not None:
             return None
-        return cls(model, dtype, ops, options)
+        return cls(model, dtype, ops, options, release)
 
-    def _pack(self) -> None:
-        """Read (and pack) every weight the plan uses; `sources` remembers each
-        parameter and Q8_0 block tensor, and `watch` their versions, for fresh()."""
-        self.sources = []
-        self.layers = []
+    def _pack(self, release: bool) -> None:
+        """Pack every projection the plan uses (formats.py), layer by layer,
+        dropping each module's own copy as soon as it is packed where `release`."""
         model = self.model.model
+        embed = model.embed_tokens
+        lm_head = self.model.lm_head
+        table = embed._parameters.get("weight")
+        tied = table is not None and lm_head._parameters.get("weight") is table
+        # Tensors the embedding still reads (a tied head shares them; a Q8_0 table's rows come from q8_embed).
+        embed_tensors = tuple(t for t in (*embed._parameters.values(), *embed._buffers.values()) if t is not None)
+        ops = self.ops
+
+        def packed(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> CppPackedWeight:
+            weight = pack_module(ops, module)
+            if release:
+                release_weights(module, keep)
+            return weight
+
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
             if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
                 self.all_reduce = a.o_proj.all_reduce
             self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach(), _proj(a.qkv_proj), _proj(a.o_proj),
-                layer.post_attention_layernorm.weight.detach(), _proj(mlp.gate_up_proj),
-                _proj(mlp.down_proj), float(a.scale), a.sliding_window,
+                layer.input_layernorm.weight.detach(), packed(a.qkv_proj), packed(a.o_proj),
+                layer.post_attention_layernorm.weight.detach(), packed(mlp.gate_up_proj),
+                packed(mlp.down_proj), float(a.scale), a.sliding_window,
             ))
-            for module in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj,
-                           layer.input_layernorm, layer.post_attention_layernorm):
-                self._watch(module)
-        for other in (model.embed_tokens, model.norm, self.model.lm_head):
-            self._watch(other)
-        self.watch = self.ops.WeightWatch([d for d, _, _ in self.sources], [n for _, n, _ in self.sources],
-                                          [t for _, _, t in self.sources])
         # A Q8_0 embedding's rows come from q8_embed (the same bits as embed_rows).
-        embed = model.embed_tokens
         self.embed_q8 = q8_0_of(embed)
         if self.embed_q8 is not None and not all(t.is_contiguous() for t in self.embed_q8):
             self.embed_q8 = None
         self.embed_f32 = getattr(embed, "compute_dtype", self.dtype) == torch.float32
         self.final_norm = model.norm.weight.detach()
-        self.head = _proj(self.model.lm_head)
+        # A float head tied to the embedding: the embedding's rows are read out of
+        # the packed head (the same values), so the table is held once.
+        self.embed_from_head = tied and self.embed_q8 is None
+        self.head = packed(lm_head, () if self.embed_from_head else embed_tensors)
+        if release and self.embed_from_head:
+            release_weights(embed)
+            embed._parameters["weight"] = lm_head._parameters["weight"]  # (still one tied Parameter)
         # The same for the C++ layer calls (csrc/layer_loop.cpp, layer_stack.cpp), by name (csrc/layer_stack.h).
         self.weights = self.ops.ModelWeights(
             layers=[self.ops.LayerWeights(
-                norm1=lay.norm1, qkv=lay.qkv.packed, qkv_bias=lay.qkv.bias, o=lay.o.packed,
-                o_bias=lay.o.bias, norm2=lay.norm2, gate_up=lay.gate_up.packed,
-                down=lay.down.packed, qkv_n=lay.qkv.n, o_n=lay.o.n, gate_up_n=lay.gate_up.n,
-                down_n=lay.down.n, sliding_window=lay.sliding_window or 0, scale=lay.scale,
+                norm1=lay.norm1, qkv=lay.qkv, o=lay.o, norm2=lay.norm2, gate_up=lay.gate_up,
+                down=lay.down, sliding_window=lay.sliding_window or 0, scale=lay.scale,
             ) for lay in self.layers],
             final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -194,32 +210,23 @@ class CpuPlan:
         self.row_cost = 0.0
         if self.layers:
             first = self.layers[0]
-            params = sum(p.packed.numel() for p in (first.qkv, first.o, first.gate_up, first.down))
-            kv_bytes = 2 * self.num_kv_heads * self.head_dim * first.qkv.packed.element_size()
+            params = sum(p.data.numel() for p in (first.qkv, first.o, first.gate_up, first.down))
+            kv_bytes = 2 * self.num_kv_heads * self.head_dim * first.qkv.data.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
         self.path_facts = PathFacts(
             has_layers=bool(self.layers), shard=self.all_reduce is not None,
-            tp_layer_loop=self.options.tp_layer_loop, max_rows=self.max_rows, row_cost=self.row_cost,
+            tp_layer_loop=self.options.tp_layer_loop, row_cost=self.row_cost,
             split_min_rows=SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize)
 
-    def _watch(self, module: torch.nn.Module) -> None:
-        for name, param in module._parameters.items():
-            if param is not None:
-                self.sources.append((module._parameters, name, param))
-        q8 = q8_0_of(module)
-        if q8 is not None:  # (Q8_0 blocks are buffers: model/quantization.py)
-            for name, tensor in zip(("qweight", "qscale"), q8, strict=True):
-                self.sources.append((module._buffers, name, tensor))
-        q4 = q4_1_of(module)
-        if q4 is not None:  # (quantization="gguf": Q4_1 blocks, a buffer too)
-            self.sources.append((module._buffers, "q4_1", q4))
-
-    def fresh(self) -> bool:
-        """No parameter or Q8_0 block replaced or changed in place since the
-        weights were packed (the packed copies would be stale; changes through
-        `.data` go unseen). One C++ loop (csrc/weight_watch.h): in a step this
-        runs with cold caches, where the Python loop cost ~1.5 us an entry."""
-        return self.watch.unchanged()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows: q8_embed for a Q8_0 table (one C++ op for
+        embed_rows' six), the packed head's rows where the head is the table
+        (a copy of the same values), else the embedding module."""
+        if self.embed_q8 is not None and input_ids.dim() == 1:
+            return self.ops.q8_embed(*self.embed_q8, input_ids, self.embed_f32)
+        if self.embed_from_head:
+            return head_rows(self.head, input_ids)
+        return self.model.model.embed_tokens(input_ids)
 
     def __call__(
         self,
@@ -232,12 +239,7 @@ class CpuPlan:
         """LlamaForCausalLM.forward: with `output_rows`, the last layer writes
         every token's K/V but takes only those rows on through attention,
         o_proj and the MLP. Each row's numbers are the same bits either way."""
-        if not self.fresh():
-            self._pack()
-        if self.embed_q8 is not None and input_ids.dim() == 1:  # (one C++ op for embed_rows' six)
-            hidden = self.ops.q8_embed(*self.embed_q8, input_ids, self.embed_f32)
-        else:
-            hidden = self.model.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         profiling = torch.autograd._profiler_enabled()  # (read once a forward)
         native = getattr(self.all_reduce, "native", None)  # a shard's live shared-memory group, or None
         route = choose_path(meta, self.path_facts, profiling=profiling, all_rows=output_rows is None,
@@ -271,17 +273,13 @@ class CpuPlan:
         packed_gemm's float32 sums at any number of rows: never rounded to bf16
         (whose steps make near-ties exact ties) and the same whatever the batch."""
         with record_function("tokenmill::head"):
-            if kernels.packed_gemm_ops(hidden) is None or (hidden.dtype != self.dtype
-                                                           and not self.quantized):
-                return self.head.linear(hidden).float()
-            return self.ops.packed_gemm(hidden, self.head.packed, self.head.n, _NO_BIAS, True)
+            return self.ops.packed_gemm(hidden.contiguous(), self.head, True)
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,
                      profiling: bool) -> torch.Tensor:
         ops = self.ops
         n = hidden.shape[0]
-        packed = n <= self.path_facts.max_rows
 
         def linear_row(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             if not profiling:
@@ -292,23 +290,23 @@ class CpuPlan:
                     return f(*args)
             return labelled
 
-        def matmul(x: torch.Tensor, p: _Proj) -> torch.Tensor:
-            return ops.packed_gemm(x, p.packed, p.n, p.bias, False) if packed else p.linear(x)
+        def matmul(x: torch.Tensor, p: CppPackedWeight) -> torch.Tensor:
+            return ops.packed_gemm(x, p, False)
 
-        def mlp_act(x: torch.Tensor, p: _Proj) -> torch.Tensor:
+        def mlp_act(x: torch.Tensor, p: CppPackedWeight) -> torch.Tensor:
             # gate/up on whole blocks of 16 outputs: silu(gate) * up from the GEMM's
             # tiles (the same bits), as layer_stack.cpp decides it.
-            if packed and p.n % 32 == 0:
-                return ops.packed_gemm_silu(x, p.packed, p.n // 2)
+            if p.n % 32 == 0:
+                return ops.packed_gemm_silu(x, p)
             return ops.silu_and_mul(matmul(x, p))
 
         all_reduce = self.all_reduce
 
-        def row_parallel(x: torch.Tensor, p: _Proj) -> torch.Tensor:
+        def row_parallel(x: torch.Tensor, p: CppPackedWeight) -> torch.Tensor:
             # A shard's o/down: float32 partial sums, summed over the ranks, rounded
             # once, as the whole GEMM rounds its one sum (bf16 partials would round twice).
             assert all_reduce is not None
-            out = ops.packed_gemm(x, p.packed, p.n, p.bias, True) if packed else p.linear(x).float()
+            out = ops.packed_gemm(x, p, True)
             all_reduce(out)
             return out.to(x.dtype)
 
@@ -359,5 +357,12 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def _bias(bias: torch.Tensor | None) -> torch.Tensor:
-    return _NO_BIAS if bias is None else bias
+def head_rows(head: CppPackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a dense packed weight (formats.pack_weight's layout), as
+    the weight's own rows: an embedding table tied to the head, read from it."""
+    data, flat = head.data, ids.reshape(-1)
+    if data.dim() == 4:  # bf16 [N/16, K/2, 16, 2]
+        rows = data.permute(0, 2, 1, 3)[flat // 16, flat % 16]  # [n, K/2, 2]
+    else:  # float32 [N/16, K, 16]
+        rows = data.permute(0, 2, 1)[flat // 16, flat % 16]  # [n, K]
+    return rows.reshape(*ids.shape, head.k)

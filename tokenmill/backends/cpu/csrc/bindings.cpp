@@ -7,35 +7,37 @@
 
 #include "distributed.h"
 #include "layer_stack.h"
-#include "weight_watch.h"
 
 namespace py = pybind11;
 
 #define TOKENMILL_DEF(name, ...) m.def(#name, torch::wrap_pybind_function(name), __VA_ARGS__)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<LayerWeights>(m, "LayerWeights")
-      .def(py::init([](at::Tensor norm1, at::Tensor qkv, at::Tensor qkv_bias, at::Tensor o, at::Tensor o_bias,
-                       at::Tensor norm2, at::Tensor gate_up, at::Tensor down, int64_t qkv_n, int64_t o_n,
-                       int64_t gate_up_n, int64_t down_n, int64_t sliding_window, double scale) {
-             return LayerWeights{norm1, qkv,   qkv_bias,  o,      o_bias,         norm2, gate_up,
-                                 down,  qkv_n, o_n,       gate_up_n, down_n, sliding_window, scale};
+  py::class_<PackedWeight>(m, "PackedWeight")
+      .def(py::init([](int64_t format, int64_t n, int64_t k, at::Tensor data, at::Tensor bias) {
+             TORCH_CHECK(format >= 0 && format < kNumFormats, "PackedWeight: unknown format ", format);
+             TORCH_CHECK(n > 0 && k > 0, "PackedWeight: n and k must be positive");
+             return PackedWeight{static_cast<WeightFormat>(format), n, k, data, bias};
            }),
-           py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"),
-           py::arg("norm2"), py::arg("gate_up"), py::arg("down"), py::arg("qkv_n"), py::arg("o_n"),
-           py::arg("gate_up_n"), py::arg("down_n"), py::arg("sliding_window"), py::arg("scale"))
+           py::kw_only(), py::arg("format"), py::arg("n"), py::arg("k"), py::arg("data"), py::arg("bias"))
+      .def_property_readonly("format", [](const PackedWeight& w) { return static_cast<int64_t>(w.format); })
+      .def_readonly("n", &PackedWeight::n)
+      .def_readonly("k", &PackedWeight::k)
+      .def_readonly("data", &PackedWeight::data)
+      .def_readonly("bias", &PackedWeight::bias);
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2, PackedWeight gate_up,
+                       PackedWeight down, int64_t sliding_window, double scale) {
+             return LayerWeights{norm1, qkv, o, norm2, gate_up, down, sliding_window, scale};
+           }),
+           py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("gate_up"),
+           py::arg("down"), py::arg("sliding_window"), py::arg("scale"))
       .def_readonly("norm1", &LayerWeights::norm1)
       .def_readonly("qkv", &LayerWeights::qkv)
-      .def_readonly("qkv_bias", &LayerWeights::qkv_bias)
       .def_readonly("o", &LayerWeights::o)
-      .def_readonly("o_bias", &LayerWeights::o_bias)
       .def_readonly("norm2", &LayerWeights::norm2)
       .def_readonly("gate_up", &LayerWeights::gate_up)
       .def_readonly("down", &LayerWeights::down)
-      .def_readonly("qkv_n", &LayerWeights::qkv_n)
-      .def_readonly("o_n", &LayerWeights::o_n)
-      .def_readonly("gate_up_n", &LayerWeights::gate_up_n)
-      .def_readonly("down_n", &LayerWeights::down_n)
       .def_readonly("sliding_window", &LayerWeights::sliding_window)
       .def_readonly("scale", &LayerWeights::scale);
   py::class_<ModelWeights>(m, "ModelWeights")
@@ -60,10 +62,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("rank", &ShmGroup::rank)
       .def_readonly("size", &ShmGroup::size);
 
-  py::class_<WeightWatch>(m, "WeightWatch")
-      .def(py::init<py::list, py::list, py::list>(), py::arg("dicts"), py::arg("names"), py::arg("tensors"))
-      .def("unchanged", &WeightWatch::unchanged);
-
   TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
                 py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"));
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
@@ -75,11 +73,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(q8_embed, py::arg("qweight"), py::arg("qscale"), py::arg("ids"), py::arg("float32_out"));
   TOKENMILL_DEF(argmax_rows, py::arg("logits"));
   TOKENMILL_DEF(apply_token_bitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
-  TOKENMILL_DEF(packed_gemm, py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias"),
-                py::arg("float32_out"));
-  TOKENMILL_DEF(packed_gemm_silu, py::arg("x"), py::arg("packed"), py::arg("inter"));
+  TOKENMILL_DEF(packed_gemm, py::arg("x"), py::arg("weight"), py::arg("float32_out"));
+  TOKENMILL_DEF(packed_gemm_silu, py::arg("x"), py::arg("weight"));
   m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
-  m.def("packed_gemm_max_rows", torch::wrap_pybind_function(packed_gemm_max_rows));
+  m.def("weight_formats", torch::wrap_pybind_function(weight_formats));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
                 py::arg("output_rows"), py::arg("all_rows"));

@@ -32,8 +32,6 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
                     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                     at::Tensor slot_mapping);
 at::Tensor silu_and_mul(at::Tensor gate_up);
-at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
-at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
 
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
                  const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
@@ -86,10 +84,9 @@ struct TeamStreams {
 
 // o_proj / down_proj: packed_gemm, or on a shard (tp) its float32 partial sum
 // all-reduced over the ranks and rounded once (as the whole GEMM rounds its sum).
-at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& bias,
-                        const ShmGroup* tp) {
-  if (!tp) return packed_gemm(x, w, n, bias, false);
-  at::Tensor sum = packed_gemm(x, w, n, bias, true);
+at::Tensor row_parallel(const at::Tensor& x, const PackedWeight& w, const ShmGroup* tp) {
+  if (!tp) return packed_gemm(x, w, false);
+  at::Tensor sum = packed_gemm(x, w, true);
   shm_reduce(*tp, sum);
   return sum.to(x.scalar_type());
 }
@@ -121,7 +118,7 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       fused_add_rms_norm(h, residual, w.norm1, s.eps);
       x = h;
     }
-    at::Tensor qkv = packed_gemm(x, w.qkv, w.qkv_n, w.qkv_bias, false);
+    at::Tensor qkv = packed_gemm(x, w.qkv, false);
     rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
@@ -144,13 +141,12 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       }
     }
     KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr);
-    h = row_parallel(out.view({m, q_size}), w.o, w.o_n, w.o_bias, tp);
+    h = row_parallel(out.view({m, q_size}), w.o, tp);
     fused_add_rms_norm(h, residual, w.norm2, s.eps);
     // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
-    const bool fused_silu = w.gate_up_n % 32 == 0;
-    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w.gate_up, w.gate_up_n / 2)
-                                      : silu_and_mul(packed_gemm(h, w.gate_up, w.gate_up_n, at::Tensor(), false));
-    h = row_parallel(act, w.down, w.down_n, at::Tensor(), tp);
+    const bool fused_silu = w.gate_up.n % 32 == 0;
+    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w.gate_up) : silu_and_mul(packed_gemm(h, w.gate_up, false));
+    h = row_parallel(act, w.down, tp);
     if (team)
       for (KvPrefetch& p : team->streams) p.q = p.q_end;  // idle through the next layer's qkv and attention
   }

@@ -5,21 +5,20 @@
 
 #include <torch/extension.h>
 
+#include "formats.h"
+
 #include <cstdint>
 #include <vector>
 
 struct LayerWeights {
-  at::Tensor norm1;     // input_layernorm weight [hidden]
-  at::Tensor qkv;       // packed qkv_proj (memory.pack_weight)
-  at::Tensor qkv_bias;  // [qkv_n] or empty
-  at::Tensor o;         // packed o_proj
-  at::Tensor o_bias;    // [o_n] or empty
-  at::Tensor norm2;     // post_attention_layernorm weight [hidden]
-  at::Tensor gate_up;   // packed gate_up_proj ([gate; up] rows)
-  at::Tensor down;      // packed down_proj
-  int64_t qkv_n = 0, o_n = 0, gate_up_n = 0, down_n = 0;  // each projection's output features
-  int64_t sliding_window = 0;                             // 0: none
-  double scale = 1.0;                                     // the attention scale
+  at::Tensor norm1;      // input_layernorm weight [hidden]
+  PackedWeight qkv;      // qkv_proj (formats.h: any format, with its bias)
+  PackedWeight o;        // o_proj
+  at::Tensor norm2;      // post_attention_layernorm weight [hidden]
+  PackedWeight gate_up;  // gate_up_proj ([gate; up] rows, no bias)
+  PackedWeight down;     // down_proj
+  int64_t sliding_window = 0;  // 0: none
+  double scale = 1.0;          // the attention scale
 };
 
 struct ModelWeights {

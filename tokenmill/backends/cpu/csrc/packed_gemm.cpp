@@ -1,7 +1,7 @@
 // y = x W^T (+ bias) in bfloat16 on weights packed once at load time, for any
 // number of rows of x (decode steps, mixed steps, prefills).
 //
-// Packed layout (memory.pack_weight; zero rows pad N to a multiple of 16):
+// Packed layout (formats.pack_weight; zero rows pad N to a multiple of 16):
 //   packed[b][k/2][j][k%2] = W[16 b + j][k]      shape [ceil(N/16), K/2, 16, 2]
 // so one 64-byte vector holds a pair of K for 16 output rows, and block b (16
 // outputs, all of K) is one contiguous stretch read front to back: a single
@@ -35,12 +35,12 @@
 // (output_rows) and a batch of one give the bits of the whole batch.
 #include <torch/extension.h>
 
+#include "formats.h"
 #include "kv_prefetch.h"
 #include "no_gil.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -588,47 +588,39 @@ void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::T
   }
 }
 
+// The dense formats' checks: x in the weight's dtype, the packed data shaped as the format's layout.
+void check_dense(const at::Tensor& x, const PackedWeight& w, const char* op) {
+  const bool bf16 = w.format == WeightFormat::kBF16;
+  TORCH_CHECK(bf16 || w.format == WeightFormat::kFloat32, op, ": not a dense (bfloat16 / float32) weight");
+  const at::Tensor& packed = w.data;
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, " runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat) && packed.scalar_type() == x.scalar_type(),
+              op, ": x and the weights in the weight's dtype (", bf16 ? "bfloat16" : "float32", ")");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
+              op, ": x [M, K], packed [ceil(N/16), K/2, 16, 2] (bf16) or [ceil(N/16), K, 16] (float32)");
+  const int64_t K = x.size(1), nblocks = packed.size(0);
+  const int64_t packed_k = packed.size(1) * (bf16 ? 2 : 1);
+  TORCH_CHECK(packed_k == K && w.k == K, op, ": x has K = ", K, ", the weights ", packed_k);
+  TORCH_CHECK(w.n > 16 * (nblocks - 1) && w.n <= 16 * nblocks, op, ": n does not fit the blocks");
+}
+
 }  // namespace
 
 std::vector<std::string> packed_gemm_dtypes() { return {"bfloat16", "float32"}; }
 
-// The most rows worth a call: past 4096 (a step's token budget above the
-// default 2048) torch's bf16 matmul was the faster on AVX512-BF16; the AVX2
-// build has no limit (torch's bf16 matmul is far slower there).
-int64_t packed_gemm_max_rows() { return TOKENMILL_GEMM_BF16 ? 4096 : std::numeric_limits<int64_t>::max(); }
-
-
-
-at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
-at::Tensor q8_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
-at::Tensor q4_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out);
-at::Tensor q4_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter);
-// Q4_1 blocks (q4_gemm.cpp): [groups, K/32, 320]; Q8_0 (q8_gemm.cpp): 2-D [groups, bytes].
-inline bool is_q4_1(const at::Tensor& packed) { return packed.dim() == 3 && packed.size(2) == 320; }
-
-at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
-  // Q8_0 weights (uint8 blocks: q8_gemm.cpp), the same call from every caller.
-  if (packed.scalar_type() == at::kByte)
-    return is_q4_1(packed) ? q4_gemm(x, packed, n_out, bias, float32_out) : q8_gemm(x, packed, n_out, bias, float32_out);
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
   NoGil no_gil;
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_gemm runs on the CPU");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
-              "packed_gemm takes bfloat16 or float32 x and weights of the same dtype");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
-              "packed_gemm: x [M, K], packed [ceil(N/16), K/2, 16, 2] (bf16) or [ceil(N/16), K, 16] (float32)");
-  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
-  const int64_t packed_k = packed.size(1) * (bf16 ? 2 : 1);
-  TORCH_CHECK(packed_k == K, "packed_gemm: x has K = ", K, ", the weights ", packed_k);
-  TORCH_CHECK(n_out > 16 * (nblocks - 1) && n_out <= 16 * nblocks, "packed_gemm: n_out does not fit the blocks");
+  check_dense(x, w, "packed_gemm");
+  const bool bf16 = w.format == WeightFormat::kBF16;
+  const int64_t M = x.size(0), K = x.size(1), nblocks = w.data.size(0), n_out = w.n;
   x = x.contiguous();
-  packed = packed.contiguous();
+  const at::Tensor packed = w.data.contiguous();
   at::Tensor bias32;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == n_out, "packed_gemm: one bias per output");
+  if (w.bias.defined() && w.bias.numel() > 0) {
+    TORCH_CHECK(w.bias.numel() == n_out, "packed_gemm: one bias per output");
     // In the model's dtype first (bf16 is rounded), added in float32, padded to whole blocks.
     bias32 = at::zeros({nblocks * 16}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n_out).copy_(bias.to(x.scalar_type()).to(at::kFloat));
+    bias32.narrow(0, 0, n_out).copy_(w.bias.to(x.scalar_type()).to(at::kFloat));
   }
   const bool out32 = float32_out || !bf16;
   at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
@@ -650,23 +642,16 @@ at::Tensor silu_and_mul(at::Tensor gate_up);  // (fused_ops.cpp)
 // block b + nblocks / 2 in the tiles (so inter a multiple of 16). bf16 with
 // AVX512-BF16; float32 with AVX2 (the AVX-512 build runs float32 in those two
 // steps: its tile's activation rounds to bf16).
-at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
-  if (packed.scalar_type() == at::kByte) return is_q4_1(packed) ? q4_gemm_silu(x, packed, inter) : q8_gemm_silu(x, packed, inter);
+at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w) {
   NoGil no_gil;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
-              "packed_gemm_silu takes bfloat16 or float32 x and weights of the same dtype");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.dim() == 2 &&
-                  packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == 16 && (!bf16 || packed.size(3) == 2),
-              "packed_gemm_silu: x [M, K] and packed gate_up weights [N/16, K/2, 16, 2] (bf16) or "
-              "[N/16, K, 16] (float32)");
-  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
-  const int64_t packed_k = packed.size(1) * (bf16 ? 2 : 1);
-  TORCH_CHECK(packed_k == K, "packed_gemm_silu: x has K = ", K, ", the weights ", packed_k);
-  TORCH_CHECK(inter % 16 == 0 && nblocks * 16 == 2 * inter, "packed_gemm_silu: inter must be N / 2, a multiple of 16");
-  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(packed_gemm(x, packed, 2 * inter, at::Tensor(), false));
+  check_dense(x, w, "packed_gemm_silu");
+  const bool bf16 = w.format == WeightFormat::kBF16;
+  const int64_t M = x.size(0), K = x.size(1), nblocks = w.data.size(0), inter = w.n / 2;
+  TORCH_CHECK(w.n % 32 == 0 && !(w.bias.defined() && w.bias.numel() > 0),
+              "packed_gemm_silu: gate_up needs N = 2 inter, inter a multiple of 16, and no bias");
+  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(dense_gemm(x, w, false));
   x = x.contiguous();
-  packed = packed.contiguous();
+  const at::Tensor packed = w.data.contiguous();
   at::Tensor y = at::empty({M, inter}, x.options());
   if (M == 0) return y;
   GemmArgs a{x.data_ptr(), packed.data_ptr(), nullptr,
@@ -682,12 +667,11 @@ at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
 }
 #else
 std::vector<std::string> packed_gemm_dtypes() { return {}; }
-int64_t packed_gemm_max_rows() { return 0; }
-at::Tensor packed_gemm(at::Tensor x, at::Tensor, int64_t, at::Tensor, bool) {
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight&, bool) {
   TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }
-at::Tensor packed_gemm_silu(at::Tensor x, at::Tensor, int64_t) {
+at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight&) {
   TORCH_CHECK(false, "packed_gemm_silu needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }

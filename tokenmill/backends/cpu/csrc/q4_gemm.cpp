@@ -3,7 +3,7 @@
 // float16 scale d and a float16 minimum m, standing for d * q + m (GGUF's Q4_0,
 // (q - 8) d, is loaded as Q4_1 with m = -8 d: the same values).
 //
-// Packed layout (memory.pack_q4_1; zero rows pad N to a multiple of 16):
+// Packed layout (formats.pack_q4_1; zero rows pad N to a multiple of 16):
 //   packed[g][kb] = 320 bytes (5 cache lines): 16 float16 d (lane j: output
 //                   16 g + j), 16 float16 m, then for each 8 inputs (kk = 0..3)
 //                   64 bytes, byte 4 j + t of them holding q[16 g + j][32 kb + 8 kk + t]
@@ -30,16 +30,12 @@
 //   -> y [M, N] in x's dtype, or float32 with float32_out (the logits)
 #include <torch/extension.h>
 
-#include "act_quant.h"
-#include "no_gil.h"
+#include "block_gemm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
-
-#include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -53,34 +49,16 @@
 #define TOKENMILL_Q4_VNNI 0
 #endif
 
-at::Tensor silu_and_mul(at::Tensor gate_up);
-
 namespace q4 {
 
-constexpr int64_t kBlock = 32;
+constexpr int64_t kBlock = block_gemm::kBlock;
 constexpr int64_t kBytes = 64 + kBlock * 16 / 2;  // 16 d, 16 m (float16), 32 x 16 nibbles
-constexpr int kMaxGroups = 3;
+constexpr int kMaxGroups = block_gemm::kTaskGroups;
 // The VNNI tile asks for each group's bytes this far ahead of its loads (q8_gemm's rule).
 constexpr int64_t kPrefetchBytes = 2048;
 
-struct Args {
-  const float* x;      // [M, K] float32 (the float path)
-  const int8_t* xq;    // [M, K] x quantized (the VNNI path)
-  const float* xs;     // [M, K/32] its scales
-  const float* xsum;   // [M, K/32] s * sum(xq) of the block
-  const uint8_t* w;    // packed
-  const float* bias;   // [G * 16] float32, or null
-  uint16_t* y16;       // [M, N] bf16 out, or null
-  float* y32;          // [M, N] float32 out, or null
-  int64_t K, N;
-};
+using Args = block_gemm::BlockArgs<float>;  // xt: s * sum(xq) of the block
 
-inline uint16_t bf16_round(float f) {  // nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 inline float half_at(const uint8_t* p) {
   at::Half h;
@@ -98,30 +76,6 @@ inline float weight_at(const uint8_t* blk, int j, int k) {
 }
 
 #if TOKENMILL_Q4_AVX512
-template <int MT, int NB>
-inline void store(const Args& a, int64_t m0, int64_t g0, __m512 (&acc)[MT][NB]) {
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n0 = (g0 + j) * 16;
-    const __mmask16 mask = a.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.N - n0)) - 1);
-    const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      const __m512 r = _mm512_add_ps(acc[i][j], bias);  // + 0 leaves the sum as it is
-      if (a.y32) {
-        _mm512_mask_storeu_ps(a.y32 + (m0 + i) * a.N + n0, mask, r);
-        continue;
-      }
-#if defined(__AVX512BF16__)
-      _mm256_mask_storeu_epi16(a.y16 + (m0 + i) * a.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
-#else
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, r);
-      uint16_t* out = a.y16 + (m0 + i) * a.N + n0;
-      for (int l = 0; l < 16 && n0 + l < a.N; ++l) out[l] = bf16_round(lanes[l]);
-#endif
-    }
-  }
-}
-
 // The float path: rows m0 .. m0+MT of float32 x times groups g0 .. g0+NB.
 template <int MT, int NB>
 void tile_float(const Args& a, int64_t m0, int64_t g0) {
@@ -164,7 +118,7 @@ void tile_float(const Args& a, int64_t m0, int64_t g0) {
       }
     }
   }
-  store<MT, NB>(a, m0, g0, acc);
+  block_gemm::store<float, MT, NB>(a, m0, g0, acc);
 }
 
 #if TOKENMILL_Q4_VNNI
@@ -223,11 +177,11 @@ void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t
         const int64_t xb = (m0 + i) * kb_count + kb;
         const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.xs[xb]));
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][j]), ds, acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xsum[xb]), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xt[xb]), acc[i][j]);
       }
     }
   }
-  store<MT, NB>(a, m0, g0, acc);
+  block_gemm::store<float, MT, NB>(a, m0, g0, acc);
 }
 #endif
 
@@ -289,98 +243,32 @@ void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
         for (int64_t kb = 0; kb < kb_count; ++kb)
           for (int k = 0; k < kBlock; ++k)
             acc = std::fma(a.x[m * a.K + kb * kBlock + k], weight_at(a.w + g * group_bytes + kb * kBytes, l, k), acc);
-        const int64_t n = g * 16 + l;
-        const float r = acc + (a.bias ? a.bias[n] : 0.f);
-        if (a.y32) a.y32[m * a.N + n] = r;
-        else a.y16[m * a.N + n] = bf16_round(r);
+        block_gemm::store_one(a, m, g * 16 + l, acc);
       }
 #endif
 }
 
-// Row m of bf16 x quantized per block of 32 (act_quant.h), with s * sum(xq) for the
-// blocks' m terms (llama.cpp's Q8_1 keeps the same product).
-void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* xs, float* xsum) {
-  act_quant::quantize_row(x, K, xq, [&](int64_t kb, float s, int32_t total) {
-    xs[kb] = s;
-    xsum[kb] = s * static_cast<float>(total);
-  });
-}
-
-at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
-  NoGil no_gil;
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "q4_gemm runs on the CPU");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "q4_gemm takes bfloat16 or float32 x");
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBytes,
-              "q4_gemm: x [M, K], packed uint8 [ceil(N/16), K/32, 320]");
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  TORCH_CHECK(packed.size(1) * kBlock == K, "q4_gemm: x has K = ", K, ", the weights ", packed.size(1) * kBlock);
-  TORCH_CHECK(n_out > 16 * (groups - 1) && n_out <= 16 * groups, "q4_gemm: n_out does not fit the groups");
-  x = x.contiguous();
-  packed = packed.contiguous();
-  at::Tensor bias32;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == n_out, "q4_gemm: one bias per output");
-    // In the model's dtype first (bf16 is rounded), added in float32, padded to whole groups.
-    bias32 = at::zeros({groups * 16}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n_out).copy_(bias.to(x.scalar_type()).to(at::kFloat));
-  }
-  const bool out32 = float32_out || !bf16;
-  at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  Args a{nullptr, nullptr, nullptr, nullptr, packed.data_ptr<uint8_t>(),
-         bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-         out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-         out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-  // x prepared once, in buffers this thread keeps: quantized (VNNI), or widened to float32.
-  thread_local std::vector<float> widened, scales, sums;
-  thread_local std::vector<int8_t> quantized;
-  const bool vnni = TOKENMILL_Q4_VNNI && bf16;
-  const int64_t kb_count = K / kBlock;
-  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  if (vnni) {
-    quantized.resize(static_cast<size_t>(M * K));
-    scales.resize(static_cast<size_t>(M * kb_count));
-    sums.resize(static_cast<size_t>(M * kb_count));
-    int8_t* xq = quantized.data();
-    float* xs = scales.data();
-    float* xsum = sums.data();
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x16 + m * K, K, xq + m * K, xs + m * kb_count, xsum + m * kb_count);
-    a.xq = xq;
-    a.xs = xs;
-    a.xsum = xsum;
-  } else if (bf16) {
-    widened.resize(static_cast<size_t>(M * K));
-    float* dst = widened.data();
-    const int64_t total = M * K;
-#pragma omp parallel for schedule(static) if (total >= (1 << 16))
-    for (int64_t i = 0; i < total; ++i) {
-      const uint32_t u = static_cast<uint32_t>(x16[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-    a.x = dst;
-  } else {
-    a.x = x.data_ptr<float>();
-  }
-  // One task: kMaxGroups groups (48 outputs) for every row; the team splits the tasks evenly.
-  const int64_t tasks = (groups + kMaxGroups - 1) / kMaxGroups;
-#pragma omp parallel for schedule(static) if (tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t g0 = t * kMaxGroups;
-    task(a, M, g0, static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0)), vnni);
-  }
-  return y;
-}
-
 }  // namespace q4
 
-// packed_gemm's and packed_gemm_silu's Q4_1 case (uint8 weights of 320-byte blocks).
-at::Tensor q4_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
-  return q4::gemm(x, packed, n_out, bias, float32_out);
-}
+// Q4_1's row of block_gemm.h's driver.
+struct Q4_1Format {
+  static constexpr const char* kName = "Q4_1";
+  static constexpr bool kVnni = TOKENMILL_Q4_VNNI;
+  using Term = float;  // s * sum(xq), for the blocks' m terms (llama.cpp's Q8_1 keeps the same product)
+  static Term term(float s, int32_t total) { return s * static_cast<float>(total); }
+  static int64_t group_bytes(int64_t K) { return K / q4::kBlock * q4::kBytes; }
+  // This thread's tasks [t0, t1), each fetching the next one into L2 as it runs (int8 path).
+  static void tasks(const q4::Args& a, int64_t M, int64_t t0, int64_t t1, int64_t groups, bool vnni) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g0 = t * q4::kMaxGroups;
+      q4::task(a, M, g0, static_cast<int>(std::min<int64_t>(q4::kMaxGroups, groups - g0)), vnni);
+    }
+  }
+};
 
-// The MLP's gate_up on Q4_1 weights: silu(gate) * up from the rounded sums, as silu_and_mul.
-at::Tensor q4_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
-  return silu_and_mul(q4_gemm(x, packed, 2 * inter, at::Tensor(), false));
+at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
+  return block_gemm::gemm<Q4_1Format>(std::move(x), w, float32_out);
+}
+at::Tensor q4_1_gemm_silu(at::Tensor x, const PackedWeight& w) {
+  return block_gemm::gemm_silu<Q4_1Format>(std::move(x), w);
 }

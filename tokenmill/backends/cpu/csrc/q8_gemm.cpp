@@ -2,7 +2,7 @@
 // model/quantization.py): GGUF's blocks of 32 int8 q and a float16 scale d,
 // standing for q * d.
 //
-// Packed layout (memory.pack_q8_0; zero rows pad N to a multiple of 16): a
+// Packed layout (formats.pack_q8_0; zero rows pad N to a multiple of 16): a
 // group is 16 outputs, a task 3 groups (the last task of an N that is not a
 // multiple of 48: 1 or 2, nb), and a task's groups are interleaved into one
 // stretch read front to back: for each pair of blocks (kb = 2 s, 2 s + 1; 64
@@ -41,16 +41,12 @@
 //   -> y [M, N] in x's dtype, or float32 with float32_out (the logits)
 #include <torch/extension.h>
 
-#include "act_quant.h"
-#include "no_gil.h"
+#include "block_gemm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
-
-#include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -64,12 +60,10 @@
 #define TOKENMILL_Q8_VNNI 0
 #endif
 
-at::Tensor silu_and_mul(at::Tensor gate_up);
+namespace q8 {
 
-namespace {
-
-constexpr int64_t kQ8Block = 32;
-constexpr int kTaskGroups = 3;          // groups (16 outputs) a task
+using block_gemm::kTaskGroups;
+constexpr int64_t kQ8Block = block_gemm::kBlock;
 constexpr int64_t kPairBytes = 64 + 1024;  // a group's share of a pair of blocks: scales, values
 // Each thread fetches its stretch into L2 this far ahead of its loads: one
 // address-ordered stream across its tasks, started with a burst at its first
@@ -88,17 +82,7 @@ inline const uint8_t* q8_values(const uint8_t* task, int nb, int64_t kb, int kk,
   return task + (kb / 2) * nb * kPairBytes + 64 * nb + ((kb % 2) * 8 + kk) * nb * 64 + j * 64;
 }
 
-struct Q8Args {
-  const float* x;       // [M, K] float32 (the float path)
-  const int8_t* xq;     // [M, K] x quantized (the VNNI path)
-  const float* xs;      // [M, K/32] its scales
-  const int32_t* xc;    // [M, K/32] -128 * the block's sum of xq
-  const uint8_t* w;     // packed
-  const float* bias;    // [G * 16] float32, or null
-  uint16_t* y16;        // [M, N] bf16 out, or null
-  float* y32;           // [M, N] float32 out, or null
-  int64_t K, N;
-};
+using Q8Args = block_gemm::BlockArgs<int32_t>;  // xt: -128 * the block's sum of xq
 
 // A thread's L2 prefetch stream: [p, end) the rest of its stretch not yet
 // asked for; ahead(cur) asks for it up to kL2Ahead bytes past cur.
@@ -110,12 +94,6 @@ struct Q8Stream {
   }
 };
 
-inline uint16_t bf16_round(float f) {  // nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The weight of group j's lane i, input 32 kb + k, in a task of nb groups (scalar code).
 inline float q8_weight(const uint8_t* task, int nb, int64_t kb, int j, int i, int k) {
@@ -126,30 +104,6 @@ inline float q8_weight(const uint8_t* task, int nb, int64_t kb, int j, int i, in
 }
 
 #if TOKENMILL_Q8_AVX512
-template <int MT, int NB>
-inline void q8_store(const Q8Args& a, int64_t m0, int64_t g0, __m512 (&acc)[MT][NB]) {
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n0 = (g0 + j) * 16;
-    const __mmask16 mask = a.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.N - n0)) - 1);
-    const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      const __m512 r = _mm512_add_ps(acc[i][j], bias);  // + 0 leaves the sum as it is
-      if (a.y32) {
-        _mm512_mask_storeu_ps(a.y32 + (m0 + i) * a.N + n0, mask, r);
-        continue;
-      }
-#if defined(__AVX512BF16__)
-      _mm256_mask_storeu_epi16(a.y16 + (m0 + i) * a.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
-#else
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, r);
-      uint16_t* out = a.y16 + (m0 + i) * a.N + n0;
-      for (int l = 0; l < 16 && n0 + l < a.N; ++l) out[l] = bf16_round(lanes[l]);
-#endif
-    }
-  }
-}
-
 // The float path: rows m0 .. m0+MT of float32 x times the task at `task` (groups g0 .. g0+NB).
 template <int MT, int NB>
 void q8_tile_float(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task) {
@@ -183,7 +137,7 @@ void q8_tile_float(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task)
       }
     }
   }
-  q8_store<MT, NB>(a, m0, g0, acc);
+  block_gemm::store<int32_t, MT, NB>(a, m0, g0, acc);
 }
 
 #if TOKENMILL_Q8_VNNI
@@ -203,7 +157,7 @@ void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task, 
   for (int64_t kb = 0; kb < kb_count; ++kb) {
     __m512i sum[MT][NB];
     for (int i = 0; i < MT; ++i) {
-      const __m512i start = _mm512_set1_epi32(a.xc[(m0 + i) * kb_count + kb]);
+      const __m512i start = _mm512_set1_epi32(a.xt[(m0 + i) * kb_count + kb]);
       for (int j = 0; j < NB; ++j) sum[i][j] = start;
     }
     const uint8_t* v = q8_values(task, NB, kb, 0, 0);
@@ -239,7 +193,7 @@ void q8_tile_vnni(const Q8Args& a, int64_t m0, int64_t g0, const uint8_t* task, 
       }
     }
   }
-  q8_store<MT, NB>(a, m0, g0, acc);
+  block_gemm::store<int32_t, MT, NB>(a, m0, g0, acc);
 }
 #endif
 
@@ -301,109 +255,41 @@ void q8_task(const Q8Args& a, int64_t M, int64_t g0, int nb, bool vnni, Q8Stream
         for (int64_t kb = 0; kb < kb_count; ++kb)
           for (int k = 0; k < kQ8Block; ++k)
             acc = std::fma(a.x[m * a.K + kb * kQ8Block + k], q8_weight(task, nb, kb, j, l, k), acc);
-        const int64_t n = (g0 + j) * 16 + l;
-        const float r = acc + (a.bias ? a.bias[n] : 0.f);
-        if (a.y32) a.y32[m * a.N + n] = r;
-        else a.y16[m * a.N + n] = bf16_round(r);
+        block_gemm::store_one(a, m, (g0 + j) * 16 + l, acc);
       }
 #endif
 }
 
-// Row m of bf16 x quantized per block of 32 (act_quant.h); xc holds -128 * sum(xq), the
-// start of a block's sum against the weights' q + 128.
-void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* xs, int32_t* xc) {
-  act_quant::quantize_row(x, K, xq, [&](int64_t kb, float s, int32_t total) {
-    xs[kb] = s;
-    xc[kb] = -128 * total;
-  });
-}
+}  // namespace q8
 
-}  // namespace
-
-// packed_gemm's and packed_gemm_silu's Q8_0 case (they hand uint8 weights here).
-at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, int64_t n_out, at::Tensor bias, bool float32_out) {
-  NoGil no_gil;
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "q8_gemm runs on the CPU");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "q8_gemm takes bfloat16 or float32 x");
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 2,
-              "q8_gemm: x [M, K], packed uint8 [ceil(N/16), 64 ceil(K/64) + 16 K]");
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  TORCH_CHECK(K % kQ8Block == 0 && packed.size(1) == q8_group_bytes(K / kQ8Block), "q8_gemm: x has K = ", K,
-              ", the weights' groups ", packed.size(1), " bytes");
-  TORCH_CHECK(n_out > 16 * (groups - 1) && n_out <= 16 * groups, "q8_gemm: n_out does not fit the groups");
-  x = x.contiguous();
-  packed = packed.contiguous();
-  at::Tensor bias32;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == n_out, "q8_gemm: one bias per output");
-    // In the model's dtype first (bf16 is rounded), added in float32, padded to whole groups.
-    bias32 = at::zeros({groups * 16}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n_out).copy_(bias.to(x.scalar_type()).to(at::kFloat));
-  }
-  const bool out32 = float32_out || !bf16;
-  at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  Q8Args a{nullptr, nullptr, nullptr, nullptr, packed.data_ptr<uint8_t>(),
-           bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-           out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-           out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-  // x prepared once, in buffers this thread keeps: quantized (VNNI), or widened to float32.
-  thread_local std::vector<float> widened, scales;
-  thread_local std::vector<int8_t> quantized;
-  thread_local std::vector<int32_t> corrections;
-  const bool vnni = TOKENMILL_Q8_VNNI && bf16;
-  const int64_t kb_count = K / kQ8Block;
-  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  if (vnni) {
-    quantized.resize(static_cast<size_t>(M * K));
-    scales.resize(static_cast<size_t>(M * kb_count));
-    corrections.resize(static_cast<size_t>(M * kb_count));
-    int8_t* xq = quantized.data();
-    float* xs = scales.data();
-    int32_t* xc = corrections.data();
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x16 + m * K, K, xq + m * K, xs + m * kb_count, xc + m * kb_count);
-    a.xq = xq;
-    a.xs = xs;
-    a.xc = xc;
-  } else if (bf16) {
-    widened.resize(static_cast<size_t>(M * K));
-    float* dst = widened.data();
-    const int64_t total = M * K;
-#pragma omp parallel for schedule(static) if (total >= (1 << 16))
-    for (int64_t i = 0; i < total; ++i) {
-      const uint32_t u = static_cast<uint32_t>(x16[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-    a.x = dst;
-  } else {
-    a.x = x.data_ptr<float>();
-  }
-  // One task: kTaskGroups groups (48 outputs) for every row; each thread takes
-  // a contiguous share of the tasks (one stream of its own).
-  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups, group_bytes = q8_group_bytes(kb_count);
-#pragma omp parallel if (tasks > 1)
-  {
-    const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t t0 = tasks * id / team, t1 = tasks * (id + 1) / team;
-    Q8Stream s;
-    if (t0 < t1 && vnni) {
+// Q8_0's row of block_gemm.h's driver.
+struct Q8_0Format {
+  static constexpr const char* kName = "Q8_0";
+  static constexpr bool kVnni = TOKENMILL_Q8_VNNI;
+  using Term = int32_t;  // -128 * sum(xq): the start of a block's sum against the weights' q + 128
+  static Term term(float, int32_t total) { return -128 * total; }
+  static int64_t group_bytes(int64_t K) { return q8::q8_group_bytes(K / q8::kQ8Block); }
+  // This thread's tasks [t0, t1), one address-ordered L2 stream across them (int8 path).
+  static void tasks(const q8::Q8Args& a, int64_t M, int64_t t0, int64_t t1, int64_t groups, bool vnni) {
+    const int64_t bytes = group_bytes(a.K);
+    q8::Q8Stream s;
+    if (vnni) {
       const char* w = reinterpret_cast<const char*>(a.w);
-      s.p = w + t0 * kTaskGroups * group_bytes;
-      s.end = w + std::min(groups, t1 * kTaskGroups) * group_bytes;
+      s.p = w + t0 * q8::kTaskGroups * bytes;
+      s.end = w + std::min(groups, t1 * q8::kTaskGroups) * bytes;
       s.ahead(s.p);
     }
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g0 = t * kTaskGroups;
-      q8_task(a, M, g0, static_cast<int>(std::min<int64_t>(kTaskGroups, groups - g0)), vnni, vnni ? &s : nullptr);
+      const int64_t g0 = t * q8::kTaskGroups;
+      q8::q8_task(a, M, g0, static_cast<int>(std::min<int64_t>(q8::kTaskGroups, groups - g0)), vnni,
+                  vnni ? &s : nullptr);
     }
   }
-  return y;
-}
+};
 
-// The MLP's gate_up on Q8_0 weights: silu(gate) * up from the rounded sums, as
-// silu_and_mul computes it (the bf16 GEMM fuses the same function into its tiles).
-at::Tensor q8_gemm_silu(at::Tensor x, at::Tensor packed, int64_t inter) {
-  return silu_and_mul(q8_gemm(x, packed, 2 * inter, at::Tensor(), false));
+at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
+  return block_gemm::gemm<Q8_0Format>(std::move(x), w, float32_out);
+}
+at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w) {
+  return block_gemm::gemm_silu<Q8_0Format>(std::move(x), w);
 }

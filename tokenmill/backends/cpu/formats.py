@@ -1,0 +1,282 @@
+"""The weight formats the CPU plan computes on, as one table (ggml's
+type_traits): each row says how to pack a weight of that format, which C++
+GEMM serves it (csrc/formats.h, by name), and its bytes per weight.
+
+A weight enters as its module holds it (`source_of`): a float Parameter
+(bfloat16, float32) or GGUF blocks kept by model/quantization.py (Q8_0, Q4_1,
+and Q4_0, Q5_0, Q4_K, Q5_K, Q6_K as KQUANT_FORMATS). `pack` turns it into a `PackedWeight` (csrc/formats.h:
+format, out and in features, data, bias), the one argument every GEMM call
+takes; the C++ dispatches on its format, never on a shape.
+
+To add a format: a packer here and its row in FORMATS; in C++ its
+WeightFormat, its kFormats row and its kernel (for a block format, a traits
+struct for csrc/block_gemm.h: its group size and its tile, the dot product of
+its blocks with int8 activations). `bytes_per_weight` is what the packed layout
+holds for K a multiple of 64 (the memory rule: weights + KV cache + a bounded
+runtime cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from tokenmill.backends.cpu.memory import mapped_zeros
+from tokenmill.model.quantization import (
+    KQUANT_FORMATS,
+    KQuantFormat,
+    kquant_fields,
+    kquant_of,
+    q4_0_as_q4_1,
+    q4_1_of,
+    q8_0_of,
+)
+
+
+class CppPackedWeight(Protocol):
+    """A weight packed for the GEMM in one format (csrc/formats.h PackedWeight)."""
+
+    format: int  # csrc/formats.h WeightFormat: the index of its kernel in weight_formats()
+    n: int  # output features
+    k: int  # input features
+    data: torch.Tensor  # the format's packed layout
+    bias: torch.Tensor  # [n], or empty: none
+
+
+class PackingOps(Protocol):
+    """What `pack` needs of the C++ module (kernels.CpuOps has it)."""
+
+    def weight_formats(self) -> list[str]: ...
+
+    def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
+                     bias: torch.Tensor) -> CppPackedWeight: ...
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    kernel: str  # the C++ row that computes on it (csrc/formats.h kFormats' names)
+    bytes_per_weight: float
+    # the source as `source_of` gives it -> (packed data, out features, in features)
+    pack: Callable[[Any], tuple[torch.Tensor, int, int]]
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the layout packed_gemm reads front to back, zero rows
+    padding N to a multiple of 16: bf16 (K even) [ceil(N/16), K/2, 16, 2] with
+    packed[b, k // 2, j, k % 2] = weight[16 b + j, k]; float32
+    [ceil(N/16), K, 16] with packed[b, k, j] = weight[16 b + j, k].
+    On huge pages (mapped_zeros), which the GEMM streams faster."""
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    if weight.dtype == torch.float32:
+        packed = weight.reshape(padded // 16, 16, k).permute(0, 2, 1)
+    else:
+        packed = weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+    if packed.device.type != "cpu":
+        return packed.contiguous()
+    out = mapped_zeros(tuple(packed.shape), packed.dtype)
+    out.copy_(packed)
+    return out
+
+
+def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (q int8 [N, K], d float16 [N, K / 32]) -> the layout
+    csrc/q8_gemm.cpp reads front to back, zero rows padding N to a multiple of
+    16: uint8 [ceil(N/16), 64 ceil(K/64) + 16 K]. Groups of 16 outputs, three
+    to a task (the last task 1-3); a task's groups interleaved, a pair of blocks
+    (64 inputs) at a time: the float16 d of both blocks (block, group, lane:
+    64 bytes a group), then for each block and 4 inputs kk the groups' 64-byte
+    vpdpbusd operands (lane i's 4 values q + 128 at 4 i). An odd last block
+    leaves out the pair's second block (its scales are zero padding). Every
+    line holds one operand or scales. On huge pages (mapped_zeros), as pack_weight."""
+    n, k = q.shape
+    groups, kb = -(-n // 16), k // 32
+    pairs = -(-kb // 2)
+    group_bytes = 64 * pairs + 512 * kb
+    q = torch.cat([q, q.new_zeros(groups * 16 - n, k)]) if groups * 16 != n else q
+    d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)]) if groups * 16 != n else d
+    if kb % 2:  # a zero block completing the last pair (dropped below)
+        q = torch.cat([q, q.new_zeros(groups * 16, 32)], 1)
+        d = torch.cat([d, d.new_zeros(groups * 16, 1)], 1)
+    out = mapped_zeros((groups, group_bytes), torch.uint8)
+    flat = out.view(-1)
+    full = groups // 3 * 3
+    for g0, g1, nb in ((0, full, 3), (full, groups, groups - full)):
+        if g1 == g0:
+            continue
+        tasks = (g1 - g0) // nb
+        scales = d[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2).permute(0, 3, 4, 1, 2)  # [t, pair, l, j, i]
+        scales = scales.contiguous().view(torch.uint8).reshape(tasks, pairs, 64 * nb)
+        values = q[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2, 8, 4).permute(0, 3, 4, 5, 1, 2, 6)
+        values = (values.to(torch.int16) + 128).to(torch.uint8).reshape(tasks, pairs, 1024 * nb)
+        stretch = torch.cat([scales, values], 2).reshape(tasks, pairs * 1088 * nb)
+        if kb % 2:
+            stretch = stretch[:, : -512 * nb]
+        flat[g0 * group_bytes:g1 * group_bytes].copy_(stretch.reshape(-1))
+    return out
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks (uint8 [N, K / 32, 20]: float16 d, float16 m, 16 bytes
+    of nibbles, value k < 16 the low nibble of byte k, k >= 16 the high one of
+    byte k - 16) -> the layout csrc/q4_gemm.cpp reads front to back, zero rows
+    padding N to a multiple of 16: uint8 [ceil(N/16), K/32, 320], each block
+    the 16 outputs' d (32 bytes), their m (32 bytes), then for each 8 inputs 64
+    bytes, byte 4 j + t holding q[16 g + j, 32 kb + 8 kk + t] in its low nibble
+    and q[.., 32 kb + 8 kk + 4 + t] in its high one (two vpdpbusd operands once
+    unpacked). On huge pages (mapped_zeros), as pack_weight."""
+    n, kb = blocks.shape[0], blocks.shape[1]
+    groups = -(-n // 16)
+    if groups * 16 != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, kb, 20)])
+    grouped = blocks.reshape(groups, 16, kb, 20)
+    d = grouped[..., 0:2].permute(0, 2, 1, 3).reshape(groups, kb, 32)
+    m = grouped[..., 2:4].permute(0, 2, 1, 3).reshape(groups, kb, 32)
+    qs = grouped[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # [G, 16, KB, 32]: the values 0..15 in order
+    q = q.reshape(groups, 16, kb, 4, 2, 4)  # (g, j, kb, kk, low/high, t)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # (g, kb, kk, j, t)
+    out = mapped_zeros((groups, kb, 320), torch.uint8)
+    out[:, :, :32].copy_(d)
+    out[:, :, 32:64].copy_(m)
+    out[:, :, 64:].copy_(nibbles.reshape(groups, kb, 256))
+    return out
+
+
+def kquant_block_bytes(fmt: KQuantFormat) -> int:
+    """Bytes of one packed super-block of 16 outputs (csrc/kq_gemm.cpp's Fmt::BYTES)."""
+    subs = fmt.block_values // fmt.sub
+    header = 32 * (2 if fmt.mins else 1) + 16 * subs * (int(fmt.scales) + int(fmt.mins))
+    return header + fmt.block_values // 32 * (256 + 64 * fmt.high_bits)
+
+
+def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks of `fmt` (uint8 [N, K / SB, block_bytes], model/quantization.py's
+    layouts) -> the layout csrc/kq_gemm.cpp reads front to back, zero rows padding N
+    to a multiple of 16: uint8 [ceil(N/16), K / SB, kquant_block_bytes(fmt)], each
+    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc (and mn) a
+    byte each in lane order, then per 32 inputs the q's low nibbles as q4_gemm's
+    operands (for 8 inputs kk, byte 4 j + t: q[j][8 kk + t] low, q[j][8 kk + 4 + t]
+    high) and their high bits as 64-bit masks (bit 4 j + t; for each kk and bit, the
+    low operand's then the high one's). On huge pages (mapped_zeros), as pack_weight."""
+    n, nb = blocks.shape[0], blocks.shape[1]
+    groups = -(-n // 16)
+    if groups * 16 != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, nb, fmt.block_bytes)])
+    f = kquant_fields(fmt, blocks)
+    chunks = fmt.block_values // 32
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [G*16, nb, ...] -> [G, nb, ..., 16] as bytes
+        t = t.reshape(groups, 16, nb, -1).permute(0, 2, 3, 1)
+        return t.contiguous().view(torch.uint8).reshape(groups, nb, -1)
+
+    parts = [lanes(f.d.unsqueeze(-1))]
+    if f.dmin is not None:
+        parts.append(lanes(f.dmin.unsqueeze(-1)))
+    if f.sc is not None:
+        parts.append(lanes(f.sc.to(torch.int8)))
+    if f.mn is not None:
+        parts.append(lanes(f.mn))
+    q = f.q.reshape(groups, 16, nb, chunks, 4, 2, 4)  # (g, j, sb, c, kk, low/high operand, t)
+    nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
+    body = [nibbles.reshape(groups, nb, chunks, 256)]
+    if fmt.high_bits:
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int16)
+        bits = torch.stack([(q >> (4 + b)) & 1 for b in range(fmt.high_bits)], dim=5)  # (g, j, sb, c, kk, b, h, t)
+        bits = bits.permute(0, 2, 3, 4, 5, 6, 1, 7).reshape(groups, nb, chunks, 4, fmt.high_bits, 2, 8, 8)
+        masks = (bits.to(torch.int16) * weights).sum(-1).to(torch.uint8)  # bit p = 4 j + t of 8 bytes
+        body.append(masks.reshape(groups, nb, chunks, 64 * fmt.high_bits))
+    parts.append(torch.cat(body, dim=-1).reshape(groups, nb, -1))
+    packed = torch.cat(parts, dim=-1)
+    assert packed.shape[-1] == kquant_block_bytes(fmt), (packed.shape, fmt)
+    out = mapped_zeros(tuple(packed.shape), torch.uint8)
+    out.copy_(packed)
+    return out
+
+
+def _dense(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    return pack_weight(w.detach()), w.shape[0], w.shape[1]
+
+
+def _q8_0(src: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    q, d = src
+    return pack_q8_0(q, d), q.shape[0], q.shape[1]
+
+
+def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    return pack_q4_1(blocks), blocks.shape[0], blocks.shape[1] * 32
+
+
+def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    return _q4_1(q4_0_as_q4_1(blocks))  # (m = -8 d: the same values, model/quantization.py)
+
+
+def _kquant(fmt: KQuantFormat) -> Callable[[torch.Tensor], tuple[torch.Tensor, int, int]]:
+    def packer(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        return pack_kquant(fmt, blocks), blocks.shape[0], blocks.shape[1] * fmt.block_values
+
+    return packer
+
+
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+    WeightFormat("bfloat16", "bfloat16", 2.0, _dense),
+    WeightFormat("float32", "float32", 4.0, _dense),
+    WeightFormat("q8_0", "q8_0", 1.0625, _q8_0),
+    WeightFormat("q4_1", "q4_1", 0.625, _q4_1),
+    # (Q4_0 as Q4_1: a fused module holding both; the loader keeps Q4_0 alone as q4_0)
+    WeightFormat("q4_0_as_q4_1", "q4_1", 0.625, _q4_0),
+    # The GGUF formats csrc/kq_gemm.cpp computes on: a super-block of 16 outputs is
+    # 16 of the file's blocks, but Q4_K's / Q5_K's 6-bit scales unpacked (20 bytes for 16).
+    *(WeightFormat(fmt.name.lower(), fmt.name.lower(), kquant_block_bytes(fmt) / (16 * fmt.block_values),
+                   _kquant(fmt)) for fmt in KQUANT_FORMATS.values()),
+)}
+
+
+def source_of(module: nn.Module) -> tuple[str, Any]:
+    """A Linear's weight as it holds it: (format name, what that row's pack takes)."""
+    q8, q4, kq = q8_0_of(module), q4_1_of(module), kquant_of(module)
+    if q8 is not None:
+        return "q8_0", q8
+    if q4 is not None:
+        return "q4_1", q4
+    if kq is not None:
+        return kq[0].name.lower(), kq[1]
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    name = str(weight.dtype).removeprefix("torch.")
+    if name not in FORMATS:
+        raise ValueError(f"no packed weight format for {name} weights (the formats: {', '.join(FORMATS)})")
+    return name, weight.detach()
+
+
+def pack(ops: PackingOps, name: str, source: Any, bias: torch.Tensor | None = None) -> CppPackedWeight:
+    """`source` in format `name` (a FORMATS row) packed for the GEMM, with its bias (or none)."""
+    row = FORMATS.get(name)
+    if row is None:
+        raise ValueError(f"unknown weight format {name!r} (the formats: {', '.join(FORMATS)})")
+    if any(t.device.type == "meta" for t in (source if isinstance(source, tuple) else (source,))):
+        raise ValueError("this weight was released to a CPU plan (its module holds a meta tensor): load the model again")
+    data, n, k = row.pack(source)
+    kernels_here = list(ops.weight_formats())
+    if row.kernel not in kernels_here:
+        raise RuntimeError(f"the C++ kernels have no {row.kernel!r} GEMM (they serve {kernels_here}): rebuild them")
+    return ops.PackedWeight(format=kernels_here.index(row.kernel), n=n, k=k, data=data,
+                            bias=torch.empty(0) if bias is None else bias.detach())
+
+
+def pack_module(ops: PackingOps, module: nn.Module) -> CppPackedWeight:
+    """A Linear's weight (and bias) packed in the format it holds."""
+    bias = module.bias if isinstance(module.bias, torch.Tensor) else None
+    return pack(ops, *source_of(module), bias)
+
+
+def packed_bytes(weight: CppPackedWeight) -> int:
+    """The bytes a packed weight holds (its data and bias)."""
+    return weight.data.numel() * weight.data.element_size() + weight.bias.numel() * weight.bias.element_size()
