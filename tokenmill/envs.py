@@ -5,7 +5,9 @@ parent process that sets one before the call is seen. Imports nothing from
 tokenmill: every module may import it. Variables tokenmill sets for its child
 processes (OMP_NUM_THREADS, ...) are not here: they are not reads. OpenMP's
 own OMP_WAIT_POLICY / GOMP_SPINCOUNT are libgomp's, read by libgomp; the
-entry points only respect a user's choice of them (engine/openmp_wait.py).
+entry points only respect a user's choice of them (engine/openmp_wait.py),
+and the extension's build puts the venv's bin/ on PATH for ninja
+(backends/cpu/kernels.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ def vllm_preload() -> bool:
 
 
 LLAMA_SERVER = "TOKENMILL_LLAMA_SERVER"
+LLAMA_CPP = "TOKENMILL_LLAMA_CPP"
+
+
+def llama_cpp() -> str | None:
+    """TOKENMILL_LLAMA_CPP: the llama.cpp build directory `bench sizes` uses
+    (its converter, llama-quantize, llama-bench) where no flag names one."""
+    return os.environ.get(LLAMA_CPP) or None
 
 
 def llama_server() -> str | None:
