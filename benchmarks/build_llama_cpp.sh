@@ -20,10 +20,17 @@ if [ ! -d "$SRC/llama_cpp_python-$VERSION" ]; then
     tar -xzf "$SRC/llama_cpp_python-$VERSION.tar.gz" -C "$SRC"
 fi
 LLAMA=$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp
-# GGML_NATIVE: tuned for this CPU (AVX-512/BF16/VNNI where present), as a local llama.cpp user builds it.
+# GGML_NATIVE: tuned for this CPU (AVX-512/BF16/VNNI where present), as a local llama.cpp user builds it,
+# but without AMX: on this VM (amx_tile/amx_int8 in /proc/cpuinfo) a native build segfaults in
+# ggml_backend_amx_mul_mat (llama-bench's backtrace; llama-server dies the same way, on the default
+# model and the 1B Q4_K_M alike). -mno-amx-* leaves __AMX_INT8__ undefined whatever its order beside
+# -march=native, so that backend is not compiled, while the CPU repack of quantized weights stays
+# (`--repack 0` also avoids the crash, but switches the repack off too).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # The web UI is neither built nor fetched (no network for it; the benchmark uses the HTTP API only).
 cmake -S "$LLAMA" -B "$DEST/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
 cmake --build "$DEST/build" -j "$JOBS" --target llama-server llama-quantize llama-bench

@@ -11,8 +11,10 @@ table does not place is an error too: add a row to the table.
 
 Further checks: no import circle anywhere in tokenmill/ (the same imports,
 TYPE_CHECKING ones included, at module granularity), `model/` never imports
-`backends`, and (in a subprocess) every module of `tokenmill.core`, with
-config, sampling_params and outputs, imports with torch and numpy blocked.
+`backends`, the front ends (server/, serve_ray/, cli.py) read only
+EngineClient's members on an `engine` (an AST check of attribute chains), and
+(in a subprocess) every module of `tokenmill.core`, with config,
+sampling_params and outputs, imports with torch and numpy blocked.
 """
 
 from __future__ import annotations
@@ -456,6 +458,81 @@ def test_parse_rule() -> None:
     assert read_rules(table) == {"a.py": Rule(), "b.py": Rule(), "c/": Rule(allowed=("a", "c"))}
     with pytest.raises(AssertionError, match="not a row"):
         read_rules(table.replace("`a`, `c`", "`a`, `typo`"))
+
+
+# ---- the front ends reach the engine through its interface only ---------------------------
+
+# docs/ARCHITECTURE.md §2: in these, an object named `engine` is an EngineClient.
+FRONT_ENDS = ("server/", "serve_ray/", "cli.py")
+
+
+def engine_client_members() -> set[str]:
+    """The members of EngineClient (engine/client.py), read without importing it."""
+    tree = ast.parse((PACKAGE_DIR / "engine" / "client.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineClient"]
+    members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    members |= {n.target.id for n in cls.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return members
+
+
+def _names_engine(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "engine") or (
+        isinstance(node, ast.Attribute) and node.attr == "engine")
+
+
+def reaches_through_engine(source: str, members: set[str]) -> list[tuple[int, str]]:
+    """(line, attribute) for each read on an `engine` (a name or an attribute)
+    of something that is not one of `members`, `getattr(engine, "x")` included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _names_engine(node.value):
+            name = node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+              and _names_engine(node.args[0]) and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
+            name = node.args[1].value
+        else:
+            continue
+        if name not in members:
+            found.append((node.lineno, name))
+    return found
+
+
+def test_engine_client_is_read() -> None:
+    members = engine_client_members()
+    assert {"facts", "tokenizer", "add_request", "abort", "stats"} <= members
+    assert "engine" not in members
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULE_PATHS if rule_key(p) in FRONT_ENDS],
+    ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_front_ends_use_the_engine_client_only(path: Path) -> None:
+    problems = [f"{path.relative_to(REPO_ROOT)}:{line}: engine.{name} is not a member of "
+                "EngineClient (engine/client.py); add what the front end needs there"
+                for line, name in reaches_through_engine(path.read_text(), engine_client_members())]
+    assert not problems, "docs/ARCHITECTURE.md §2 broken:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("self.engine.facts.max_model_len", []),
+        ("engine.add_request(r, p, s)", []),
+        ("x = engine", []),
+        ("engine.engine.tokenizer", ["engine"]),
+        ("self.engine.engine.scheduler.kv.num_blocks", ["engine", "scheduler"]),
+        ("served.engine.scheduler", ["scheduler"]),
+        ("engine._tokenizer()", ["_tokenizer"]),
+        ("getattr(self.engine, 'tp', None)", ["tp"]),
+        ("getattr(self.engine.engine, 'tp', None)", ["engine", "tp"]),
+    ],
+)
+def test_reaching_through_the_engine_is_found(source: str, bad: list[str]) -> None:
+    members = {"facts", "add_request", "tokenizer"}
+    assert sorted(name for _, name in reaches_through_engine(source, members)) == sorted(bad)
 
 
 # ---- the core imports without torch or numpy ---------------------------------------------

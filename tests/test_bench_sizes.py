@@ -258,7 +258,7 @@ def test_a_row_against_a_fake_server(fake_script: Path, tmp_path: Path) -> None:
     assert 5 < row.rss_after_load_mib <= row.peak_rss_mib
     assert row.ttft_512_ms is not None and row.ttft_512_ms >= FIRST_S * 1000
     assert row.pp512_tok_s == pytest.approx(512 / (row.ttft_512_ms / 1000))
-    assert row.tg128_tok_s is not None and 20 < row.tg128_tok_s <= 1 / GAP_S * 1.05
+    assert row.tg128_tok_s is not None and 5 < row.tg128_tok_s <= 1 / GAP_S * 1.05
 
 
 def test_low_memory_stops_the_server(fake_script: Path, tmp_path: Path) -> None:

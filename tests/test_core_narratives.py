@@ -103,9 +103,7 @@ def fake_runner(out: SchedulerOutput, sample: Sampler = SAMPLED) -> ModelRunnerO
         sampled = [sample.get(r, SAMPLED) for r in req_ids]
     else:
         sampled = [sample(r) for r in req_ids]
-    return ModelRunnerOutput(
-        req_ids=req_ids, sampled_token_ids=sampled, logprobs=[0.0] * len(req_ids)
-    )
+    return ModelRunnerOutput(req_ids=req_ids, runs=[[(t, 0.0, 1, None)] for t in sampled])
 
 
 def step(
@@ -988,7 +986,7 @@ def test_static_batch_runs_until_its_longest_member_ends() -> None:
     assert num_tokens_by_req(out) == {"a": 1, "b": 1}
     assert scheduled(out, "a").do_sample
     assert [o for o in outputs if o.new_token_ids] == [
-        EngineCoreOutput("b", [SAMPLED], [0.0], [None])
+        EngineCoreOutput("b", [SAMPLED], [0.0], [None], [1])
     ]
     finals = {o.request_id: (o.new_token_ids, o.finish_reason) for o in outputs if o.finished}
     assert finals == {"a": ([], "length"), "b": ([], "length")}

@@ -270,6 +270,6 @@ def test_models_list_reports_max_model_len_and_root(served: Served) -> None:
     body = httpx.get(served.url + "/v1/models", timeout=TIMEOUT_S).json()
     (card,) = body["data"]
     assert card["id"] == MODEL
-    assert card["max_model_len"] == served.engine.max_model_len == COMMON["max_position_embeddings"]
+    assert card["max_model_len"] == served.engine.facts.max_model_len == COMMON["max_position_embeddings"]
     assert Path(card["root"]).is_dir()  # the weights' own path, under the served name
     assert card["object"] == "model" and card["owned_by"] == "tokenmill"

@@ -129,7 +129,7 @@ def test_models_health_and_tokenize(served: Served) -> None:
     with httpx.Client(base_url=served.main.url, timeout=10) as http:
         tokens = http.post("/tokenize", json={"prompt": HELLO}).json()
         assert tokens["count"] == len(tokens["tokens"]) > 0
-        assert tokens["max_model_len"] == served.engine.max_model_len
+        assert tokens["max_model_len"] == served.engine.facts.max_model_len
         text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
         assert text == HELLO
         chat_tokens = http.post("/tokenize", json={"messages": CHAT}).json()

@@ -102,7 +102,7 @@ def test_vllm_request_families_with_vllm_buckets(served: Served) -> None:
     fams = families(served.main.url)
     p = "tokenmill:"
     num_finished = len(REQUESTS)
-    tokens = tokens_buckets(served.engine.max_model_len)
+    tokens = tokens_buckets(served.engine.facts.max_model_len)
     expected_buckets = {
         "request_prompt_tokens": tokens, "request_generation_tokens": tokens,
         "request_params_max_tokens": tokens, "request_params_n": PARAMS_N,

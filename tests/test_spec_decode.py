@@ -235,9 +235,8 @@ def engine_verifier(logits: Any, drafts: list[int], trials: int, seed: int) -> l
                                          num_draft_tokens=len(drafts)))
             rows.extend(speculative_row_states(state, drafts))
         batch = torch.tensor(logits, dtype=torch.float32).repeat(1000, 1)
-        out, accepted = verify_drafts(sampler(batch, rows), reqs)
-        runs.extend([*(e.token_id for e in acc), tok]
-                    for acc, tok in zip(accepted, out.token_ids, strict=True))
+        runs.extend([token[0] for token in run]
+                    for run in verify_drafts(sampler(batch, rows).rows(), reqs))
     return runs
 
 

@@ -8,6 +8,7 @@ No tensors here: lists of Python ints and floats only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -62,25 +63,25 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# One new token of a request: (token_id, logprob, rank, top_logprobs), under the
+# raw model distribution. logprob is NaN and rank 0 where the request did not ask
+# for logprobs (not computed: it costs a vocab pass); top_logprobs, the top-k
+# alternatives {token_id: logprob} best first, is None unless asked for. A plain
+# tuple: one is made per token on the decode path.
+SampledToken: TypeAlias = tuple[int, float, int, dict[int, float] | None]
+
+
 @dataclass
 class ModelRunnerOutput:
     # One entry per scheduled request with do_sample, in SchedulerOutput order.
     req_ids: list[str]
-    sampled_token_ids: list[int]
-    # Logprob of each sampled token under the raw model distribution; NaN for a
-    # request that did not ask for logprobs (not computed: it costs a vocab pass).
-    logprobs: list[float]
-    # Per sampled request, the top-k alternatives {token_id: logprob} when asked for.
-    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # Per sampled request, the rank of its sampled token (1 = most likely).
-    sampled_token_ranks: list[int] = field(default_factory=list)
-    # Per sampled request, when it asked for prompt_logprobs and this step ends its
-    # prefill: one entry per prompt token after the first.
-    prompt_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
-    # Speculative decoding, per sampled request (empty when no request verified
-    # drafts this step): the drafts it accepted, in order, each with the target's
-    # logprobs; they come before its sampled token (the last of the run).
-    accepted: list[list[TokenLogprobs]] = field(default_factory=list)
+    # Per request, its run of new tokens: the drafts it accepted (speculative
+    # decoding, each with the target's logprobs), then the token sampled after
+    # them, last. Without drafts a run is one token.
+    runs: list[list[SampledToken]]
+    # The prompt logprobs of each request that asked for them and whose prefill
+    # ends this step: one entry per prompt token after the first.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

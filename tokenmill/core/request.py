@@ -58,9 +58,6 @@ class Request:
     # structured_outputs: False while the engine compiles the request's grammar
     # (off the step loop); the scheduler admits it only once this is True.
     grammar_ready: bool = field(default=True, init=False)
-    # Speculative decoding: draft tokens proposed for the next step (the engine sets
-    # them between steps; DRAFT_PLACEHOLDER ones a draft model fills in the runner).
-    spec_token_ids: list[int] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,7 +13,7 @@ is preempted: its blocks are freed and it goes back to the waiting queue, to be
 recomputed later (its full blocks usually come back as prefix-cache hits).
 
 Speculative decoding goes through the same rule: a decoding request with k
-draft tokens (`Request.spec_token_ids`, proposed by the engine between steps)
+draft tokens (handed over by the engine between steps: `set_drafts`)
 asks for 1 + k tokens, its KV slots cover them, and the runner verifies them
 in the same forward as everything else. After the step the rejected drafts are
 rolled back (num_computed_tokens lowered, their blocks freed). Drafts are
@@ -32,8 +32,10 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.contracts import (
     EngineCoreOutput,
     ModelRunnerOutput,
+    SampledToken,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_reservation import make_kv_cache_manager
@@ -100,7 +102,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Speculative decoding (num_spec_tokens > 0): what was drafted and accepted.
+        # Speculative decoding (num_spec_tokens > 0): the drafts for the next step
+        # (set_drafts), and what was drafted and accepted.
+        self.drafts: dict[str, list[int]] = {}
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
 
     @property
@@ -147,6 +151,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def set_drafts(self, request_id: str, draft_token_ids: list[int]) -> None:
+        """Speculative decoding: drafts for a running request's next token, to be
+        verified in the next schedule() as far as budget and blocks allow (used
+        then or never: the engine proposes anew before every step). The
+        runner's draft model fills in DRAFT_PLACEHOLDER ones."""
+        assert self.requests[request_id].status is RequestStatus.RUNNING, request_id
+        self.drafts[request_id] = draft_token_ids
+
     # ---- one step --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -163,7 +175,6 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, budget)
-            request.spec_token_ids = []  # used now or never: the engine proposes anew
             if drafts and self.kv.allocate_slots(request, 1 + len(drafts)) is not None:
                 num_new_by_req[request.request_id] = 1 + len(drafts)
                 drafts_by_req[request.request_id] = drafts
@@ -220,13 +231,14 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = []
+        self.drafts.clear()  # used now or never
         return out
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step: its proposed ones, as
         many as the budget leaves room for beside its own token, and none that
         could only run past max_tokens or the context (a run ends there anyway)."""
-        drafts = request.spec_token_ids
+        drafts = self.drafts.get(request.request_id)
         if not drafts or request.num_tokens - request.num_computed_tokens != 1:
             return []
         room = min(budget, self.max_model_len - request.num_tokens) - 1
@@ -307,10 +319,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            run = runner_output.runs[k]
             num_drafts = num_drafts_by_req.get(request_id, 0)
             if num_drafts:
-                self._roll_back(request, num_drafts, len(runner_output.accepted[k]))
-            out = self._append_sampled(request, runner_output, k)
+                self._roll_back(request, num_drafts, len(run) - 1)
+            out = self._append_sampled(request, run, runner_output.prompt_logprobs)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -325,54 +338,35 @@ class Scheduler:
             self.spec_stats.observe(num_drafts, num_accepted)
 
     def _append_sampled(
-        self, request: Request, runner_output: ModelRunnerOutput, k: int
+        self, request: Request, run: list[SampledToken],
+        prompt_logprobs: dict[str, list[TokenLogprobs]],
     ) -> EngineCoreOutput | None:
-        """Append the request's sampled token (runner_output's k-th), after the
-        drafts it accepted; its output, if it has one to give out now. A stop
-        (EOS, a stop token, max_tokens) inside an accepted run cuts the run there."""
-        token_id = runner_output.sampled_token_ids[k]
-        top = runner_output.top_logprobs[k] if runner_output.top_logprobs else None
-        ranks = runner_output.sampled_token_ranks
+        """Append the request's run of new tokens (accepted drafts, then its
+        sampled token); its output, if it has one to give out now. A stop (EOS,
+        a stop token, max_tokens) inside the run cuts the run there."""
         out = EngineCoreOutput(
             request_id=request.request_id,
-            new_token_ids=[token_id],
-            new_logprobs=[runner_output.logprobs[k]],
-            new_top_logprobs=[top],
-            new_token_ranks=[ranks[k]] if ranks else [],
-            prompt_logprobs=(
-                runner_output.prompt_logprobs[k] if runner_output.prompt_logprobs else None
-            ),
+            new_token_ids=[],
+            new_logprobs=[],
+            new_top_logprobs=[],
+            new_token_ranks=[],
+            prompt_logprobs=prompt_logprobs.get(request.request_id),
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
         )
-        if runner_output.accepted and runner_output.accepted[k]:
-            run = [*runner_output.accepted[k], None]  # None: the sampled token
-            out.new_token_ids, out.new_logprobs, out.new_top_logprobs = [], [], []
-            out.new_token_ranks = []
-            for entry in run:
-                if entry is None:
-                    out.new_token_ids.append(token_id)
-                    out.new_logprobs.append(runner_output.logprobs[k])
-                    out.new_top_logprobs.append(top)
-                    if ranks:
-                        out.new_token_ranks.append(ranks[k])
-                else:
-                    out.new_token_ids.append(entry.token_id)
-                    out.new_logprobs.append(entry.logprob)
-                    out.new_top_logprobs.append(entry.top if top is not None else None)
-                    if ranks:
-                        out.new_token_ranks.append(entry.rank)
-                request.append_token(out.new_token_ids[-1])
-                status = request.check_stop(self.max_model_len)
-                if status is not None:
-                    break
+        status = None
+        for token_id, logprob, rank, top in run:
+            out.new_token_ids.append(token_id)
+            out.new_logprobs.append(logprob)
+            out.new_top_logprobs.append(top)
+            out.new_token_ranks.append(rank)
+            request.append_token(token_id)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        if len(run) > 1:  # accepted drafts: their full blocks join the prefix cache
             self.kv.cache_accepted(request)
-            return out if status is None else self._stop(request, status, out)
-        request.append_token(token_id)
-        status = request.check_stop(self.max_model_len)
-        if status is None:
-            return out
-        return self._stop(request, status, out)
+        return out if status is None else self._stop(request, status, out)
 
     def _stop(
         self, request: Request, status: RequestStatus, out: EngineCoreOutput

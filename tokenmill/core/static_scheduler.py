@@ -14,7 +14,13 @@ from __future__ import annotations
 import itertools
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.contracts import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SampledToken,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 
@@ -66,13 +72,14 @@ class StaticBatchScheduler(Scheduler):
         return out
 
     def _append_sampled(
-        self, request: Request, runner_output: ModelRunnerOutput, k: int
+        self, request: Request, run: list[SampledToken],
+        prompt_logprobs: dict[str, list[TokenLogprobs]],
     ) -> EngineCoreOutput | None:
         if request.request_id not in self.padding:
-            return super()._append_sampled(request, runner_output, k)
+            return super()._append_sampled(request, run, prompt_logprobs)
         # Padding: the token is computed next step and never given out.
         if request.num_tokens < self.max_model_len:
-            request.all_token_ids.append(runner_output.sampled_token_ids[k])
+            request.all_token_ids.append(run[-1][0])
         return None
 
     def update_from_output(

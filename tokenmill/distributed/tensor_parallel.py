@@ -107,6 +107,16 @@ class TensorParallel:
     def driver(self, local: ModelForward) -> ModelForward:
         return DriverForward(local, self)
 
+    def rank_locations(self) -> tuple[tuple[int, int, str], ...]:
+        """(rank, pid, node IP) of each rank started through Ray; () for child processes."""
+        if not isinstance(self.ranks, RayRanks):
+            return ()
+        return tuple((rank, pid, node) for rank, (pid, node) in sorted(self.ranks.where.items()))
+
+    def failure(self) -> str | None:
+        """Why the group stopped (a failed collective, a rank gone), or None."""
+        return self.group.failed or self.ranks.gone()
+
     def shutdown(self) -> None:
         """Tell the other ranks to stop, wait for node 0's (then kill what is
         left), and restore the thread count."""

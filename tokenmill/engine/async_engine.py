@@ -36,9 +36,10 @@ from typing import Any
 
 from tokenmill.core.contracts import SchedulerOutput
 from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.engine.client import EngineFacts, PromptType
 from tokenmill.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenmill.engine.live_view import LiveView, take_snapshot
-from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import Tokenizer
@@ -203,20 +204,24 @@ class AsyncEngine:
     # ---- information (any thread) ---------------------------------------------------
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    def facts(self) -> EngineFacts:
+        return self.engine.facts
 
     @property
-    def model_name(self) -> str:
-        return self.engine.source.name
-
-    @property
-    def model_path(self) -> str:
-        return self.engine.source.path
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
 
     @property
     def is_running(self) -> bool:
         return self._dead_reason is None and self._thread.is_alive()
+
+    def check_health(self) -> None:
+        """Raise RuntimeError saying why when this engine cannot serve."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+        failed = self.engine.parallel_failure()
+        if failed:
+            raise RuntimeError(f"the tensor-parallel group stopped: {failed}")
 
     def stats(self) -> SchedulerStats:
         """The scheduler's state as of the last step boundary."""
@@ -259,10 +264,6 @@ class AsyncEngine:
         self, chat_template: str | None = None, tools: list[dict[str, Any]] | None = None
     ) -> str | None:
         return self._tokenizer().chat_template_source(chat_template, tools)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.spec.vocab_size
 
     # ---- requests (event loop) ----------------------------------------------------------
 

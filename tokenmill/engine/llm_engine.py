@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +30,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
 from tokenmill.engine.arg_utils import EngineArgs
+from tokenmill.engine.client import CacheFacts, EngineFacts, PromptType
 from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
@@ -42,16 +44,13 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, chosen_forward
 from tokenmill.worker.step_timer import StepPhase
 
 if TYPE_CHECKING:
     from tokenmill.distributed.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("tokenmill")
-
-# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
-PromptType: TypeAlias = str | dict[str, Any]
 
 
 @dataclass
@@ -160,22 +159,25 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
         if self.tp is not None:
             self.tp.start(num_blocks, cache_config.block_size)
+        forward = chosen_forward(model, self.dtype, self.device)
+        if self.tp is not None:  # every forward goes to the other ranks too
+            forward = self.tp.driver(forward)
+        speculative_config = self.speculative_config
+        drafter = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            assert speculative_config.model is not None
+            drafter = DraftModelProposer(
+                speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
+                self.device)
         self.runner = ModelRunner(
             model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device,
-            seed=model_config.seed, eos_token_ids=self.eos_token_ids,
+            seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
+            drafter=drafter,
         )
-        if self.tp is not None:  # every forward goes to the other ranks too
-            self.runner.forward = self.tp.driver(self.runner.forward)
-        speculative_config = self.speculative_config
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
                                         num_spec_tokens)
         self.ngram: NgramProposer | None = None
-        if speculative_config is not None and speculative_config.method == "draft_model":
-            assert speculative_config.model is not None
-            self.runner.drafter = DraftModelProposer(
-                speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
-                self.device)
         if speculative_config is not None and speculative_config.method == "ngram":
             assert speculative_config.prompt_lookup_min and speculative_config.prompt_lookup_max
             self.ngram = NgramProposer(speculative_config.prompt_lookup_min,
@@ -189,6 +191,27 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._compiling: dict[str, tuple[Request, str, Future[Any]]] = {}
         self._failed_compiles: dict[str, str] = {}  # caller's request id -> why
+        self.facts = self._facts(num_blocks)
+
+    def _facts(self, num_blocks: int) -> EngineFacts:
+        """What a front end may know (engine/client.py), fixed from here on."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return EngineFacts(
+            model_name=self.source.name,
+            model_path=self.source.path,
+            max_model_len=self.max_model_len,
+            vocab_size=self.spec.vocab_size,
+            dtype=dtype,
+            default_sampling_params=MappingProxyType(dict(self.default_sampling_params)),
+            cache=CacheFacts(
+                block_size=self.cache_config.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=self.cache_config.enable_prefix_caching,
+                kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
+                cache_dtype=dtype,
+            ),
+            tensor_parallel_ranks=self.tp.rank_locations() if self.tp is not None else (),
+        )
 
     # ---- requests ---------------------------------------------------------------
 
@@ -404,10 +427,9 @@ class LLMEngine:
             if (request.num_tokens - request.num_computed_tokens != 1 or params.has_penalties
                     or params.structured_outputs is not None):
                 continue
-            if self.ngram is not None:
-                request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
-            else:
-                request.spec_token_ids = [DRAFT_PLACEHOLDER] * k
+            drafts = (self.ngram.propose(request.all_token_ids, k) if self.ngram is not None
+                      else [DRAFT_PLACEHOLDER] * k)
+            self.scheduler.set_drafts(request.request_id, drafts)
 
     def execute(self, step: ScheduledStep) -> StepResult:
         assert step is self._scheduled_step, "execute() runs what the last schedule() returned"
@@ -439,6 +461,10 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def parallel_failure(self) -> str | None:
+        """Why the tensor-parallel group stopped (a rank gone), or None."""
+        return self.tp.failure() if self.tp is not None else None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a no-op otherwise; idempotent)."""

@@ -36,13 +36,13 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import StreamingResponse
 
+from tokenmill.serve_ray import live
 from tokenmill.serve_ray.router import (
     HTTP_METHOD,
     REPLICA_HEADER,
     ROUTING_TEXT,
     TARGET_REPLICA,
     ResponseOwners,
-    live_replicas,
 )
 from tokenmill.server.errors import APIError, error_json
 from tokenmill.server.serving import sse, sse_error
@@ -165,14 +165,14 @@ def gone_error(e: BaseException) -> APIError:
 @serve.ingress(ingress_app)
 class Ingress:
     def __init__(
-        self, engine: DeploymentHandle, max_request_body_bytes: int,
+        self, replicas: DeploymentHandle, max_request_body_bytes: int,
         api_key: str | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ) -> None:
-        self.deployment = engine.deployment_name
+        self.deployment = replicas.deployment_name
         self.expected_auth = None if api_key is None else f"Bearer {api_key}".encode()
         # Every call goes through this one handle: one router, one view of the replicas
         # (a handle made by options() before its parent routed anything gets its own).
-        self.stream = engine.options(stream=True)
+        self.stream = replicas.options(stream=True)
         self.max_request_body_bytes = max_request_body_bytes
         self.max_attempts = max_attempts
         self.owners = ResponseOwners()  # /v1/responses id -> the replica that stored it
@@ -186,7 +186,7 @@ class Ingress:
                 request.headers.get("authorization", "").encode(), self.expected_auth):
             return error_json(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
-        ids = live_replicas(self.deployment)
+        ids = live.REGISTRY.get(self.deployment)
 
         async def one(replica: str) -> dict[str, Any] | None:
             call = cast(DeploymentResponseGenerator,
@@ -211,7 +211,7 @@ class Ingress:
         args = ("GET", METRICS_PATH, request.scope.get("query_string", b""),
                 list(request.scope["headers"]), b"")
         texts: list[tuple[str, str]] = []
-        for replica in live_replicas(self.deployment):  # (one at a time: see replicas())
+        for replica in live.REGISTRY.get(self.deployment):  # (one at a time: see replicas())
             call = cast(DeploymentResponseGenerator, getattr(self.stream, HTTP_METHOD).remote(
                 *args, **{ROUTING_TEXT: "", TARGET_REPLICA: replica}))
             try:
@@ -243,7 +243,7 @@ class Ingress:
         owner = self.owners.owner(named[0]) if named is not None else None
         if owner is not None:  # the replica that stored it, and only that one
             assert named is not None
-            if owner not in live_replicas(self.deployment):
+            if owner not in live.REGISTRY.get(self.deployment):
                 return self._error(owner_gone_error(named[0], owner, named[1]))
             kwargs[TARGET_REPLICA] = owner
         last: BaseException | None = None

@@ -119,21 +119,14 @@ class EngineReplica:
 
     def tensor_parallel_ranks(self) -> list[dict[str, Any]]:
         """Ranks 1..T-1 (Ray actors): rank, pid, node IP. [] without TP."""
-        tp = getattr(self.engine.engine, "tp", None)
-        where = getattr(getattr(tp, "ranks", None), "where", {})
-        return [{"rank": r, "pid": pid, "node": node} for r, (pid, node) in sorted(where.items())]
+        return [{"rank": r, "pid": pid, "node": node}
+                for r, pid, node in self.engine.facts.tensor_parallel_ranks]
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop died, or whose
         tensor-parallel group stopped (a rank gone), is replaced (its rank actors
         with it)."""
-        if not self.engine.is_running:
-            raise RuntimeError("the engine loop is not running")
-        tp = getattr(self.engine.engine, "tp", None)
-        if tp is not None:
-            failed = tp.group.failed or tp.ranks.gone()
-            if failed:
-                raise RuntimeError(f"the tensor-parallel group stopped: {failed}")
+        self.engine.check_health()
 
     def __del__(self) -> None:
         # Ray Serve calls this on a graceful replica shutdown.

@@ -23,7 +23,6 @@ so it is tested without a cluster.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +36,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from tokenmill.serve_ray import live
+
 BLOCK_CHARS = 64  # about 16 tokens of English: one KV block at the default block size
 MAX_BLOCKS_PER_REPLICA = 100_000  # remembered hashes per replica (LRU): ~6 MB of text
 DEFAULT_MAX_IMBALANCE = 8  # requests in flight above the least loaded replica
@@ -49,35 +50,6 @@ HTTP_METHOD = "http"  # the replica method that serves requests (counted as load
 # Added by a replica to each answer's headers: which replica served it (the ingress
 # learns /v1/responses' owners from it, and takes it off before the client sees it).
 REPLICA_HEADER = b"x-tokenmill-replica"
-
-# Deployment name -> its live replicas' full ids, as this process's routers see
-# them: the ingress asks each replica for its stats by these (ingress.py).
-_live_replicas: dict[str, list[str]] = {}
-_live_lock = threading.Lock()
-
-
-def live_replicas(deployment: str) -> list[str]:
-    with _live_lock:
-        return list(_live_replicas.get(deployment, []))
-
-
-def record_live_replicas(deployment: str, replicas: list[str]) -> None:
-    # Through the module as imported: Ray may ship the router class by value, and
-    # the globals of a class shipped so are copies, which the ingress would not see.
-    from tokenmill.serve_ray import router
-
-    with router._live_lock:
-        router._live_replicas[deployment] = sorted(replicas)
-
-
-def forget_live_replica(deployment: str, replica: str) -> None:
-    from tokenmill.serve_ray import router
-
-    with router._live_lock:
-        live = router._live_replicas.get(deployment)
-        if live is not None and replica in live:
-            live.remove(replica)
-
 
 MAX_RESPONSE_OWNERS = 100_000  # response ids remembered (LRU): ~10 MB
 
@@ -190,14 +162,14 @@ class PrefixAwareRouter(RequestRouter):
         ids = [r.replica_id.to_full_id_str() for r in replicas]
         self.index.set_replicas(ids)
         self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
-        record_live_replicas(self._deployment_id.name, ids)
+        live.REGISTRY.record(self._deployment_id.name, ids)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         dead = replica_id.to_full_id_str()
         self.index.blocks.pop(dead, None)
         self.in_flight.pop(dead, None)
-        forget_live_replica(self._deployment_id.name, dead)
+        live.REGISTRY.forget(self._deployment_id.name, dead)
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
         if pending_request is None:

@@ -1,4 +1,4 @@
-"""The FastAPI app, built by a factory around a running AsyncEngine."""
+"""The FastAPI app, built by a factory around a running engine (an EngineClient)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.client import EngineClient
 from tokenmill.server.chat import chat_prompt, create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.dashboard import build_dashboard_router
@@ -66,11 +66,11 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app serving `engine`. The engine is the caller's to
     start and shut down; several apps may share one (each has its own metrics
     registry). `app.state.serving.close()` stops the app's template worker."""
-    model_name = server_config.served_model_name or engine.model_name
+    model_name = server_config.served_model_name or engine.facts.model_name
     serving = Serving(engine, server_config, model_name)
     metrics = ServerMetrics(engine, model_name, server_config.metrics_prefix)
     response_store = ResponseStore(server_config.max_stored_responses)
@@ -110,8 +110,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=engine.model_path,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, root=engine.facts.model_path,
+                                         max_model_len=engine.facts.max_model_len)])
 
     app.include_router(v1)
     if server_config.dashboard:  # `serve --dashboard`: /dashboard and its event feed
@@ -144,21 +144,21 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         else:
             tokens = await serving.encode(request.prompt or "", "prompt", request.add_special_tokens)
         return JSONResponse(
-            {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+            {"count": len(tokens), "max_model_len": engine.facts.max_model_len, "tokens": tokens}
         )
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         serving.check_model(request.model)
-        if len(request.tokens) > engine.max_model_len:  # (bounded as a prompt is)
+        if len(request.tokens) > engine.facts.max_model_len:  # (bounded as a prompt is)
             raise APIError(
                 400, f"{len(request.tokens)} token ids are more than this model's maximum "
-                f"context length of {engine.max_model_len}", param="tokens",
+                f"context length of {engine.facts.max_model_len}", param="tokens",
             )
-        bad = [t for t in request.tokens if not 0 <= t < engine.vocab_size]
+        bad = [t for t in request.tokens if not 0 <= t < engine.facts.vocab_size]
         if bad:
             raise APIError(
-                400, f"token ids {bad[:5]} are outside the vocabulary [0, {engine.vocab_size})",
+                400, f"token ids {bad[:5]} are outside the vocabulary [0, {engine.facts.vocab_size})",
                 param="tokens",
             )
         # Special tokens kept, as vLLM's /detokenize: /tokenize's ids come back whole.

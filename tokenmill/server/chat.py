@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS
+from tokenmill.server.accumulator import OutputAccumulator, json_answer, sse_stream
 from tokenmill.server.errors import APIError
 from tokenmill.server.logprobs import prompt_logprobs_field
 from tokenmill.server.protocol import (
@@ -25,24 +25,18 @@ from tokenmill.server.protocol import (
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
-    UsageInfo,
     random_id,
 )
 from tokenmill.server.sampling import build_sampling_params
 from tokenmill.server.serving import (
     MIN_LOGPROB,
-    ClientDisconnected,
     LogprobEntries,
     Prompt,
     Serving,
     SSEResponse,
     StreamChunks,
-    engine_error_to_api,
     logprob_value,
-    merge,
     sse,
-    sse_error,
-    unless_disconnected,
 )
 from tokenmill.server.templates import ChatTemplateLimitError
 from tokenmill.server.tools import (
@@ -141,116 +135,89 @@ async def create_chat_completion(
     constrain(plan, params)  # (tool_choice "required" or named: the calls' JSON schema)
     request_id = random_id("chatcmpl")
     streams = await serving.start(request_id, [prompt], [params], request.priority)
-    outputs = merge(streams)
+    outputs = OutputAccumulator(streams)
     if request.stream:
-        body = _stream(serving, request, request_id, outputs, top_k, plan)
-        return SSEResponse(body)
-    try:
-        response = await unless_disconnected(
-            raw, _collect(serving, request_id, outputs, params.n, top_k, request.prompt_logprobs, plan)
-        )
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(response.model_dump_json(), media_type="application/json")
+        return SSEResponse(sse_stream(_stream(serving, request, request_id, outputs, top_k, plan),
+                                       outputs))
+    return await json_answer(raw, _collect(serving, request_id, outputs, params.n, top_k,
+                                           request.prompt_logprobs, plan))
 
 
 async def _collect(
     serving: Serving,
     request_id: str,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: OutputAccumulator,
     n: int,
     top_k: int | None,
     prompt_k: int | None = None,
     plan: ToolPlan | None = None,
-) -> ChatCompletionResponse:
+) -> str:
     choices = {
         j: ChatChoice(index=j, message=ChatResponseMessage(content=""),
                       logprobs=ChatLogprobs(content=[]) if top_k is not None else None)
         for j in range(n)
     }
-    num_prompt = num_completion = 0
+    async for _, _, c in outputs.deltas():
+        choice = choices[c.index]
+        choice.message.content = (choice.message.content or "") + c.text
+        if top_k is not None and c.logprobs is not None and choice.logprobs is not None:
+            new = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
+            if choice.logprobs.content is None:
+                choice.logprobs.content = []
+            choice.logprobs.content.extend(new.content or [])
+        if c.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     prompt_logprobs = None
-    try:
-        async for _, out in outputs:
-            num_prompt = len(out.prompt_token_ids)
-            if out.prompt_logprobs is not None and prompt_k is not None:  # vLLM's extra field
-                prompt_logprobs = prompt_logprobs_field(
-                    serving, out.prompt_token_ids, out.prompt_logprobs, prompt_k)
-            for c in out.outputs:
-                choice = choices[c.index]
-                choice.message.content = (choice.message.content or "") + c.text
-                num_completion += len(c.token_ids)
-                if top_k is not None and c.logprobs is not None and choice.logprobs is not None:
-                    new = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
-                    if choice.logprobs.content is None:
-                        choice.logprobs.content = []
-                    choice.logprobs.content.extend(new.content or [])
-                if c.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-    except RuntimeError as e:
-        raise engine_error_to_api(e) from e
-    finally:
-        await outputs.aclose()
+    if prompt_k is not None and 0 in outputs.prompt_logprobs:  # vLLM's extra field
+        prompt_logprobs = prompt_logprobs_field(
+            serving, outputs.prompt_token_ids[0], outputs.prompt_logprobs[0], prompt_k)
     if plan is not None:  # the tool calls in the text
         for choice in choices.values():
             choice.message = whole_message(plan, choice.message.content or "")
             choice.finish_reason = finish_reason(plan, bool(choice.message.tool_calls), choice.finish_reason)
     return ChatCompletionResponse(
         id=request_id, model=serving.model_name, choices=list(choices.values()),
-        usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                        total_tokens=num_prompt + num_completion),
-        prompt_logprobs=prompt_logprobs,
-    )
+        usage=outputs.usage(), prompt_logprobs=prompt_logprobs,
+    ).model_dump_json()
 
 
 async def _stream(
     serving: Serving,
     request: ChatCompletionRequest,
     request_id: str,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: OutputAccumulator,
     top_k: int | None,
     plan: ToolPlan | None = None,
 ) -> AsyncGenerator[str, None]:
     model = serving.model_name
     started: set[int] = set()
     tool_streams: dict[int, ToolStream] = {}
-    num_prompt = num_completion = 0
 
     chunks = StreamChunks(request_id, model)
 
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
 
-    try:
-        async for _, out in outputs:
-            num_prompt = len(out.prompt_token_ids)
-            for c in out.outputs:
-                if c.index not in started:  # OpenAI's first chunk: the role
-                    started.add(c.index)
-                    yield chunk(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(role="assistant", content="")))
-                num_completion += len(c.token_ids)
-                logprobs = None
-                if top_k is not None and c.logprobs is not None:
-                    logprobs = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
-                content, tool_calls, reason = c.text or None, None, c.finish_reason
-                if plan is not None:  # content and tool-call deltas (text held while it may be a call)
-                    tools = tool_streams.setdefault(c.index, ToolStream(plan))
-                    content, tool_calls = tools.feed(c.text, final=reason is not None)
-                    reason = finish_reason(plan, tools.called, reason)
-                if tool_calls is None and logprobs is None and (content or reason is not None):
-                    yield chunks.chat(c.index, content, reason, c.stop_reason)
-                elif content or tool_calls or logprobs is not None or reason is not None:
-                    yield chunk(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
-                        logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason,
-                    ))
-        if request.stream_options is not None and request.stream_options.include_usage:
-            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                              total_tokens=num_prompt + num_completion)
-            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
-    except RuntimeError as e:
-        yield sse_error(engine_error_to_api(e))
-    finally:
-        await outputs.aclose()
-    yield sse("[DONE]")
+    async for _, _, c in outputs.deltas():
+        if c.index not in started:  # OpenAI's first chunk: the role
+            started.add(c.index)
+            yield chunk(ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(role="assistant", content="")))
+        logprobs = None
+        if top_k is not None and c.logprobs is not None:
+            logprobs = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
+        content, tool_calls, reason = c.text or None, None, c.finish_reason
+        if plan is not None:  # content and tool-call deltas (text held while it may be a call)
+            tools = tool_streams.setdefault(c.index, ToolStream(plan))
+            content, tool_calls = tools.feed(c.text, final=reason is not None)
+            reason = finish_reason(plan, tools.called, reason)
+        if tool_calls is None and logprobs is None and (content or reason is not None):
+            yield chunks.chat(c.index, content, reason, c.stop_reason)
+        elif content or tool_calls or logprobs is not None or reason is not None:
+            yield chunk(ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason,
+            ))
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
+                                      usage=outputs.usage()))

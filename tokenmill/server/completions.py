@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 
-from tokenmill.outputs import PromptLogprobs, RequestOutput
+from tokenmill.outputs import PromptLogprobs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.accumulator import OutputAccumulator, json_answer, sse_stream
 from tokenmill.server.errors import APIError
 from tokenmill.server.logprobs import echo_logprobs, join, prompt_logprobs_field
 from tokenmill.server.protocol import (
@@ -18,23 +19,17 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptLogprobEntry,
-    UsageInfo,
     random_id,
 )
 from tokenmill.server.sampling import build_sampling_params
 from tokenmill.server.serving import (
-    ClientDisconnected,
     LogprobEntries,
     Prompt,
     Serving,
     SSEResponse,
     StreamChunks,
-    engine_error_to_api,
     logprob_value,
-    merge,
     sse,
-    sse_error,
-    unless_disconnected,
 )
 
 
@@ -64,7 +59,6 @@ class _Choice:
     """One choice being assembled (non-streaming) or streamed (its text offset)."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -153,88 +147,58 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
         for p in prompts
     ])
     n = params[0].n
-    outputs = merge(streams)
+    outputs = OutputAccumulator(streams)
     if request.stream:
-        body = _stream(serving, request, request_id, outputs, echoes, n)
-        return SSEResponse(body)
-    try:
-        choices, usage = await unless_disconnected(raw, _collect(serving, outputs, echoes, n))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(
-        CompletionResponse(
-            id=request_id, model=serving.model_name, usage=usage,
-            choices=[
-                CompletionChoice(
-                    index=i, text=c.text, logprobs=c.logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=c.prompt_logprobs,
-                )
-                for i, c in sorted(choices.items())
-            ],
-        ).model_dump_json(),
-        media_type="application/json",
-    )
+        return SSEResponse(sse_stream(_stream(serving, request, request_id, outputs, echoes, n),
+                                       outputs))
+    return await json_answer(raw, _collect(serving, request_id, outputs, echoes, n))
 
 
 async def _collect(
-    serving: Serving,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    echoes: _Echo,
-    n: int,
-) -> tuple[dict[int, _Choice], UsageInfo]:
+    serving: Serving, request_id: str, outputs: OutputAccumulator, echoes: _Echo, n: int,
+) -> str:
     choices: dict[int, _Choice] = {}
-    num_prompt_tokens = [0] * len(echoes.prompts)
-    prompt_logprobs: dict[int, PromptLogprobs] = {}
-    try:
-        async for i, out in outputs:
-            num_prompt_tokens[i] = len(out.prompt_token_ids)
-            if out.prompt_logprobs is not None:
-                prompt_logprobs[i] = out.prompt_logprobs
-            for c in out.outputs:
-                choice = choices.get(i * n + c.index)
-                if choice is None:
-                    choice = choices[i * n + c.index] = _Choice()
-                    choice.text, choice.logprobs = echoes.first(serving, i, choice, prompt_logprobs.get(i))
-                if c.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-                if echoes.only:
-                    continue
-                choice.text += c.text
-                if c.logprobs is not None:
-                    new = add_logprobs(serving, choice, c.token_ids, c.logprobs)
-                    if choice.logprobs is None:
-                        choice.logprobs = new
-                    else:
-                        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                            getattr(choice.logprobs, name).extend(getattr(new, name))
-                choice.token_ids.extend(c.token_ids)
-    except RuntimeError as e:
-        raise engine_error_to_api(e) from e
-    finally:
-        await outputs.aclose()
-    num_prompt = sum(num_prompt_tokens)
-    num_completion = sum(len(c.token_ids) for c in choices.values())
-    usage = UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_completion,
-        total_tokens=num_prompt + num_completion,
-    )
-    return choices, usage
+    async for i, _, c in outputs.deltas():
+        choice = choices.get(i * n + c.index)
+        if choice is None:
+            choice = choices[i * n + c.index] = _Choice()
+            choice.text, choice.logprobs = echoes.first(serving, i, choice,
+                                                        outputs.prompt_logprobs.get(i))
+        if c.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        if echoes.only:
+            continue
+        choice.text += c.text
+        if c.logprobs is not None:
+            new = add_logprobs(serving, choice, c.token_ids, c.logprobs)
+            if choice.logprobs is None:
+                choice.logprobs = new
+            else:
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(choice.logprobs, name).extend(getattr(new, name))
+    return CompletionResponse(
+        id=request_id, model=serving.model_name, usage=outputs.usage(not echoes.only),
+        choices=[
+            CompletionChoice(
+                index=i, text=c.text, logprobs=c.logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                prompt_logprobs=c.prompt_logprobs,
+            )
+            for i, c in sorted(choices.items())
+        ],
+    ).model_dump_json()
 
 
 async def _stream(
     serving: Serving,
     request: CompletionRequest,
     request_id: str,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: OutputAccumulator,
     echoes: _Echo,
     n: int,
 ) -> AsyncGenerator[str, None]:
     model = serving.model_name
     choices: dict[int, _Choice] = {}
-    num_prompt_tokens = [0] * len(echoes.prompts)
-    prompt_logprobs: dict[int, PromptLogprobs] = {}
-
     chunks = StreamChunks(request_id, model)
 
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
@@ -247,34 +211,20 @@ async def _stream(
                                       finish_reason=finish_reason, stop_reason=stop_reason)],
         ))
 
-    try:
-        async for i, out in outputs:
-            num_prompt_tokens[i] = len(out.prompt_token_ids)
-            if out.prompt_logprobs is not None:
-                prompt_logprobs[i] = out.prompt_logprobs
-            for c in out.outputs:
-                index = i * n + c.index
-                choice = choices.get(index)
-                echo, echo_lp = "", None
-                if choice is None:
-                    choice = choices[index] = _Choice()
-                    echo, echo_lp = echoes.first(serving, i, choice, prompt_logprobs.get(i))
-                text, lp = echo, echo_lp
-                if not echoes.only:
-                    text += c.text
-                    if c.logprobs is not None:
-                        lp = join(echo_lp, add_logprobs(serving, choice, c.token_ids, c.logprobs))
-                    choice.token_ids.extend(c.token_ids)
-                if text or c.finish_reason is not None or c.token_ids:
-                    yield chunk(index, text, lp, c.finish_reason, c.stop_reason)
-        if request.stream_options is not None and request.stream_options.include_usage:
-            num_prompt = sum(num_prompt_tokens)
-            num_completion = sum(len(c.token_ids) for c in choices.values())
-            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                              total_tokens=num_prompt + num_completion)
-            yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
-    except RuntimeError as e:
-        yield sse_error(engine_error_to_api(e))
-    finally:
-        await outputs.aclose()
-    yield sse("[DONE]")
+    async for i, _, c in outputs.deltas():
+        index = i * n + c.index
+        choice = choices.get(index)
+        echo, echo_lp = "", None
+        if choice is None:
+            choice = choices[index] = _Choice()
+            echo, echo_lp = echoes.first(serving, i, choice, outputs.prompt_logprobs.get(i))
+        text, lp = echo, echo_lp
+        if not echoes.only:
+            text += c.text
+            if c.logprobs is not None:
+                lp = join(echo_lp, add_logprobs(serving, choice, c.token_ids, c.logprobs))
+        if text or c.finish_reason is not None or c.token_ids:
+            yield chunk(index, text, lp, c.finish_reason, c.stop_reason)
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                     usage=outputs.usage(not echoes.only)))

@@ -18,7 +18,7 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, StreamingResponse
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.client import EngineClient
 
 # A comment line this often keeps idle connections (and proxies) from timing out.
 KEEPALIVE_S = 15.0
@@ -28,7 +28,7 @@ def dashboard_html() -> str:
     return resources.files("tokenmill.server").joinpath("static/dashboard.html").read_text("utf-8")
 
 
-def build_dashboard_router(engine: AsyncEngine, model_name: str) -> APIRouter:
+def build_dashboard_router(engine: EngineClient, model_name: str) -> APIRouter:
     router = APIRouter(prefix="/dashboard")
     page = dashboard_html()
 
@@ -39,7 +39,7 @@ def build_dashboard_router(engine: AsyncEngine, model_name: str) -> APIRouter:
     @router.get("/events")
     async def events() -> StreamingResponse:
         live = engine.live_view
-        hello = json.dumps({"model": model_name, "max_model_len": engine.max_model_len,
+        hello = json.dumps({"model": model_name, "max_model_len": engine.facts.max_model_len,
                             "max_rate_hz": 1 / live.min_interval_s if live.min_interval_s else None})
 
         async def stream() -> AsyncIterator[str]:

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.client import EngineClient
 from tokenmill.engine.iteration_stats import IterationStats
 
 PREFIX = "tokenmill:"
@@ -45,19 +45,19 @@ def request_tokens_buckets(max_model_len: int) -> list[float]:
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str, prefix: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.prefix = prefix
-        cache = engine.engine.cache_config
+        cache = engine.facts.cache
         # vLLM's cache_config_info: an info metric (a gauge at 1) whose labels are
         # the cache's settings, vLLM's names where tokenmill has the same thing.
         self.cache_info = {
             "block_size": str(cache.block_size),
-            "cache_dtype": str(engine.engine.dtype).removeprefix("torch."),
+            "cache_dtype": cache.cache_dtype,
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
-            "num_gpu_blocks": str(engine.engine.scheduler.kv.num_blocks),
+            "num_gpu_blocks": str(cache.num_blocks),
             "engine": ENGINE,
         }
 
@@ -120,12 +120,12 @@ class ServerMetrics:
     """The families vLLM's Prometheus logger exports (vllm/v1/metrics/loggers.py),
     with its names, buckets and labels (`model_name`, `engine`), under `prefix`."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = PREFIX) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name", "engine"]
         reg = self.registry
-        token_buckets = request_tokens_buckets(engine.max_model_len)
+        token_buckets = request_tokens_buckets(engine.facts.max_model_len)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(prefix + name, doc, [*labels, *extra], registry=reg)

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import Request, Response
@@ -29,18 +29,13 @@ from pydantic import (
     ValidationError,
 )
 
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import CompletionOutput
+from tokenmill.server.accumulator import OutputAccumulator, json_answer
 from tokenmill.server.chat import chat_prompt
 from tokenmill.server.errors import APIError, describe_validation_error
 from tokenmill.server.protocol import ChatCompletionRequest, random_id
 from tokenmill.server.sampling import build_sampling_params
-from tokenmill.server.serving import (
-    ClientDisconnected,
-    Serving,
-    engine_error_to_api,
-    merge,
-    unless_disconnected,
-)
+from tokenmill.server.serving import Serving
 
 # Content part types that carry text, in input items and in stored outputs.
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
@@ -208,21 +203,15 @@ class ResponseBuilder:
         self.request = request
         self.max_tokens = max_tokens
         self.text = ""
-        self.num_input = self.num_cached = self.num_output = 0
         self.finish_reason: str | None = None
+        self.outputs: OutputAccumulator | None = None  # (set once the request runs)
 
-    def add(self, out: RequestOutput) -> str:
-        """Takes one output delta; returns its new text."""
-        self.num_input = len(out.prompt_token_ids)
-        self.num_cached = out.num_cached_tokens
-        delta = ""
-        for c in out.outputs:
-            delta += c.text
-            self.num_output += len(c.token_ids)
-            if c.finish_reason is not None:
-                self.finish_reason = c.finish_reason
-        self.text += delta
-        return delta
+    def add(self, c: CompletionOutput) -> str:
+        """Takes the output's delta; returns its new text."""
+        if c.finish_reason is not None:
+            self.finish_reason = c.finish_reason
+        self.text += c.text
+        return c.text
 
     def json(self, status: Literal["in_progress", "completed", "incomplete", "failed"],
              error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -241,8 +230,15 @@ class ResponseBuilder:
             "store": request.store, "temperature": request.temperature, "top_p": request.top_p,
             "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
             "truncation": "disabled", "user": request.user,
-            "usage": usage_json(self.num_input, self.num_cached, self.num_output) if done else None,
+            "usage": self.usage() if done else None,
         }
+
+    def usage(self) -> dict[str, Any]:
+        outputs = self.outputs
+        assert outputs is not None
+        usage = outputs.usage()
+        return usage_json(usage.prompt_tokens, outputs.num_cached_tokens.get(0, 0),
+                          usage.completion_tokens)
 
     def final_status(self) -> Literal["completed", "incomplete"]:
         # Cut by the token limit: OpenAI's "incomplete" with reason max_output_tokens.
@@ -282,7 +278,7 @@ async def create_response(serving: Serving, store: ResponseStore, request: Respo
     params = build_sampling_params(chat, max_tokens, None)
     builder = ResponseBuilder(serving, request, max_tokens)
     streams = await serving.start(builder.id, [prompt], [params], request.priority)
-    outputs = merge(streams)
+    outputs = builder.outputs = OutputAccumulator(streams)
 
     def finish() -> dict[str, Any]:
         body = builder.json(builder.final_status())
@@ -293,21 +289,12 @@ async def create_response(serving: Serving, store: ResponseStore, request: Respo
     if request.stream:
         return StreamingResponse(_stream(builder, outputs, finish), media_type="text/event-stream")
 
-    async def collect() -> dict[str, Any]:
-        try:
-            async for _, out in outputs:
-                builder.add(out)
-        except RuntimeError as e:
-            raise engine_error_to_api(e) from e
-        finally:
-            await outputs.aclose()
-        return finish()
+    async def collect() -> str:
+        async for _, _, c in outputs.deltas():
+            builder.add(c)
+        return json.dumps(finish())
 
-    try:
-        body = await unless_disconnected(raw, collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(json.dumps(body), media_type="application/json")
+    return await json_answer(raw, collect())
 
 
 def event(kind: str, seq: int, **fields: Any) -> str:
@@ -317,7 +304,7 @@ def event(kind: str, seq: int, **fields: Any) -> str:
 
 async def _stream(
     builder: ResponseBuilder,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: OutputAccumulator,
     finish: Any,
 ) -> AsyncIterator[str]:
     """The Responses API's event sequence for one text message."""
@@ -337,17 +324,16 @@ async def _stream(
     yield ev("response.content_part.added", **part,
              part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
     try:
-        async for _, out in outputs:
-            delta = builder.add(out)
+        async for _, _, c in outputs.deltas():
+            delta = builder.add(c)
             if delta:
                 yield ev("response.output_text.delta", **part, delta=delta, logprobs=[])
-    except RuntimeError as e:
-        err = engine_error_to_api(e)
+    except APIError as err:  # (the engine's fault)
         yield ev("response.failed", response=builder.json(
             "failed", error={"code": str(err.code or "server_error"), "message": err.message}))
         return
     finally:
-        await outputs.aclose()
+        await outputs.aclose()  # (the client left: abort)
     body = finish()
     status = body["status"]
     yield ev("response.output_text.done", **part, text=builder.text, logprobs=[])

@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.client import EngineClient
 from tokenmill.engine.process_settings import apply_process_settings
 from tokenmill.server.app import build_app
 from tokenmill.server.limits import HTTP_PROTOCOL, MAX_HEADER_BYTES
@@ -51,7 +51,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def run_server(
-    engine: AsyncEngine, config: ServerConfig, graceful_shutdown_timeout_s: float = 30.0
+    engine: EngineClient, config: ServerConfig, graceful_shutdown_timeout_s: float = 30.0
 ) -> int:
     app = build_app(engine, config)
     serving: Serving = app.state.serving

@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from tokenmill.engine.async_engine import EngineDeadError, EngineError
+from tokenmill.engine.client import EngineClient
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
@@ -61,7 +62,7 @@ LogprobEntries = Sequence[Mapping[int, Any]]  # per token: {token_id: Logprob or
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str) -> None:
         self.engine = engine
         self.config = config
         self.model_name = model_name
@@ -73,7 +74,7 @@ class Serving:
         """The model's generation-config defaults (engine/generation_config.py) for
         the sampling fields this request left unset, as vLLM applies them. Their
         max_tokens caps the request's (vLLM takes the smaller of the two)."""
-        defaults = self.engine.engine.default_sampling_params
+        defaults = self.engine.facts.default_sampling_params
         fields = type(request).model_fields
         for name, value in defaults.items():
             if name != "max_tokens" and name in fields and getattr(request, name) is None:
@@ -114,7 +115,7 @@ class Serving:
     def max_tokens_for(self, prompt: Prompt, max_tokens: int | None, prompt_param: str) -> int:
         """max_tokens, checked against the context length (None: all that is left).
         `prompt_param` names the prompt's field in errors ("prompt" or "messages")."""
-        max_len = self.engine.max_model_len
+        max_len = self.engine.facts.max_model_len
         num_prompt = len(prompt.token_ids)
         if max_tokens is None:
             if num_prompt >= max_len:
@@ -138,11 +139,11 @@ class Serving:
         (Tokenizer.max_token_bytes), text of more than max_model_len * L bytes
         has more than max_model_len tokens. Tokenizing 10 MB would otherwise cost
         ~10 s and ~1 GiB; text that passes is at most max_model_len * L bytes."""
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         longest = tokenizer.max_token_bytes if tokenizer is not None else None
         if longest is None:
             return
-        max_len = self.engine.max_model_len
+        max_len = self.engine.facts.max_model_len
         limit = max_len * longest
         # Characters <= UTF-8 bytes: a text too long in characters needs no encoding.
         if len(text) <= limit and len(size := text.encode("utf-8", "surrogatepass")) <= limit:
@@ -176,7 +177,7 @@ class Serving:
         """A chat template from a request, rendered under limits in the template
         worker (templates.py) and waited for on a worker thread."""
         assert self.template_renderer is not None, "the server does not run request templates"
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this engine runs without a tokenizer; send token ids")
         plain, variables = tokenizer.chat_template_inputs(messages)

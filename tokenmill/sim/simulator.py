@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE, CacheConfig, SchedulerConfig
-from tokenmill.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.core.contracts import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.static_scheduler import make_scheduler
@@ -212,7 +212,7 @@ def _propose_drafts(sched: Scheduler, settings: EngineSettings) -> None:
         return
     for request in sched.running:
         if request.num_tokens - request.num_computed_tokens == 1:
-            request.spec_token_ids = [FILLER_TOKEN_ID] * k
+            sched.set_drafts(request.request_id, [FILLER_TOKEN_ID] * k)
 
 
 def _stand_in(sched: Scheduler, out: SchedulerOutput, targets: dict[str, SimRequest],
@@ -221,7 +221,8 @@ def _stand_in(sched: Scheduler, out: SchedulerOutput, targets: dict[str, SimRequ
     with probability `acceptance_rate`, up to the first rejection) and one
     sampled token; EOS as the request's `output_len`-th token (ignored where the
     request ignores EOS)."""
-    req_ids, tokens, accepted = [], [], []
+    req_ids: list[str] = []
+    runs: list[list[SampledToken]] = []
     for s in out.scheduled:
         if not s.do_sample:
             continue
@@ -229,16 +230,11 @@ def _stand_in(sched: Scheduler, out: SchedulerOutput, targets: dict[str, SimRequ
         num_accepted = 0
         while num_accepted < s.num_draft_tokens and rng.random() < acceptance_rate:
             num_accepted += 1
-        position = request.num_output_tokens + num_accepted + 1  # of the sampled token
         req_ids.append(s.request_id)
-        tokens.append(_token(position, targets[s.request_id]))
-        accepted.append([TokenLogprobs(_token(request.num_output_tokens + i + 1,
-                                              targets[s.request_id]), math.nan, 1, {})
-                         for i in range(num_accepted)])
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
-                             logprobs=[math.nan] * len(req_ids),
-                             accepted=accepted if any(s.num_draft_tokens for s in out.scheduled)
-                             else [])
+        # The accepted drafts, then the sampled token (positions 1-based).
+        runs.append([(_token(request.num_output_tokens + i, targets[s.request_id]), math.nan, 0, None)
+                     for i in range(1, num_accepted + 2)])
+    return ModelRunnerOutput(req_ids=req_ids, runs=runs)
 
 
 def _token(position: int, target: SimRequest) -> int:

@@ -23,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from tokenmill.core.contracts import ScheduledRequest, TokenLogprobs
+from tokenmill.core.contracts import SampledToken, ScheduledRequest
 from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.sampler import SamplerOutput
 
 
 class Drafter(Protocol):
@@ -60,29 +59,20 @@ def speculative_row_states(
 
 
 def verify_drafts(
-    out: SamplerOutput,  # one entry per sampled row: 1 + num_draft_tokens per request
+    rows: list[SampledToken],  # one per sampled row: 1 + num_draft_tokens per request
     reqs: list[ScheduledRequest],  # the sampled requests, in row order
-) -> tuple[SamplerOutput, list[list[TokenLogprobs]]]:
-    """Per request: its last kept token (as a one-row-per-request SamplerOutput)
-    and the drafts it accepted before it, with the target's logprobs."""
-    last = SamplerOutput([], [], [], [])
-    accepted: list[list[TokenLogprobs]] = []
+) -> list[list[SampledToken]]:
+    """Per request, its run: the drafts it accepted (the target's rows that drew
+    them, with the target's logprobs), then the target's own token after them."""
+    runs: list[list[SampledToken]] = []
     row = 0
     for r in reqs:
         k = r.num_draft_tokens
         drafts = r.token_ids[len(r.token_ids) - k :]
         num_accepted = 0
-        while num_accepted < k and out.token_ids[row + num_accepted] == drafts[num_accepted]:
+        while num_accepted < k and rows[row + num_accepted][0] == drafts[num_accepted]:
             num_accepted += 1
-        run = [TokenLogprobs(out.token_ids[i], out.logprobs[i], out.ranks[i],
-                             out.top_logprobs[i] or {})
-               for i in range(row, row + num_accepted)]
-        accepted.append(run)
-        end = row + num_accepted
-        last.token_ids.append(out.token_ids[end])
-        last.logprobs.append(out.logprobs[end])
-        last.ranks.append(out.ranks[end])
-        last.top_logprobs.append(out.top_logprobs[end])
+        runs.append(rows[row : row + num_accepted + 1])
         row += k + 1
-    assert row == len(out.token_ids)
-    return last, accepted
+    assert row == len(rows)
+    return runs

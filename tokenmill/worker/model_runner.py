@@ -95,6 +95,14 @@ def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.devi
     return model, f"reference torch model ({reason})"
 
 
+def chosen_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
+                   options: CpuBackendOptions | None = None) -> ModelForward:
+    """pick_forward's choice, with its reason logged."""
+    forward, how = pick_forward(model, dtype, device, options)
+    logger.info("forward: %s", how)
+    return forward
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -106,17 +114,21 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        forward: ModelForward | None = None,
         drafter: Drafter | None = None,
         cpu_options: CpuBackendOptions | None = None,
     ) -> None:
+        """`forward`: what runs the model (default: pick_forward's choice for
+        `model`); the engine passes its own where it wraps that choice (tensor
+        parallelism). `drafter`: speculative decoding with a draft model.
+        `cpu_options`: the CPU backend's (None: from the environment)."""
         self.model = model
-        self.drafter = drafter  # speculative decoding with a draft model
+        self.drafter = drafter
         # The CPU backend's options, built once (None: from the environment).
         self.cpu_options = cpu_options or CpuBackendOptions.from_env()
         ops = kernels.load() if self.cpu_options.cpp_kernels and device.type == "cpu" else None
         # Chosen once: the CPU plan or the reference model, for every step.
-        self.forward, how = pick_forward(model, dtype, device, self.cpu_options)
-        logger.info("forward: %s", how)
+        self.forward = forward if forward is not None else chosen_forward(model, dtype, device, self.cpu_options)
         self.timer = StepTimer()  # the engine times its own parts of a step on it too
         self.spec = spec
         self.num_blocks = num_blocks
@@ -147,7 +159,7 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             self.pending_grammars.pop(request_id, None)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+            return ModelRunnerOutput(req_ids=[], runs=[])
         # Decodes first (a request verifying drafts is decodes too, one a row):
         # the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1 + r.num_draft_tokens)
@@ -188,7 +200,7 @@ class ModelRunner:
             self._gather_prompt_logprobs(reqs[j], states[j], hidden, starts[j])
 
         if not sample:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+            return ModelRunnerOutput(req_ids=[], runs=[])
         if wants_prompt_logprobs:
             assert rows is not None
             hidden = hidden[rows]
@@ -211,32 +223,30 @@ class ModelRunner:
             # Grammar masks first: everything the sampler does sees the masked logits.
             self.grammar_mask.apply(logits, [s.grammar for s in row_states])
             out = self.sampler(logits, row_states, self.eos_token_ids)
-        accepted: list[list[TokenLogprobs]] = []
         if any(num_drafts):
-            out, accepted = verify_drafts(out, [reqs[j] for j in sample])
+            runs = verify_drafts(out.rows(), [reqs[j] for j in sample])
             for k, saved in rewind.items():
                 generator = sample_states[k].generator
                 assert generator is not None
                 generator.set_state(saved)
-                torch.rand(len(accepted[k]) + 1, device=self.device, generator=generator)
-        prompt_logprobs: list[list[TokenLogprobs] | None] = []
-        for k, (state, token_id) in enumerate(zip(sample_states, out.token_ids, strict=True)):
-            for entry in accepted[k] if accepted else ():
-                state.append_output(entry.token_id)
-            state.append_output(token_id)
-            entries = None
-            if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
-                entries, state.prompt_logprobs_sent = state.prompt_logprobs, True
+                torch.rand(len(runs[k]), device=self.device, generator=generator)
+            for state, run in zip(sample_states, runs, strict=True):
+                for token in run:
+                    state.append_output(token[0])
+        else:
+            runs = [[token] for token in out.rows()]
+            for state, token_id in zip(sample_states, out.token_ids, strict=True):
+                state.append_output(token_id)
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        for j in wants_prompt_logprobs:
+            state = states[j]
+            if reqs[j].do_sample:  # (its prefill ends: the whole prompt's are gathered)
+                prompt_logprobs[state.request_id], state.prompt_logprobs_sent = (
+                    state.prompt_logprobs, True)
                 state.prompt_logprobs = []
-            prompt_logprobs.append(entries)
         return ModelRunnerOutput(
-            req_ids=[s.request_id for s in sample_states],
-            sampled_token_ids=out.token_ids,
-            logprobs=out.logprobs,
-            top_logprobs=out.top_logprobs,
-            sampled_token_ranks=out.ranks,
+            req_ids=[s.request_id for s in sample_states], runs=runs,
             prompt_logprobs=prompt_logprobs,
-            accepted=accepted,
         )
 
     def _state(self, r: ScheduledRequest) -> CachedRequestState:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.backends.cpu.kernels import CpuOps
+from tokenmill.core.contracts import SampledToken
 from tokenmill.worker.request_state import CachedRequestState
 
 NEG_INF = float("-inf")
@@ -43,6 +44,10 @@ class SamplerOutput:
     logprobs: list[float]  # of each sampled token, raw distribution; NaN where not asked
     ranks: list[int]  # of each sampled token (1 = most likely); 0 where logprobs were not asked
     top_logprobs: list[dict[int, float] | None]  # top-k alternatives where asked, best first
+
+    def rows(self) -> list[SampledToken]:
+        """Each row's (token_id, logprob, rank, top_logprobs)."""
+        return list(zip(self.token_ids, self.logprobs, self.ranks, self.top_logprobs, strict=True))
 
 
 # ---- the stages, as functions of tensors (the tests compare them with transformers) ----
