@@ -51,10 +51,12 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
     kv = runner.kv_caches
     hidden0 = plan.model.model.embed_tokens(input_ids)
 
-    def loop() -> torch.Tensor:
-        out = plan._loop_call(hidden0.clone(), positions, kv, meta, None)
-        assert out is not None
-        return out
+    call = plan.attention.kernel_call(hidden0, kv[0], meta)
+    assert call is not None
+
+    def loop() -> torch.Tensor:  # dispatch.Path.LOOP's call
+        return plan.ops.layer_loop(plan.weights, hidden0.clone(), positions, kv, meta.slot_mapping, call.tables,
+                                   call.seq_lens, call.seq_ids, torch.empty(0, dtype=torch.int64), True)
 
     if args.perf:
         print(f"pid {os.getpid()} looping the layer loop at B={batch}", flush=True)

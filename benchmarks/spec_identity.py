@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.backends.cpu import kernels
 from tokenmill.bench.editing import DEFAULT_SPEC, chat_body, load_passages
 
 
@@ -29,7 +29,8 @@ def main() -> int:
     parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--no-cpp-kernels", action="store_true")
     args = parser.parse_args()
-    kernels.set_enabled(not args.no_cpp_kernels)
+    if args.no_cpp_kernels:  # (read when the engine builds its runner: backends/cpu/options.py)
+        os.environ["TOKENMILL_NO_CPP_KERNELS"] = "1"
     passages = load_passages()[: args.num_passages]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     runs: list[list[list[int]]] = []

@@ -5,13 +5,14 @@
 #   MODS=name_a,name_b  two kernel builds as kernels.load() names them; build a
 #                       variant from a copy of the tree with PYTHONPATH=/tmp/copy python -c
 #                       "from tokenmill.backends.cpu import kernels; kernels.load()"
-#   ATTR=name:a:b       an int attribute of tokenmill.backends.cpu.plan, a on even steps,
-#                       b on odd ones (e.g. ATTR=SPLIT_ROWS_PER_WEIGHT_BYTE:4:8)
+#   ATTR=name:a:b       a number field of the plan's dispatch.PathFacts, a on even steps,
+#                       b on odd ones (e.g. ATTR=split_min_rows:8:16)
 # Both sides must give the same bits: one token sequence runs on through both.
 # Environment: CTX=264 (prompt tokens), STEPS=24, DTYPE=float32.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -35,8 +36,8 @@ def main() -> None:
     llm = LLM(dtype=os.environ.get("DTYPE", "float32"), max_num_seqs=batch,
               max_num_batched_tokens=batch * ctx + 64, enable_prefix_caching=False)
     engine = llm.engine
-    if mods and not isinstance(engine.runner.forward, plan.CpuPlan):
-        sys.exit("MODS needs the CPU plan (the C++ kernels built, a plain Llama model)")
+    if (mods or attr) and not isinstance(engine.runner.forward, plan.CpuPlan):
+        sys.exit("MODS and ATTR need the CPU plan (the C++ kernels built, a plain Llama model)")
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         prompt = [100 + (i * 7 + j) % 40000 for j in range(ctx)]
@@ -50,7 +51,8 @@ def main() -> None:
             module = mods[side]
             engine.runner.forward.ops = module  # the plan calls its own ops
         if attr:
-            setattr(plan, attr[0], int(attr[1 + side]))
+            forward = engine.runner.forward
+            forward.path_facts = dataclasses.replace(forward.path_facts, **{attr[0]: float(attr[1 + side])})
         t = time.perf_counter()
         result = engine.step()
         dt = time.perf_counter() - t

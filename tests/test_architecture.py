@@ -431,8 +431,9 @@ def test_the_table_is_read_from_the_document() -> None:
             "worker/", "tokenizer.py", "engine/", "server/", "bench/", "cli.py",
             "__init__.py"} <= set(RULES)
     assert RULES["config.py"] == Rule()
-    assert RULES["model/"] == Rule(allowed=("config", "model"))
-    assert RULES["backends/"] == Rule(allowed=("config", "model", "backends"))
+    assert RULES["model/"] == Rule(allowed=("config", "model", "envs"))
+    assert RULES["backends/"] == Rule(allowed=("config", "model", "backends", "envs"))
+    assert RULES["envs.py"] == Rule()
     assert RULES["engine/"].forbidden == ("server", "bench", "cli")
     assert RULES["bench/"].public_api and RULES["bench/"].exact == ("",)
 

@@ -8,6 +8,7 @@ other requests in ragged batches. The default GGUF model is checked too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -18,7 +19,9 @@ import pytest
 import torch
 import transformers
 
-from tokenmill.backends.cpu import kernels, plan
+from tokenmill.backends.cpu import dispatch, kernels, plan
+from tokenmill.backends.cpu.dispatch import Route
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelConfig, ModelSpec
 from tokenmill.model.attention_metadata import AttentionMetadata
@@ -255,31 +258,33 @@ def test_one_prefill_matches_transformers(
 @pytest.mark.parametrize("cpp_kernels", [True, False], ids=["cpp-kernels", "torch-only"])
 def test_chunks_and_decodes_match_transformers(
     tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], cpp_kernels: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     hf_model, model, spec, _ = tiny_pair
     seqs = _seqs(spec.vocab_size)
-    kernels.set_enabled(cpp_kernels)  # the reference must stay right too (CUDA, no compiler)
-    try:
-        ours = run_schedule(model, spec, seqs, MIXED_SCHEDULE)
-    finally:
-        kernels.set_enabled(True)
+    if not cpp_kernels:  # the reference must stay right too (CUDA, no compiler)
+        monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    ours = run_schedule(model, spec, seqs, MIXED_SCHEDULE)
     for req_id, seq in seqs.items():
         torch.testing.assert_close(ours[req_id], hf_logits(hf_model, seq), atol=1e-4, rtol=1e-4)
 
 
-def _loop_in(loop: str, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+def _loop_in(loop: str, monkeypatch: pytest.MonkeyPatch) -> list[dispatch.Path]:
     """The CPU plan's layer loop in C++ (layer_loop) or in Python (its own, as
-    under the profiler); returns a list that records each C++ call's use."""
-    used: list[bool] = []
-    real = CpuPlan._loop_call
+    under the profiler: "python" turns each LOOP choice into PYTHON); returns
+    a list of each forward's path."""
+    paths: list[dispatch.Path] = []
+    real = plan.choose_path
 
-    def spy(self: CpuPlan, *args: Any) -> torch.Tensor | None:
-        out = real(self, *args) if loop == "c++" else None
-        used.append(out is not None)
-        return out
+    def spy(*args: Any, **kwargs: Any) -> Route:
+        route = real(*args, **kwargs)
+        if loop == "python" and route.path is dispatch.Path.LOOP:
+            route = Route(dispatch.Path.PYTHON)
+        paths.append(route.path)
+        return route
 
-    monkeypatch.setattr(CpuPlan, "_loop_call", spy)
-    return used
+    monkeypatch.setattr(plan, "choose_path", spy)
+    return paths
 
 
 def _kernels_run(dtype: str) -> bool:
@@ -317,7 +322,7 @@ def test_cpu_plan_matches_the_reference(
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
-    assert (unsupported(model, getattr(torch, dtype)) is None) == (_kernels_run(dtype) and not spec.qk_norm)
+    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == (_kernels_run(dtype) and not spec.qk_norm)
     picked = CpuPlan.build(model, getattr(torch, dtype))
     if not isinstance(picked, CpuPlan):
         pytest.skip("the CPU plan does not serve this model here (the reference does)")
@@ -330,7 +335,7 @@ def test_cpu_plan_matches_the_reference(
 
     fast, ref = both()
     _assert_near_reference(fast, ref, dtype)
-    assert any(calls)
+    assert dispatch.Path.LOOP in calls
     _loop_in("python", monkeypatch)
     python_loop = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call, forward=picked)
     for req_id in seqs:
@@ -375,7 +380,7 @@ def test_split_layer_stack_gives_the_same_bits(
 ) -> None:
     """The layers with the rows split between threads (csrc/layer_stack.cpp)
     return exactly what the one-thread-team layer loop returns; steps with
-    prefills keep the layer loop (see plan.split_bounds)."""
+    prefills keep the layer loop (see dispatch.split_bounds)."""
     _, _, spec, path = tiny_pair
     if not _kernels_run(dtype) or spec.qk_norm:
         pytest.skip("the C++ kernels' layer loop does not apply")
@@ -384,21 +389,21 @@ def test_split_layer_stack_gives_the_same_bits(
     fast = _plan_or_skip(model, dtype)
     seqs = _seqs(spec.vocab_size)
     splits: list[list[int]] = []
-    real_call = CpuPlan._split_call
+    real = plan.choose_path
 
-    def spy(self: CpuPlan, *args: Any) -> torch.Tensor | None:
-        out = real_call(self, *args)
-        if out is not None:
-            splits.append(args[-1].query_start_loc)
-        return out
+    def spy(meta: AttentionMetadata, *args: Any, **kwargs: Any) -> Route:
+        route = real(meta, *args, **kwargs)
+        if route.path is dispatch.Path.SPLIT:
+            splits.append(meta.query_start_loc)
+        return route
 
-    monkeypatch.setattr(CpuPlan, "_split_call", spy)
+    monkeypatch.setattr(plan, "choose_path", spy)
     monkeypatch.setattr(plan, "threads", lambda: 2)
-    monkeypatch.setattr(plan, "SPLIT_MAX_SHARE", 1.0)
-    monkeypatch.setattr(plan, "SPLIT_ROWS_PER_WEIGHT_BYTE", 10**9)
+    facts = fast.path_facts
+    fast.path_facts = dataclasses.replace(facts, split_max_share=1.0, split_min_rows=10**9)
     whole = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True, forward=fast)
     assert not splits
-    monkeypatch.setattr(plan, "SPLIT_ROWS_PER_WEIGHT_BYTE", 0)
+    fast.path_facts = dataclasses.replace(facts, split_max_share=1.0, split_min_rows=0)
     split = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True, forward=fast)
     decode_steps = [step for step in MIXED_SCHEDULE if all(n == 1 for _, n in step)]
     assert len(splits) == len(decode_steps) == 3
@@ -435,11 +440,11 @@ def test_decode_steps_with_the_kv_prefetch_give_the_same_bits(
     schedule = [[(r, len(ids) - 3) for r, ids in seqs.items()]] + [[(r, 1) for r in seqs]] * 3
     monkeypatch.setitem(globals(), "NUM_BLOCKS", 128)  # PagedRunner's cache: room for 12 requests
     monkeypatch.setattr(plan, "threads", lambda: 2)
-    monkeypatch.setattr(plan, "SPLIT_ROWS_PER_WEIGHT_BYTE", 0 if split else 10**9)
+    fast.path_facts = dataclasses.replace(fast.path_facts, split_min_rows=0 if split else 10**9)
     ops = kernels.load()
     assert ops is not None
     results = []
-    for mode in (1, 0):  # on, whatever the CPU (csrc/layer_stack.cpp kv_prefetch_pays); off
+    for mode in (1, 0):  # on, whatever the CPU (csrc/cpu_features.cpp kv_prefetch_pays); off
         before = ops.kv_prefetch_mode(mode)
         try:
             results.append(run_schedule(model, spec, seqs, schedule, one_call=True, forward=fast))
@@ -516,7 +521,7 @@ def test_output_rows_give_the_same_bits_and_cache(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_picks_the_cpu_plan_or_the_reference_once(
     tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """At load the runner takes the CPU plan for a plain Llama model in bf16 or
     float32 on the CPU, and the reference model where the kernels are switched
@@ -544,13 +549,11 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         assert line.startswith("forward: reference torch model")
         if kernels_run:
             assert "q/k norms" in line
-    kernels.set_enabled(False)
-    try:
-        off = runner()
-    finally:
-        kernels.set_enabled(True)
+    monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    off = runner()
     assert off.forward is off.model
-    assert caplog.messages[-1] == "forward: reference torch model (the C++ kernels are switched off)"
+    assert caplog.messages[-1] == ("forward: reference torch model (the C++ kernels are switched off "
+                                   "(TOKENMILL_NO_CPP_KERNELS))")
 
 
 def _meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
@@ -565,7 +568,7 @@ def _meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
 
 
 def test_split_bounds_balance_whole_requests() -> None:
-    split = plan.split_bounds
+    split = dispatch.split_bounds
     # 64 equal decodes: half each.
     assert split(_meta([1] * 64, [200] * 64), 2, 460.0, 16) == [0, 32, 64]
     # Longer contexts weigh more: the 16 long ones get a thread nearly to themselves.

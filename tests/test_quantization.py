@@ -372,18 +372,15 @@ def test_gguf_q8_0_blocks_are_kept_as_they_are(tmp_path: Path, tied: bool) -> No
         np.testing.assert_allclose(our_lp, ref_lp, atol=1e-4)
 
 
-def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any]) -> None:
+def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """With the C++ kernels off the reference model serves the quantized weights."""
-    kernels.set_enabled(False)
-    try:
-        llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
-                  num_kv_blocks=512)
-        assert not isinstance(llm.engine.runner.forward, CpuPlan)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]],
-                            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                             for n in MAX_TOKENS[:6]], use_tqdm=False)
-    finally:
-        kernels.set_enabled(True)
+    monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    llm = LLM(q8_case["path"], dtype="float32", quantization="q8_0", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    assert not isinstance(llm.engine.runner.forward, CpuPlan)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]],
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                         for n in MAX_TOKENS[:6]], use_tqdm=False)
     for out, (ref_tokens, _) in zip(outs, q8_case["refs"][:6], strict=True):
         assert out.outputs[0].token_ids == ref_tokens
     assert any(isinstance(m, Linear) and q8_0_of(m) is not None for m in llm.engine.runner.model.modules())

@@ -286,17 +286,14 @@ def test_the_plan_holds_the_only_copy_of_each_q4_1_weight(gguf_case: dict[str, A
     assert plan.layers[1].o.data.device.type == "cpu"
 
 
-def test_reference_model_dequantizes_q4_1_on_the_fly(gguf_case: dict[str, Any]) -> None:
+def test_reference_model_dequantizes_q4_1_on_the_fly(gguf_case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """With the C++ kernels off the reference model serves the Q4_1 blocks (the
     mixed layout: a Q4 embedding and head too)."""
-    kernels.set_enabled(False)
-    try:
-        llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
-                  num_kv_blocks=512)
-        assert not isinstance(llm.engine.runner.forward, CpuPlan)
-        outs = _generate(llm, 4)
-    finally:
-        kernels.set_enabled(True)
+    monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    assert not isinstance(llm.engine.runner.forward, CpuPlan)
+    outs = _generate(llm, 4)
     for out, (ref_tokens, _) in zip(outs, gguf_case["refs"][:4], strict=True):
         assert out.outputs[0].token_ids == ref_tokens
 

@@ -252,17 +252,14 @@ def _check_greedy(outs: list[Any], refs: list[Any]) -> None:
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
 
 
-def test_reference_model_dequantizes_on_the_fly(gguf_case: dict[str, Any]) -> None:
+def test_reference_model_dequantizes_on_the_fly(gguf_case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """With the C++ kernels off the reference model serves the kept blocks
     (dequantized each call): transformers' greedy tokens, logprobs within 1e-4."""
-    kernels.set_enabled(False)
-    try:
-        llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
-                  num_kv_blocks=512)
-        assert not isinstance(llm.engine.runner.forward, CpuPlan)
-        outs = _generate(llm, 4)
-    finally:
-        kernels.set_enabled(True)
+    monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    assert not isinstance(llm.engine.runner.forward, CpuPlan)
+    outs = _generate(llm, 4)
     _check_greedy(outs, gguf_case["refs"][:4])
 
 

@@ -466,7 +466,8 @@ def bf16_prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("cpp", [True, False], ids=["cpp-plan", "reference"])
-def test_bf16_greedy_is_the_same_with_and_without_speculation(bf16_target: str, cpp: bool) -> None:
+def test_bf16_greedy_is_the_same_with_and_without_speculation(bf16_target: str, cpp: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy tokens with n-gram speculation are plain greedy's, bit for bit, in
     bfloat16, on the C++ plan and on the reference model (torch attention):
     each verification row is a decode of its own, through the decode kernels."""
@@ -476,16 +477,14 @@ def test_bf16_greedy_is_the_same_with_and_without_speculation(bf16_target: str, 
     prompts = [{"prompt_token_ids": p} for p in bf16_prompts()]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     runs = []
-    kernels.set_enabled(cpp)
-    try:
-        for spec in (None, NGRAM):
-            llm = LLM(bf16_target, dtype="bfloat16", device=TEST_DEVICE, skip_tokenizer_init=True,
-                      apply_process_settings=False, speculative_config=spec)
-            if TEST_DEVICE == "cpu":
-                assert isinstance(llm.engine.runner.forward, CpuPlan) == (cpp and kernels.load() is not None)
-            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    finally:
-        kernels.set_enabled(True)
+    if not cpp:
+        monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    for spec in (None, NGRAM):
+        llm = LLM(bf16_target, dtype="bfloat16", device=TEST_DEVICE, skip_tokenizer_init=True,
+                  apply_process_settings=False, speculative_config=spec)
+        if TEST_DEVICE == "cpu":
+            assert isinstance(llm.engine.runner.forward, CpuPlan) == (cpp and kernels.load() is not None)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     stats = llm.engine.scheduler.stats().spec_decoding
     assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for i, (plain, spec_tokens) in enumerate(zip(*runs, strict=True)):
@@ -498,7 +497,7 @@ def test_verification_rows_are_decodes_of_their_own() -> None:
     split keeps them together (row i reads the K/V row i - 1 writes)."""
     import torch
 
-    from tokenmill.backends.cpu import plan
+    from tokenmill.backends.cpu import dispatch
     from tokenmill.core.contracts import ScheduledRequest
     from tokenmill.worker.model_runner import ModelRunner
 
@@ -531,5 +530,5 @@ def test_verification_rows_are_decodes_of_their_own() -> None:
     # would cut at row 20, inside the request of rows 18-22; the cut goes to row 23.
     split_meta = dataclasses.replace(meta, num_decodes=40, query_start_loc=list(range(41)),
                                      seq_lens=[300] * 40, seq_req=[(r + 2) // 5 for r in range(40)])
-    assert plan.split_bounds(split_meta, 2, 460.0, 16) == [0, 23, 40]
-    assert plan.split_bounds(dataclasses.replace(split_meta, seq_req=None), 2, 460.0, 16) == [0, 20, 40]
+    assert dispatch.split_bounds(split_meta, 2, 460.0, 16) == [0, 23, 40]
+    assert dispatch.split_bounds(dataclasses.replace(split_meta, seq_req=None), 2, 460.0, 16) == [0, 20, 40]

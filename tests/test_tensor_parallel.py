@@ -259,3 +259,26 @@ def test_the_shared_memory_collectives_give_gloos_bits_on_every_rank() -> None:
     assert len(gathers) == 2
     for shared, gloo in gathers:
         assert shared.shape == gloo.shape and np.array_equal(shared, gloo)
+
+
+_QUIET_RUN = """
+import sys
+from tokenmill import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", skip_tokenizer_init=True, apply_process_settings=False,
+          num_kv_blocks=64, tensor_parallel_size=2)
+out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 4
+print("triton" in sys.modules, [m for m in sys.modules if m.startswith("torch._dynamo")][:1])
+"""
+
+
+def test_a_cpu_run_imports_no_triton_and_exits_quietly(model_paths: dict[str, str]) -> None:
+    """A CPU generation with tensor parallelism (rank 0 here, rank 1 its child)
+    never imports triton (it came in through torch._dynamo, which arange on the
+    meta device of a shard's skeleton imports), so exiting prints no nanobind
+    "leaked" lines."""
+    done = subprocess.run([sys.executable, "-c", _QUIET_RUN, model_paths["llama-uneven"]], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False []", done.stdout
+    assert "leaked" not in done.stderr, done.stderr[-2000:]

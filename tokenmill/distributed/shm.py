@@ -2,7 +2,7 @@
 
 A gloo all-reduce over loopback TCP costs ~1 ms on two busy cores, and a
 decode step has two per layer; through a mapped file in /dev/shm it is a copy,
-a flag and a sum (csrc/layer_stack.cpp shm_all_reduce, which the C++ layer
+a flag and a sum (csrc/distributed.cpp shm_all_reduce, which the C++ layer
 loop also calls between its kernels). The logits' gather (shm_gather) and
 rank 0's commands (shm_send / shm_receive) go the same way. The group picks it by itself when every
 rank reports the same host (hostname, boot id, pid namespace) and could map
@@ -24,17 +24,19 @@ from typing import Any
 
 import torch
 
+from tokenmill import envs
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.kernels import CppShmGroup, CpuOps
+from tokenmill.backends.cpu.options import CpuBackendOptions
 
-LINE = 64  # bytes of a rank's flag (its own cache line): csrc/layer_stack.cpp
+LINE = 64  # bytes of a rank's flag (its own cache line): csrc/distributed.cpp
 SLOT_FLOATS = 1 << 18  # 1 MiB a slot (a prefill's [2048, 576] goes in 5 chunks)
 SHM_DIR = "/dev/shm"
 
 
 def enabled() -> bool:
     """TOKENMILL_TP_SHM=0 keeps this rank (and so its group) on gloo."""
-    return os.environ.get("TOKENMILL_TP_SHM", "1") not in ("0", "")
+    return envs.tp_shm()
 
 
 def host_key() -> str:
@@ -113,4 +115,4 @@ class ShmAllReduce:
 
 
 def ops_for_shm() -> CpuOps | None:
-    return kernels.load() if enabled() else None
+    return kernels.load() if enabled() and CpuBackendOptions.from_env().cpp_kernels else None

@@ -85,13 +85,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        if torch.device(device or "cpu").type == "meta":
+            # Shapes only (a shard's skeleton, model/parallel.py): arange on the meta
+            # device runs torch's Python decompositions, which import torch._dynamo
+            # and with it triton (on a CPU run, ~30 nanobind "leaked" lines at exit).
+            empty = torch.empty(max_positions, head_dim // 2, device="meta")
+            self.register_buffer("cos_cache", empty, persistent=False)
+            self.register_buffer("sin_cache", empty.clone(), persistent=False)
+            return
         inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
         # One half of the angles is enough: HF's cat((freqs, freqs)) repeats them.
         positions = torch.arange(max_positions, dtype=torch.float, device=device)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         # Buffers, not parameters: they are not in checkpoints (persistent=False).
-        self.cos_cache: torch.Tensor
-        self.sin_cache: torch.Tensor
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import xgrammar as xgr
 
-from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.kernels import CpuOps
 
 logger = logging.getLogger("tokenmill")
 
@@ -69,8 +69,9 @@ class GrammarMask:
     runs with the rows split over up to `num_threads` threads (it releases the
     GIL), as the forward's threads are idle then. The fill uses as many threads."""
 
-    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, vocab_size: int, num_threads: int | None = None, ops: CpuOps | None = None) -> None:
         self.vocab_size = vocab_size
+        self.ops = ops  # the C++ kernels where the runner uses them, else None (xgrammar's kernel)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # grown on demand
         self.num_threads = max(1, min(num_threads or torch.get_num_threads(), 8))
         self._batch = xgr.BatchGrammarMatcher(max_threads=self.num_threads)
@@ -101,7 +102,7 @@ class GrammarMask:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                             vocab_size=self.vocab_size, indices=rows)
             return
-        ops = kernels.load()
+        ops = self.ops
         if (ops is not None and logits.dtype == torch.float32 and logits.is_contiguous()
                 and logits.shape[1] == self.vocab_size):
             # A word at a time over the cores: 5-6x xgrammar's CPU kernel at B=64 (perf-notes).

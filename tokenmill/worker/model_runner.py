@@ -29,6 +29,7 @@ import xgrammar as xgr
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.memory import mapped_zeros
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelSpec
 from tokenmill.core.contracts import (
@@ -73,29 +74,31 @@ class ModelForward(Protocol):
 
 
 def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
-                 release: bool = True) -> tuple[ModelForward, str]:
+                 options: CpuBackendOptions | None = None, release: bool = True) -> tuple[ModelForward, str]:
     """The CPU plan where it serves `model`, else the reference model (with the
     C++ paged attention where the kernels exist on the CPU); and a line saying
-    which and why. `release`: the plan keeps the only copy of each weight (the
-    model's own are dropped as it packs them; tests that run the reference on
-    the same model after pass False)."""
+    which and why. `options`: the CPU backend's (None: from the environment);
+    `release`: the plan keeps the only copy of each weight (the model's own are
+    dropped as it packs them; tests that run the reference on the same model
+    after pass False)."""
     if device.type != "cpu":
         return model, f"reference torch model ({device.type})"
+    options = options or CpuBackendOptions.from_env()
     name = str(dtype).removeprefix("torch.")
-    reason = unsupported(model, dtype)
-    plan = CpuPlan.build(model, dtype, release) if reason is None else None
+    reason = unsupported(model, dtype, options)
+    plan = CpuPlan.build(model, dtype, options, release) if reason is None else None
     if plan is not None:
         return plan, f"CPU backend (C++ kernels, {name})"
-    if kernels.load() is not None:
+    if options.cpp_kernels and kernels.load() is not None:
         model.set_attention_backend(CpuAttentionBackend())
         return model, f"reference torch model with C++ paged attention ({reason})"
     return model, f"reference torch model ({reason})"
 
 
-def chosen_forward(model: LlamaForCausalLM, dtype: torch.dtype,
-                   device: torch.device) -> ModelForward:
+def chosen_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
+                   options: CpuBackendOptions | None = None) -> ModelForward:
     """pick_forward's choice, with its reason logged."""
-    forward, how = pick_forward(model, dtype, device)
+    forward, how = pick_forward(model, dtype, device, options)
     logger.info("forward: %s", how)
     return forward
 
@@ -113,14 +116,19 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         forward: ModelForward | None = None,
         drafter: Drafter | None = None,
+        cpu_options: CpuBackendOptions | None = None,
     ) -> None:
         """`forward`: what runs the model (default: pick_forward's choice for
         `model`); the engine passes its own where it wraps that choice (tensor
-        parallelism). `drafter`: speculative decoding with a draft model."""
+        parallelism). `drafter`: speculative decoding with a draft model.
+        `cpu_options`: the CPU backend's (None: from the environment)."""
         self.model = model
         self.drafter = drafter
+        # The CPU backend's options, built once (None: from the environment).
+        self.cpu_options = cpu_options or CpuBackendOptions.from_env()
+        ops = kernels.load() if self.cpu_options.cpp_kernels and device.type == "cpu" else None
         # Chosen once: the CPU plan or the reference model, for every step.
-        self.forward = forward if forward is not None else chosen_forward(model, dtype, device)
+        self.forward = forward if forward is not None else chosen_forward(model, dtype, device, self.cpu_options)
         self.timer = StepTimer()  # the engine times its own parts of a step on it too
         self.spec = spec
         self.num_blocks = num_blocks
@@ -129,14 +137,14 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [zeros(shape, dtype, device) for _ in range(spec.num_layers)]
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, ops=ops)
         # EOS ids found at load time: masked until a request reaches min_tokens.
         self.eos_token_ids = tuple(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         # Structured outputs: grammars handed over by the engine before the request's
         # first step (it stays unscheduled until then), and the batched mask.
         self.pending_grammars: dict[str, RequestGrammar] = {}
-        self.grammar_mask = GrammarMask(spec.vocab_size)
+        self.grammar_mask = GrammarMask(spec.vocab_size, ops=ops)
 
     def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
         """The compiled grammar of a request not scheduled yet: its own matcher."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.kernels import CpuOps
 from tokenmill.core.contracts import SampledToken
 from tokenmill.worker.request_state import CachedRequestState
 
@@ -184,9 +184,11 @@ def allowed_mask(states: list[CachedRequestState], rows: list[int], vocab: int,
 
 class Sampler:
     def __init__(
-        self, device: torch.device, seed: int = 0, max_candidates: int = MAX_CANDIDATES
+        self, device: torch.device, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
+        ops: CpuOps | None = None,
     ) -> None:
         self.device = device
+        self.ops = ops  # the C++ kernels where the runner uses them (its argmax), else None
         self.max_candidates = max_candidates
         # Unseeded requests share this one; seeded ones have their own (in their state).
         self.default_generator = torch.Generator(device=device)
@@ -200,7 +202,7 @@ class Sampler:
     ) -> SamplerOutput:
         num_rows = logits.shape[0]
         if all(_plain_greedy(s) for s in states):  # (every stage below would do nothing)
-            return SamplerOutput(argmax_rows(logits).tolist(), [float("nan")] * num_rows,
+            return SamplerOutput(argmax_rows(logits, self.ops).tolist(), [float("nan")] * num_rows,
                                  [0] * num_rows, [None] * num_rows)
         device = logits.device
         params = [s.params for s in states]
@@ -225,13 +227,13 @@ class Sampler:
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
-            token_ids = argmax_rows(logits)  # [num_rows]
+            token_ids = argmax_rows(logits, self.ops)  # [num_rows]
         elif len(random_rows) == num_rows:
             token_ids = self.sample(logits, states)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
             greedy = torch.tensor([i for i, p in enumerate(params) if p.greedy], device=device)
-            token_ids[greedy] = argmax_rows(logits[greedy])
+            token_ids[greedy] = argmax_rows(logits[greedy], self.ops)
             rows = torch.tensor(random_rows, device=device)
             token_ids[rows] = self.sample(logits[rows], [states[i] for i in random_rows])
 
@@ -353,10 +355,10 @@ def _plain_greedy(state: CachedRequestState) -> bool:
             and len(state.output_token_ids) >= p.min_tokens)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, ops: CpuOps | None) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) (first index of the maximum; NaN counts as
-    largest); on the CPU a C++ kernel, 7x faster at [128, 49152]."""
-    ops = kernels.fused_ops(logits)
-    if ops is not None and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:
+    largest); with `ops`, on the CPU a C++ kernel, 7x faster at [128, 49152]."""
+    if (ops is not None and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
+            and logits.is_contiguous() and logits.shape[1]):
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

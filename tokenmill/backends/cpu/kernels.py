@@ -2,8 +2,10 @@
 cpp_extension (g++ and ninja), loaded, and typed (`CpuOps`).
 
 `make setup` builds them ahead of time; otherwise the first use builds them
-(about a minute) into torch's extension cache. Set TOKENMILL_NO_CPP_KERNELS=1
-(before the process starts) to run the reference torch model only.
+(about a minute) into torch's extension cache. load() keeps the one compiled
+module of the process (a cache of what the sources build, not configuration);
+whether a runner uses it is `CpuBackendOptions.cpp_kernels` (options.py:
+TOKENMILL_NO_CPP_KERNELS=1 runs the reference torch model only).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class CppModelWeights(Protocol):
 
 
 class CppShmGroup(Protocol):
-    """A tensor-parallel group's shared-memory all-reduce (csrc/layer_stack.h ShmGroup)."""
+    """A tensor-parallel group's shared-memory all-reduce (csrc/distributed.h ShmGroup)."""
 
     rank: int
     size: int
@@ -151,44 +153,35 @@ class CpuOps(Protocol):
     def kv_prefetch_mode(self, mode: int) -> int: ...
 
 
+# The process's one compiled extension (built once, by the first load()), the
+# reason it could not be built, and the dtypes its packed GEMM serves.
 _lock = threading.Lock()
 _module: CpuOps | None = None
 _failed: str | None = None
-
-_enabled = True  # tests switch the kernels off to run the reference model
-# Read once: load() runs at every forward of the plan.
-_env_disabled = os.environ.get("TOKENMILL_NO_CPP_KERNELS", "") not in ("", "0")
+_packed_dtypes: frozenset[str] = frozenset()
 
 
-def set_enabled(enabled: bool) -> None:
-    """Whether load() hands out the kernels (a runner built while off picks the reference model)."""
-    global _enabled
-    _enabled = enabled
-
-
-def disabled_reason() -> str | None:
-    """Why load() gives None, or None where it gives the module."""
-    if _env_disabled:
-        return "TOKENMILL_NO_CPP_KERNELS is set"
-    if not _enabled:
-        return "the C++ kernels are switched off"
+def disabled_reason(cpp_kernels: bool = True) -> str | None:
+    """Why the kernels do not serve (`cpp_kernels`: CpuBackendOptions'), or None where they do."""
+    if not cpp_kernels:
+        return "the C++ kernels are switched off (TOKENMILL_NO_CPP_KERNELS)"
     if load() is None:
         return f"the C++ kernels could not be built ({(_failed or '')[:200]})"
     return None
 
 
 def load() -> CpuOps | None:
-    """The compiled module, or None where it is switched off or cannot be
-    built (the reason is logged once)."""
-    global _module, _failed
-    if not _enabled or _env_disabled:
-        return None
+    """The compiled module, or None where it cannot be built (the reason is
+    logged once)."""
+    global _module, _failed, _packed_dtypes
     if _module is not None or _failed is not None:
         return _module
     with _lock:
         if _module is None and _failed is None:
             try:
-                _module = _build()
+                module = _build()
+                _packed_dtypes = frozenset(module.packed_gemm_dtypes())
+                _module = module
             except Exception as e:  # no compiler, no ninja, ...: the reference model serves
                 _failed = f"{type(e).__name__}: {e}"
                 logger.warning("C++ CPU kernels unavailable, using torch code: %s", _failed[:300])
@@ -243,13 +236,9 @@ def packed_gemm_ops(x: torch.Tensor) -> CpuOps | None:
     module = load()
     if module is None:
         return None
-    global _packed_dtypes
-    if _packed_dtypes is None:
-        _packed_dtypes = frozenset(module.packed_gemm_dtypes())
     return module if str(x.dtype).removeprefix("torch.") in _packed_dtypes else None
 
 
-_packed_dtypes: frozenset[str] | None = None
 
 
 def best_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 10) -> float:

@@ -3,17 +3,11 @@ every per-call check done once, when the runner builds it.
 
 It serves the plain Llama layer (no q/k norm) in bf16 or float32 on the CPU
 and runs the reference model's operations in its order on fused kernels
-(tests/test_model_numerics.py compares the two on the same inputs). Three ways
-through the layers, the same bits each (every kernel computes a row alone):
-
-- layer_stack (csrc/layer_stack.cpp): the whole stack in one C++ call, each
-  thread taking its own requests through every layer, for decode-only steps
-  that divide well between threads (split_bounds);
-- layer_loop: the loop below in one C++ call, every kernel on the whole
-  OpenMP team (no Python between the ~270 kernel calls of a step);
-- the loop below in Python: under the profiler (a row per op in
-  `bench throughput --profile`) and where the attention kernel cannot serve the
-  step in one call.
+(tests/test_model_numerics.py compares the two on the same inputs). Each
+forward takes one of the paths that dispatch.choose_path names (the split
+stack, the C++ layer loop, a shard's C++ loop over shared memory, the Python
+loop below), decided from the step's metadata alone; the same bits each
+(every kernel computes a row alone).
 
 Every projection is one `PackedWeight` (formats.py: the format table) and
 every GEMM call, at any number of rows, runs from it: the plan holds the only
@@ -29,15 +23,13 @@ its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
 all-reduces after each of those two GEMMs (their float32 sums, rounded after
-the reduce). Where its group all-reduces over shared memory (ranks on one
-machine: distributed/shm.py) the layer loop runs in one C++ call that does it
-itself (layer_loop_tp); otherwise (gloo, the profiler, too many rows) the
-Python loop, with the all-reduce between kernels.
+the reduce): in the C++ loop over its group's shared memory (layer_loop_tp),
+or between the Python loop's kernels.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NamedTuple
@@ -47,13 +39,17 @@ from torch import nn
 from torch.profiler import record_function
 
 from tokenmill.backends.cpu import kernels
-from tokenmill.backends.cpu.attention import CpuAttentionBackend, KernelCall
+from tokenmill.backends.cpu.attention import CpuAttentionBackend
+from tokenmill.backends.cpu.dispatch import SPLIT_ROWS_PER_WEIGHT_BYTE, Path, PathFacts, choose_path
 from tokenmill.backends.cpu.formats import pack_module
 from tokenmill.backends.cpu.kernels import CppPackedWeight, CpuOps
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
 from tokenmill.model.quantization import q8_0_of
+
+logger = logging.getLogger("tokenmill")
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 
@@ -97,12 +93,12 @@ def _released_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
                        "(run the plan, or load the model again for the reference forward)")
 
 
-def unsupported(model: LlamaForCausalLM, dtype: torch.dtype) -> str | None:
+def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackendOptions) -> str | None:
     """Why the plan cannot serve `model` in `dtype`, or None where it can."""
     if dtype not in (torch.bfloat16, torch.float32):
         return f"{str(dtype).removeprefix('torch.')} (the C++ kernels run bfloat16 and float32)"
     probe = torch.empty(1, 2, dtype=dtype)
-    reason = kernels.disabled_reason()
+    reason = kernels.disabled_reason(options.cpp_kernels)
     if reason is not None:
         return reason
     if kernels.fused_ops(probe) is None or kernels.packed_gemm_ops(probe) is None:
@@ -128,8 +124,10 @@ class CpuPlan:
     """Serves `forward` and `compute_logits` of the model it was built from
     (LlamaForCausalLM's signatures), on the C++ kernels."""
 
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, ops: CpuOps, release: bool = False) -> None:
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, ops: CpuOps, options: CpuBackendOptions,
+                 release: bool = False) -> None:
         self.model = model
+        self.options = options
         self.dtype = dtype
         self.ops = ops
         self.attention = CpuAttentionBackend()
@@ -140,19 +138,20 @@ class CpuPlan:
         self.rotary = model.model.rotary_emb
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
-        # TOKENMILL_TP_LAYER_LOOP=0: a shard takes the Python loop even over shared
-        # memory (the A/B of benchmarks/tp_step.py).
-        self.tp_layer_loop = os.environ.get("TOKENMILL_TP_LAYER_LOOP", "1") != "0"
+        self.last_path: Path | None = None  # the path of the last forward (logged when it changes)
         self._pack(release)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype, release: bool = False) -> CpuPlan | None:
+    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackendOptions | None = None,
+              release: bool = False) -> CpuPlan | None:
         """The plan for `model` in `dtype`, or None where `unsupported` says why not.
-        `release`: the plan keeps the only copy of each weight (module docstring)."""
-        ops = kernels.load()
-        if ops is None or unsupported(model, dtype) is not None:
+        `options`: the CPU backend's (None: from the environment); `release`: the
+        plan keeps the only copy of each weight (module docstring)."""
+        options = options or CpuBackendOptions.from_env()
+        ops = kernels.load() if options.cpp_kernels else None
+        if ops is None or unsupported(model, dtype, options) is not None:
             return None
-        return cls(model, dtype, ops, release)
+        return cls(model, dtype, ops, options, release)
 
     def _pack(self, release: bool) -> None:
         """Pack every projection the plan uses (formats.py), layer by layer,
@@ -195,7 +194,7 @@ class CpuPlan:
         if release and self.embed_from_head:
             release_weights(embed)
             embed._parameters["weight"] = lm_head._parameters["weight"]  # (still one tied Parameter)
-        # The same for csrc/layer_stack.cpp, by name (csrc/layer_stack.h).
+        # The same for the C++ layer calls (csrc/layer_loop.cpp, layer_stack.cpp), by name (csrc/layer_stack.h).
         self.weights = self.ops.ModelWeights(
             layers=[self.ops.LayerWeights(
                 norm1=lay.norm1, qkv=lay.qkv, o=lay.o, norm2=lay.norm2, gate_up=lay.gate_up,
@@ -214,6 +213,10 @@ class CpuPlan:
             params = sum(p.data.numel() for p in (first.qkv, first.o, first.gate_up, first.down))
             kv_bytes = 2 * self.num_kv_heads * self.head_dim * first.qkv.data.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
+        self.path_facts = PathFacts(
+            has_layers=bool(self.layers), shard=self.all_reduce is not None,
+            tp_layer_loop=self.options.tp_layer_loop, row_cost=self.row_cost,
+            split_min_rows=SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding's rows: q8_embed for a Q8_0 table (one C++ op for
@@ -237,22 +240,33 @@ class CpuPlan:
         every token's K/V but takes only those rows on through attention,
         o_proj and the MLP. Each row's numbers are the same bits either way."""
         hidden = self.embed(input_ids)
-        if self.all_reduce is not None:  # a shard: a loop that can all-reduce between kernels
-            looped = self._tp_loop_call(hidden, positions, kv_caches, meta, output_rows)
-            if looped is not None:
-                return looped
-            return self._python_loop(hidden, positions, kv_caches, meta, output_rows,
-                                     torch.autograd._profiler_enabled())
-        if output_rows is None:  # (all rows where it samples all: decodes)
-            split = self._split_call(hidden, positions, kv_caches, meta)
-            if split is not None:
-                return split
-        profiling = torch.autograd._profiler_enabled()
-        if not profiling:
-            looped = self._loop_call(hidden, positions, kv_caches, meta, output_rows)
-            if looped is not None:
-                return looped
-        return self._python_loop(hidden, positions, kv_caches, meta, output_rows, profiling)
+        profiling = torch.autograd._profiler_enabled()  # (read once a forward)
+        native = getattr(self.all_reduce, "native", None)  # a shard's live shared-memory group, or None
+        route = choose_path(meta, self.path_facts, profiling=profiling, all_rows=output_rows is None,
+                            threads=threads(), shm_group=native is not None)
+        if route.path is not self.last_path:
+            logger.debug("CPU plan: %s path (%d rows, %d decodes of %d sequences)", route.path.value,
+                         meta.num_tokens, meta.num_decodes, meta.num_reqs)
+            self.last_path = route.path
+        if route.path is Path.PYTHON:
+            return self._python_loop(hidden, positions, kv_caches, meta, output_rows, profiling)
+        call = self.attention.kernel_call(hidden, kv_caches[0], meta)
+        assert call is not None, "choose_path gave a C++ path: one attention call serves the step"
+        # (model, hidden, positions, kv_caches, slot_mapping, tables, seq_lens, seq_ids): every C++ path's first arguments
+        step = (self.weights, hidden, positions, kv_caches, meta.slot_mapping, call.tables, call.seq_lens,
+                call.seq_ids)
+        if route.path is Path.SPLIT:
+            assert route.split_bounds is not None
+            return self.ops.layer_stack(*step, route.split_bounds)
+        rows = _NO_ROWS if output_rows is None else output_rows
+        if route.path is Path.LOOP:
+            return self.ops.layer_loop(*step, rows, output_rows is None)
+        assert native is not None  # Path.TP_LOOP
+        try:
+            return self.ops.layer_loop_tp(*step, rows, output_rows is None, native)
+        except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
+            stopped = getattr(self.all_reduce, "stopped", None)
+            raise (stopped(e) if stopped is not None else e) from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab] from
@@ -260,63 +274,6 @@ class CpuPlan:
         (whose steps make near-ties exact ties) and the same whatever the batch."""
         with record_function("tokenmill::head"):
             return self.ops.packed_gemm(hidden.contiguous(), self.head, True)
-
-    def _kernel_call(self, q: torch.Tensor, kv_caches: list[torch.Tensor],
-                     meta: AttentionMetadata) -> KernelCall | None:
-        return self.attention.kernel_call(q, kv_caches[0], meta) if self.layers else None
-
-    def _split_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                    meta: AttentionMetadata) -> torch.Tensor | None:
-        """The whole stack in one C++ call with the rows split between threads
-        (csrc/layer_stack.cpp), where the step divides well; else None."""
-        if torch.autograd._profiler_enabled():
-            return None  # (under the profiler: the per-op rows of `bench --profile`)
-        min_rows = SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize
-        bounds = split_bounds(meta, threads(), self.row_cost, min_rows)
-        # One attention kernel call must serve every layer of the step.
-        call = None if bounds is None else self._kernel_call(hidden, kv_caches, meta)
-        if bounds is None or call is None:
-            return None
-        return self.ops.layer_stack(
-            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
-            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            seq_ids=call.seq_ids, bounds=bounds)
-
-    def _loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                   meta: AttentionMetadata, output_rows: torch.Tensor | None,
-                   ) -> torch.Tensor | None:
-        """The layer loop in one C++ call (csrc/layer_stack.cpp layer_loop), where
-        one attention kernel call serves every layer of the step; else None."""
-        call = self._kernel_call(hidden, kv_caches, meta)  # (checks device and dtype only)
-        if call is None:
-            return None
-        return self.ops.layer_loop(
-            model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
-            slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-            seq_ids=call.seq_ids, output_rows=_NO_ROWS if output_rows is None else output_rows,
-            all_rows=output_rows is None)
-
-    def _tp_loop_call(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      meta: AttentionMetadata, output_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """A shard's layer loop in one C++ call, all-reducing over its group's
-        shared memory between the kernels (the same bits as the Python loop);
-        None where the group has no such handle (gloo) or the loop call does not apply."""
-        native = getattr(self.all_reduce, "native", None)
-        if native is None or not self.tp_layer_loop or torch.autograd._profiler_enabled():
-            return None
-        call = self._kernel_call(hidden, kv_caches, meta)
-        if call is None:
-            return None
-        try:
-            return self.ops.layer_loop_tp(
-                model=self.weights, hidden=hidden, positions=positions, kv_caches=kv_caches,
-                slot_mapping=meta.slot_mapping, tables=call.tables, seq_lens=call.seq_lens,
-                seq_ids=call.seq_ids,
-                output_rows=_NO_ROWS if output_rows is None else output_rows,
-                all_rows=output_rows is None, group=native)
-        except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
-            stopped = getattr(self.all_reduce, "stopped", None)
-            raise (stopped(e) if stopped is not None else e) from e
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,
@@ -398,51 +355,6 @@ class CpuPlan:
 def threads() -> int:
     """The threads a forward may use (tests set more than a machine has)."""
     return torch.get_num_threads()
-
-
-# Split the rows between threads only from this many rows a thread for each
-# byte of a weight (16 rows in bf16, 32 in float32): a split thread reads all
-# of the weights for itself, which pays only once each weight serves enough
-# rows (docs/perf-notes.md).
-SPLIT_ROWS_PER_WEIGHT_BYTE = 8
-SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
-
-
-def split_bounds(meta: AttentionMetadata, threads: int, row_cost: float,
-                 min_rows: float) -> list[int] | None:
-    """Row bounds [0, ..., num_tokens] giving each of `threads` threads whole
-    requests of about equal cost (a query row costs `row_cost`, each context
-    token it attends to 1), or None where the step does not divide well (fewer
-    than `min_rows` rows a thread, one request outweighs the rest) or has
-    prefills.
-
-    Decodes only: a prefill may read K/V that another request writes in the
-    same step (a prefix-cache hit on a block registered when allocated, as
-    kv_cache_manager does), which the layer loop orders (every row's K/V of a
-    layer is written before any row attends) and separate threads would not.
-    A decode reads only blocks computed in earlier steps, and its own new slot;
-    a speculative verification row also the slots of its request's rows before
-    it (meta.seq_req), so a request's rows go to one thread, which writes all of
-    its rows' K/V of a layer before they attend."""
-    if (threads < 2 or meta.num_tokens < min_rows * threads
-            or meta.num_decodes != meta.num_reqs):
-        return None
-    costs = [row_cost + seq_len for seq_len in meta.seq_lens]  # one query row each (decodes)
-    total = float(sum(costs))
-    bounds, shares, acc, last = [0], [], 0.0, 0.0
-    seq_req = meta.seq_req
-    for r, c in enumerate(costs):
-        if (len(bounds) < threads and acc + c / 2 >= total * len(bounds) / threads
-                and (seq_req is None or r == 0 or seq_req[r] != seq_req[r - 1])):
-            bounds.append(r)  # decodes only: request r is row r
-            shares.append(acc - last)
-            last = acc
-        acc += c
-    bounds.append(len(costs))
-    shares.append(acc - last)
-    if len(bounds) != threads + 1 or max(shares) > SPLIT_MAX_SHARE * total:
-        return None
-    return bounds
 
 
 def head_rows(head: CppPackedWeight, ids: torch.Tensor) -> torch.Tensor:

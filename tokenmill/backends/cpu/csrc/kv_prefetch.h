@@ -11,12 +11,12 @@
 // of the attention kernel takes (query_range) in the layer loop. The rows land
 // in L2 and spill to L3, from where the kernel reads them about twice as fast
 // as from memory. Only in bf16, where the layer's K/V fits L3 with room to spare and
-// a thread has at most 48 rows (layer_stack.cpp says what was measured): with
+// a thread has at most 48 rows (cpu_features.cpp says what was measured): with
 // 64 rows a thread the projections slowed by as much as the attention gained,
 // and in float32 on a Zen 3 the steps were slower with it. In the layer
 // loop only from 8 rows: below, the projections are bound by reading the
 // weights, and the prefetch competes with them.
-// Only on a Zen 4: on a Zen 5 it made the steps slower (layer_stack.cpp
+// Only on a Zen 4: on a Zen 5 it made the steps slower (cpu_features.cpp
 // kv_prefetch_pays).
 //
 // Prefetches change no result: every number is the same bits with or without.
