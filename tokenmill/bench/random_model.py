@@ -19,9 +19,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+# torch is imported where a tensor is made, so the CLI's start-up (which sets
+# OpenMP's wait policy before torch loads) never loads it through this module.
+if TYPE_CHECKING:
+    import torch
 
 BF16_BYTES = 2
 WEIGHT_STD = 0.02
@@ -111,6 +114,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 def random_tensor(seed: int, index: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Tensor `index` of a model: norms are ones, every other weight N(0, WEIGHT_STD) in bf16."""
+    import torch
+
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
@@ -144,7 +149,7 @@ def safetensors_header(specs: Sequence[TensorSpec]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-MakeTensor = Callable[[int, str, tuple[int, ...]], torch.Tensor]
+MakeTensor = Callable[[int, str, tuple[int, ...]], "torch.Tensor"]
 
 
 def write_shards(out_dir: Path, specs: Sequence[TensorSpec], make_tensor: MakeTensor,
@@ -152,6 +157,8 @@ def write_shards(out_dir: Path, specs: Sequence[TensorSpec], make_tensor: MakeTe
     """Write `specs` as safetensors shards (model-0000i-of-0000n.safetensors and the index),
     each tensor made by `make_tensor(index, name, shape)` just before it is written and
     released after; returns the weight map."""
+    import torch
+
     shards = plan_shards(specs, max_shard_bytes)
     weight_map: dict[str, str] = {}
     index = 0
