@@ -34,7 +34,9 @@ class StaticBatchScheduler(Scheduler):
         max_model_len: int,
     ) -> None:
         super().__init__(scheduler_config, cache_config, num_blocks, max_model_len)
-        self.batch: set[str] = set()  # the current batch's members
+        # The current batch's members in admission order (a dict, not a set: the batch's
+        # end reports them in this order whatever the process's string hashing).
+        self.batch: dict[str, None] = {}
         # The padding members, with the status each will finish with.
         self.padding: dict[str, RequestStatus] = {}
         # A member's stop token, held back to go out with its finish reason at the
@@ -58,7 +60,7 @@ class StaticBatchScheduler(Scheduler):
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         super()._finish(request, status)
-        self.batch.discard(request.request_id)
+        self.batch.pop(request.request_id, None)
         self.padding.pop(request.request_id, None)
         self._held_outputs.pop(request.request_id, None)
 
@@ -126,7 +128,7 @@ class StaticBatchScheduler(Scheduler):
     def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int]) -> int:
         if not self.batch:
             first = itertools.islice(self.queue, self.config.max_num_seqs)
-            self.batch = {r.request_id for r in first}
+            self.batch = dict.fromkeys(r.request_id for r in first)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             # The batch's first member still generating; padding that gave its
             # blocks up waits for the batch to end without running.
