@@ -23,6 +23,8 @@ from tokenmill.config import ServerConfig
 from tokenmill.server import build_app
 
 TIMEOUT_S = 120.0
+# (sampling fields go in the body: this SDK's create() has no temperature / top_p / top_k)
+GREEDY = {"temperature": 0}
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 WEATHER = {
     "name": "get_weather",
@@ -53,7 +55,7 @@ def client(served: Qwen3Served, api_key: str = "unused") -> anthropic.Anthropic:
 
 def test_create_is_chat_in_anthropic_shape(served: Qwen3Served) -> None:
     message = client(served).messages.create(model=model_id(served), max_tokens=8, messages=HELLO,
-                                             temperature=0)
+                                             extra_body=GREEDY)
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_")
     assert [block.type for block in message.content] == ["text"]
@@ -71,17 +73,18 @@ def test_create_is_chat_in_anthropic_shape(served: Qwen3Served) -> None:
 
 def test_stop_sequences_and_sampling_fields(served: Qwen3Served) -> None:
     base = client(served).messages.create(model=model_id(served), max_tokens=12, messages=HELLO,
-                                          temperature=0)
+                                          extra_body=GREEDY)
     text = base.content[0].text  # type: ignore[union-attr]
     stop = text[len(text) // 2:][:3]
     assert stop.strip(), text
     cut = client(served).messages.create(
-        model=model_id(served), max_tokens=12, messages=HELLO, temperature=0.0, top_p=1.0, top_k=5,
-        stop_sequences=[stop], metadata={"user_id": "u-1"}, system="You are terse.")
+        model=model_id(served), max_tokens=12, messages=HELLO, stop_sequences=[stop],
+        metadata={"user_id": "u-1"}, system="You are terse.",
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5})
     # (a system prompt changes the answer: only the shape is checked here)
     assert cut.stop_reason in ("stop_sequence", "max_tokens", "end_turn")
     cut = client(served).messages.create(model=model_id(served), max_tokens=12, messages=HELLO,
-                                         temperature=0, stop_sequences=[stop])
+                                         extra_body=GREEDY, stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
 
@@ -108,9 +111,9 @@ def test_stream_is_the_whole_answer(served: Qwen3Served, open_think: bool) -> No
     """Streamed, the SDK's final message is the non-streamed one; with the
     template's <think> left open (open_think) the answer is a thinking block."""
     kwargs: dict[str, Any] = {"model": model_id(served), "max_tokens": 10, "messages": HELLO,
-                              "temperature": 0}
+                              "extra_body": dict(GREEDY)}
     if open_think:
-        kwargs["extra_body"] = {"chat_template_kwargs": {"open_think": True}}
+        kwargs["extra_body"]["chat_template_kwargs"] = {"open_think": True}
     whole = client(served).messages.create(**kwargs)
     _, final = stream_events(served, **kwargs)
     assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
@@ -128,7 +131,7 @@ def test_tool_use_round_trip(served: Qwen3Served, stream: bool) -> None:
     """A forced tool (thinking off, so the calls' schema holds from the first
     token): a valid tool_use, then its tool_result answered."""
     kwargs: dict[str, Any] = {
-        "model": model_id(served), "max_tokens": 60, "messages": HELLO, "temperature": 0,
+        "model": model_id(served), "max_tokens": 150, "messages": HELLO, "extra_body": GREEDY,
         "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"},
         "thinking": {"type": "disabled"}}
     if stream:
@@ -145,7 +148,7 @@ def test_tool_use_round_trip(served: Qwen3Served, stream: bool) -> None:
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
                                              "content": "12 degrees, dry"}]}]
     answer = client(served).messages.create(model=model_id(served), max_tokens=6,
-                                            messages=history, tools=[WEATHER], temperature=0,
+                                            messages=history, tools=[WEATHER], extra_body=GREEDY,
                                             tool_choice={"type": "none"})
     assert answer.stop_reason in ("max_tokens", "end_turn")
     counted = client(served).messages.count_tokens(model=model_id(served), messages=history,
@@ -232,7 +235,7 @@ def echo_cases() -> list[tuple[str, str, dict[str, Any] | None]]:
         ("POST", "/v1/completions", {"prompt": "hi", "model": BAD}),
         ("POST", "/v1/responses", {"input": "hi", "model": BAD}),
         ("POST", "/v1/responses", {"input": "hi", "previous_response_id": BAD}),
-        ("GET", f"/v1/responses/{BAD}", None),
+        ("GET", "/v1/responses/%ED%A0%80", None),  # (a URL carries bytes: the surrogate's)
         ("POST", "/tokenize", {"prompt": "hi", "model": BAD}),
         ("POST", "/detokenize", {"tokens": [1], "model": BAD}),
         ("POST", "/v1/chat/completions", {**chat, "logit_bias": {BAD: "high"}}),
