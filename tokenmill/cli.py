@@ -71,11 +71,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses, metrics_prefix=args.metrics_prefix,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        dashboard=args.dashboard,
+        reasoning_parser=args.reasoning_parser, dashboard=args.dashboard,
     )
+    from tokenmill.server.reasoning import check_reasoning_parser
     from tokenmill.server.tools import check_tool_call_parser
 
     check_tool_call_parser(config)
+    check_reasoning_parser(config.reasoning_parser)
     engine_args = serve_engine_args(args)
     engine_args.create_engine_configs()  # bad options fail here, before the model loads
     engine_args.create_speculative_config()
@@ -121,6 +123,9 @@ def add_serve_parser(
                        help='tool_choice "auto": the model may call tools (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="how the model writes tool calls: hermes or llama3_json")
+    serve.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split a reasoning model's <think>...</think> into reasoning_content "
+                            "(and Anthropic thinking blocks): qwen3 or deepseek_r1")
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     serve.add_argument("--dashboard", action="store_true",

@@ -229,6 +229,9 @@ class ServerConfig:
     # by this parser (vLLM's --enable-auto-tool-choice --tool-call-parser NAME).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # A reasoning model's <think>...</think> split out as reasoning_content
+    # (vLLM's --reasoning-parser: qwen3, deepseek_r1; server/reasoning.py).
+    reasoning_parser: str | None = None
     # `serve --dashboard`: the live view at /dashboard (server/dashboard.py).
     dashboard: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -62,6 +62,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # A reasoning model's end of thinking (Qwen3's `</think>` token): the constraint
+    # holds the answer after the first such token, and the thinking before it is
+    # free (vLLM's rule under --reasoning-parser). None: from the first token.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -78,6 +82,11 @@ class StructuredOutputsParams:
         ):
             raise ParamError(f"choice must be a non-empty list of strings, got {self.choice!r}",
                              "structured_outputs")
+        if self.reasoning_end_token_id is not None and (
+                isinstance(self.reasoning_end_token_id, bool)
+                or not isinstance(self.reasoning_end_token_id, int)):
+            raise ParamError("reasoning_end_token_id must be a token id (an integer), got "
+                             f"{self.reasoning_end_token_id!r}", "structured_outputs")
 
     @property
     def kind(self) -> str:

@@ -158,14 +158,18 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """`tools` (OpenAI's function tools) reach the template as its `tools`,
-        as transformers' apply_chat_template(tools=...) passes them."""
+        as transformers' apply_chat_template(tools=...) passes them;
+        `chat_template_kwargs` as variables of their names (vLLM's field:
+        Qwen3's enable_thinking)."""
         if chat_template is None and not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; send a plain prompt "
                 "(completions, or --raw) or pass chat_template"
             )
+        kwargs = check_chat_template_kwargs(chat_template_kwargs)
         import jinja2  # (transformers renders templates with it)
 
         try:
@@ -175,18 +179,21 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=tools,
+                **kwargs,
             )
         except jinja2.TemplateError as e:  # a template that fails on these messages
             raise ValueError(f"the chat template failed on these messages: {e}") from e
         return str(text)
 
     def chat_template_inputs(
-        self, messages: list[ChatMessage]
+        self, messages: list[ChatMessage], chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """What a chat template rendered elsewhere (the server's template worker)
         sees: the messages as apply_chat_template passes them, and the special
-        tokens (bos_token, eos_token, ...) as the tokenizer's own rendering does."""
+        tokens (bos_token, eos_token, ...) as the tokenizer's own rendering does,
+        with `chat_template_kwargs` (checked as apply_chat_template checks them)."""
         variables = dict(getattr(self.hf, "special_tokens_map", {}) or {})
+        variables.update(check_chat_template_kwargs(chat_template_kwargs))
         return plain_chat_messages(messages), variables
 
     def encode_chat(
@@ -198,6 +205,29 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
         # The template writes the special tokens itself.
         return self.encode(text, add_special_tokens=False)
+
+
+# apply_chat_template's own arguments and the variables it sets: not for
+# chat_template_kwargs to override.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "chat_template",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "continue_final_message", "tokenizer_kwargs",
+})
+
+
+def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs as template variables; ValueError for a name the
+    template call sets itself (messages, tools, add_generation_prompt, ...)."""
+    if not kwargs:
+        return {}
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_VARIABLES or name in {"bos_token", "eos_token"}:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the server itself; "
+                             "send it as its own request field or drop it")
+    return dict(kwargs)
 
 
 def plain_chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

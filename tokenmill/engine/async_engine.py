@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,9 +255,10 @@ class AsyncEngine:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         return self._tokenizer().apply_chat_template(
-            messages, add_generation_prompt, chat_template, tools
+            messages, add_generation_prompt, chat_template, tools, chat_template_kwargs
         )
 
     def chat_template_source(

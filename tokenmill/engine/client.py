@@ -90,6 +90,7 @@ class EngineClient(Protocol):
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str: ...
 
     def chat_template_source(

@@ -144,9 +144,11 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them
-        (`tools`, OpenAI's function tools, reach the template as its `tools`)."""
+        (`tools`, OpenAI's function tools, reach the template as its `tools`;
+        `chat_template_kwargs` as variables, e.g. {"enable_thinking": False})."""
         conversations = cast(
             list[list[ChatMessage]],
             [messages] if messages and isinstance(messages[0], dict) else messages,
@@ -154,7 +156,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template, tools)
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template, tools,
+                                                 chat_template_kwargs)
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -367,7 +367,9 @@ class LLMEngine:
                     logger.error("request %s: its grammar failed to compile: %s", request_id, error)
                     self._failed_compiles[request_id] = str(error)
                     continue
-                self.runner.add_grammar(core_id, future.result())
+                constraint = request.sampling_params.structured_outputs
+                assert constraint is not None
+                self.runner.add_grammar(core_id, future.result(), constraint.reasoning_end_token_id)
                 request.grammar_ready = True
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:

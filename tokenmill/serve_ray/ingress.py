@@ -290,7 +290,7 @@ class Ingress:
             size += len(chunk)
             if size > limit:
                 return error_json(413, f"the request body is over {limit} bytes",
-                                  code="request_too_large")
+                                  code="request_too_large", path=request.url.path)
             chunks.append(chunk)
         return b"".join(chunks)
 

@@ -6,7 +6,7 @@ stream's error event and [DONE]. Each endpoint keeps only its own shape."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request, Response
@@ -69,20 +69,23 @@ class OutputAccumulator:
 
 
 async def sse_stream(
-    chunks: AsyncGenerator[str, None], outputs: OutputAccumulator
+    chunks: AsyncGenerator[str, None], outputs: OutputAccumulator,
+    error_event: Callable[[APIError], str] = sse_error, done: str = sse("[DONE]"),
 ) -> AsyncGenerator[str, None]:
     """An endpoint's SSE chunks made from `outputs`, ended as every stream of
     these endpoints ends: after an APIError (the engine's fault), an error
-    event; then [DONE]. Closed early (the client left), it closes `outputs`."""
+    event; then `done` (OpenAI's [DONE]; Anthropic's stream has none: "").
+    Closed early (the client left), it closes `outputs`."""
     try:
         async for chunk in chunks:
             yield chunk
     except APIError as e:
-        yield sse_error(e)
+        yield error_event(e)
     finally:
         await chunks.aclose()
         await outputs.aclose()
-    yield sse("[DONE]")
+    if done:
+        yield done
 
 
 async def json_answer(raw: Request, body: Awaitable[Any]) -> Response:

@@ -21,8 +21,15 @@ from tokenmill.server.errors import (
     describe_validation_error,
     error_json,
     install_error_handlers,
+    is_anthropic_path,
 )
 from tokenmill.server.limits import RequestLimits
+from tokenmill.server.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    count_tokens,
+    create_message,
+)
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -54,12 +61,18 @@ class APIKeyCheck:
             not self.open_tokenize and path in TOKENIZE_PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.covers(scope.get("path", "")):
-            given = Headers(scope=scope).get("authorization", "").encode()
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.covers(path):
+            headers = Headers(scope=scope)
+            given = headers.get("authorization", "").encode()
+            # Anthropic's clients send the key as x-api-key (its Messages API only).
+            if is_anthropic_path(path) and "x-api-key" in headers:
+                given = b"Bearer " + headers["x-api-key"].encode("latin-1")
             if not secrets.compare_digest(given, self.expected):
                 response = error_json(
-                    401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
+                    401, "missing or wrong API key; send 'Authorization: Bearer <key>'"
+                    + (" or 'x-api-key: <key>'" if is_anthropic_path(path) else ""),
+                    code="invalid_api_key", path=path,
                 )
                 await response(scope, receive, send)
                 return
@@ -108,6 +121,14 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
             raise not_found(response_id, None)
         return JSONResponse(stored[0])
 
+    @v1.post("/messages")
+    async def messages(request: MessagesRequest, raw: Request) -> Response:
+        return await create_message(serving, request, raw)
+
+    @v1.post("/messages/count_tokens")
+    async def messages_count_tokens(request: CountTokensRequest) -> JSONResponse:
+        return JSONResponse(await count_tokens(serving, request))
+
     @v1.get("/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=engine.facts.model_path,
@@ -135,7 +156,8 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
         if request.messages is not None:
             try:
                 chat = ChatCompletionRequest(
-                    messages=request.messages, add_generation_prompt=request.add_generation_prompt
+                    messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+                    chat_template_kwargs=request.chat_template_kwargs,
                 )
             except ValidationError as e:  # e.g. no messages
                 message, param = describe_validation_error(e.errors())

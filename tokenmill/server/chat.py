@@ -11,6 +11,7 @@ from fastapi import Request, Response
 
 from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.accumulator import OutputAccumulator, json_answer, sse_stream
+from tokenmill.server.answer import AnswerStream, whole_answer
 from tokenmill.server.errors import APIError
 from tokenmill.server.logprobs import prompt_logprobs_field
 from tokenmill.server.protocol import (
@@ -41,12 +42,10 @@ from tokenmill.server.serving import (
 from tokenmill.server.templates import ChatTemplateLimitError
 from tokenmill.server.tools import (
     ToolPlan,
-    ToolStream,
     constrain,
     finish_reason,
     plan_tools,
     template_tools,
-    whole_message,
 )
 
 
@@ -54,6 +53,15 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them (the tokenizer joins text content
     parts, and refuses other parts, when it applies the template)."""
     return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's extra variables: chat_template_kwargs, and reasoning_effort
+    (as vLLM passes it) unless chat_template_kwargs sets it."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+    return kwargs
 
 
 async def chat_prompt(serving: Serving, request: ChatCompletionRequest,
@@ -68,6 +76,7 @@ async def chat_prompt(serving: Serving, request: ChatCompletionRequest,
         )
     messages = plain_messages(request.messages)
     template = request.chat_template or serving.config.chat_template  # (None: the model's)
+    kwargs = template_kwargs(request)
     try:
         source = template if template is not None else serving.engine.chat_template_source(
             None, plan.tools if plan is not None else None)
@@ -75,18 +84,19 @@ async def chat_prompt(serving: Serving, request: ChatCompletionRequest,
         if request.chat_template is None:  # the server's: trusted with the model
             text = await asyncio.to_thread(
                 serving.engine.apply_chat_template, messages, request.add_generation_prompt,
-                template, tools,
+                template, tools, kwargs,
             )
         else:  # under limits, in the template worker
             text = await serving.render_request_chat_template(
-                request.chat_template, messages, request.add_generation_prompt, tools
+                request.chat_template, messages, request.add_generation_prompt, tools, kwargs
             )
     except ChatTemplateLimitError as e:
         raise APIError(400, str(e), param="chat_template") from e
     except APIError:
         raise
     except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=param) from e
     except Exception as e:  # a template that fails on these messages (jinja errors)
         raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
     # The template writes the special tokens itself.
@@ -133,14 +143,15 @@ async def create_chat_completion(
         max_tokens = request.max_tokens
     params = build_sampling_params(request, serving.max_tokens_for(prompt, max_tokens, "messages"), top_k)
     constrain(plan, params)  # (tool_choice "required" or named: the calls' JSON schema)
+    serving.hold_constraint_after_thinking(params, prompt)
     request_id = random_id("chatcmpl")
     streams = await serving.start(request_id, [prompt], [params], request.priority)
     outputs = OutputAccumulator(streams)
     if request.stream:
-        return SSEResponse(sse_stream(_stream(serving, request, request_id, outputs, top_k, plan),
-                                       outputs))
+        return SSEResponse(sse_stream(_stream(serving, request, request_id, outputs, top_k, plan,
+                                              prompt), outputs))
     return await json_answer(raw, _collect(serving, request_id, outputs, params.n, top_k,
-                                           request.prompt_logprobs, plan))
+                                           request.prompt_logprobs, plan, prompt))
 
 
 async def _collect(
@@ -151,6 +162,7 @@ async def _collect(
     top_k: int | None,
     prompt_k: int | None = None,
     plan: ToolPlan | None = None,
+    prompt: Prompt | None = None,
 ) -> str:
     choices = {
         j: ChatChoice(index=j, message=ChatResponseMessage(content=""),
@@ -171,10 +183,13 @@ async def _collect(
     if prompt_k is not None and 0 in outputs.prompt_logprobs:  # vLLM's extra field
         prompt_logprobs = prompt_logprobs_field(
             serving, outputs.prompt_token_ids[0], outputs.prompt_logprobs[0], prompt_k)
-    if plan is not None:  # the tool calls in the text
-        for choice in choices.values():
-            choice.message = whole_message(plan, choice.message.content or "")
-            choice.finish_reason = finish_reason(plan, bool(choice.message.tool_calls), choice.finish_reason)
+    if plan is not None or serving.config.reasoning_parser is not None:
+        for choice in choices.values():  # the thinking and the tool calls in the text
+            reasoning = serving.reasoning_parser(prompt) if prompt is not None else None
+            choice.message = whole_answer(plan, reasoning, choice.message.content or "")
+            if plan is not None:
+                choice.finish_reason = finish_reason(plan, bool(choice.message.tool_calls),
+                                                     choice.finish_reason)
     return ChatCompletionResponse(
         id=request_id, model=serving.model_name, choices=list(choices.values()),
         usage=outputs.usage(), prompt_logprobs=prompt_logprobs,
@@ -188,10 +203,12 @@ async def _stream(
     outputs: OutputAccumulator,
     top_k: int | None,
     plan: ToolPlan | None = None,
+    prompt: Prompt | None = None,
 ) -> AsyncGenerator[str, None]:
     model = serving.model_name
     started: set[int] = set()
-    tool_streams: dict[int, ToolStream] = {}
+    answers: dict[int, AnswerStream] = {}
+    split = plan is not None or serving.config.reasoning_parser is not None
 
     chunks = StreamChunks(request_id, model)
 
@@ -206,16 +223,23 @@ async def _stream(
         logprobs = None
         if top_k is not None and c.logprobs is not None:
             logprobs = chat_logprobs(serving, c.token_ids, c.logprobs, top_k)
-        content, tool_calls, reason = c.text or None, None, c.finish_reason
-        if plan is not None:  # content and tool-call deltas (text held while it may be a call)
-            tools = tool_streams.setdefault(c.index, ToolStream(plan))
-            content, tool_calls = tools.feed(c.text, final=reason is not None)
-            reason = finish_reason(plan, tools.called, reason)
-        if tool_calls is None and logprobs is None and (content or reason is not None):
+        content, reasoning, tool_calls, reason = c.text or None, None, None, c.finish_reason
+        if split:  # thinking, content and tool-call deltas (text held while it may be a tag)
+            answer = answers.get(c.index)
+            if answer is None:
+                answer = answers[c.index] = AnswerStream(
+                    plan, serving.reasoning_parser(prompt) if prompt is not None else None)
+            part = answer.feed(c.text, final=reason is not None)
+            content, reasoning, tool_calls = part.content, part.reasoning, part.tool_calls
+            if plan is not None:
+                reason = finish_reason(plan, answer.called, reason)
+        if tool_calls is None and logprobs is None and reasoning is None and (
+                content or reason is not None):
             yield chunks.chat(c.index, content, reason, c.stop_reason)
-        elif content or tool_calls or logprobs is not None or reason is not None:
+        elif content or reasoning or tool_calls or logprobs is not None or reason is not None:
             yield chunk(ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                index=c.index, delta=DeltaMessage(content=content, reasoning_content=reasoning,
+                                                  tool_calls=tool_calls),
                 logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason,
             ))
     if request.stream_options is not None and request.stream_options.include_usage:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import http
-import json
 import logging
 from typing import Any
 
@@ -22,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.engine.process_settings import give_back_freed_memory
-from tokenmill.server.errors import error_body
+from tokenmill.server.errors import error_bytes
 
 logger = logging.getLogger("tokenmill")
 
@@ -34,14 +33,10 @@ MAX_HEADER_BYTES = 64 << 10
 GIVE_BACK_AFTER_BODY_BYTES = 1 << 20
 
 
-def error_bytes(status_code: int, message: str, code: str | None = None) -> bytes:
-    return json.dumps(error_body(status_code, message, code=code).model_dump()).encode()
-
-
-async def send_error(send: Send, status_code: int, message: str, code: str) -> None:
-    """An OpenAI-shaped error that also closes the connection: what the client
-    still sends of its body is never read."""
-    body = error_bytes(status_code, message, code)
+async def send_error(send: Send, status_code: int, message: str, code: str, path: str = "") -> None:
+    """An error (in the shape of `path`'s API) that also closes the connection:
+    what the client still sends of its body is never read."""
+    body = error_bytes(status_code, message, code=code, path=path)
     await send({"type": "http.response.start", "status": status_code, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"),
@@ -73,11 +68,12 @@ class RequestLimits:
         if header_bytes > MAX_HEADER_BYTES:
             await send_error(send, 431, f"the request's headers ({header_bytes} bytes) are over "
                              f"this server's limit of {MAX_HEADER_BYTES} bytes",
-                             "request_header_fields_too_large")
+                             "request_header_fields_too_large", scope.get("path", ""))
             return
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await send_error(send, 413, self.too_large(f"{length} bytes"), "request_too_large")
+            await send_error(send, 413, self.too_large(f"{length} bytes"), "request_too_large",
+                             scope.get("path", ""))
             return
 
         received = 0
@@ -96,7 +92,7 @@ class RequestLimits:
                     refused = True
                     if not started:
                         await send_error(send, 413, self.too_large(f"over {received} bytes so far"),
-                                         "request_too_large")
+                                         "request_too_large", scope.get("path", ""))
                     return {"type": "http.disconnect"}
             return message
 
@@ -169,7 +165,7 @@ class JSONErrorsH11Protocol(H11Protocol):
             status = 400
             message = f"invalid HTTP request: {error or msg!s:.200}"
             code = "invalid_http_request"
-        body = error_bytes(status, message, code)
+        body = error_bytes(status, message, code=code)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
         reason = http.HTTPStatus(status).phrase.encode()
@@ -181,7 +177,7 @@ class JSONErrorsH11Protocol(H11Protocol):
 
 def error_response_bytes(status: int, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection."""
-    body = error_bytes(status, message, code)
+    body = error_bytes(status, message, code=code)
     return b"".join([
         f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode(),
         b"content-type: application/json\r\n",

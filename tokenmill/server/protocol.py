@@ -1,7 +1,7 @@
 """OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Requests ignore fields they do not know (as OpenAI's and vLLM's servers do),
-so newer clients keep working; every known field is type-checked and a bad one
+so newer clients keep working (each such field logged once, at debug level); every known field is type-checked and a bad one
 becomes a 400 naming it. Fields that would change the output and that this
 server does not implement (tools outside chat) are known
 so that a request using them gets a 400 instead of an answer that ignores them.
@@ -14,9 +14,11 @@ type, and OpenAI takes temperature: 1).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,7 +30,10 @@ from pydantic import (
     StrictInt,
     field_validator,
     model_serializer,
+    model_validator,
 )
+
+logger = logging.getLogger("tokenmill")
 
 
 def random_id(prefix: str) -> str:
@@ -39,14 +44,43 @@ def now_s() -> int:
     return int(time.time())
 
 
+class LenientRequest(BaseModel):
+    """A request body that ignores fields it does not know (as OpenAI's and
+    vLLM's servers do), logging each such field once per request type at debug
+    level, so an option that was silently dropped can be found."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    # (request type, field) pairs already logged; bounded, so clients that send
+    # ever-new names cannot grow it.
+    _logged: ClassVar[set[tuple[str, str]]] = set()
+    _logged_lock: ClassVar[threading.Lock] = threading.Lock()
+    MAX_LOGGED: ClassVar[int] = 1000
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and logger.isEnabledFor(logging.DEBUG):
+            known = set(cls.model_fields)
+            for name in data:
+                key = (cls.__name__, str(name))
+                if name in known or key in LenientRequest._logged:
+                    continue
+                with LenientRequest._logged_lock:
+                    if len(LenientRequest._logged) >= LenientRequest.MAX_LOGGED:
+                        return data
+                    LenientRequest._logged.add(key)
+                logger.debug("%s: ignoring the unknown field %r (logged once)", cls.__name__,
+                             str(name).encode("utf-8", "backslashreplace").decode()[:100])
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(LenientRequest):
     """The sampling options both endpoints take (OpenAI's, then vLLM's extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: StrictInt = Field(default=1, ge=1, le=128)  # OpenAI's range: each sample is a request of its own
@@ -124,17 +158,22 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     chat_template: str | None = None
     parallel_tool_calls: StrictBool | None = True
+    # vLLM's: extra variables for the chat template (Qwen3's {"enable_thinking": false});
+    # reasoning_effort reaches it as the variable of that name.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(LenientRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # (as chat's: vLLM's)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(LenientRequest):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -234,6 +273,7 @@ class DeltaToolCall(OmitNone):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's: the thinking (--reasoning-parser)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -258,6 +298,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -14,14 +14,12 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
@@ -31,21 +29,20 @@ from pydantic import (
 
 from tokenmill.outputs import CompletionOutput
 from tokenmill.server.accumulator import OutputAccumulator, json_answer
+from tokenmill.server.answer import AnswerDelta, AnswerStream
 from tokenmill.server.chat import chat_prompt
 from tokenmill.server.errors import APIError, describe_validation_error
-from tokenmill.server.protocol import ChatCompletionRequest, random_id
+from tokenmill.server.protocol import ChatCompletionRequest, LenientRequest, random_id
 from tokenmill.server.sampling import build_sampling_params
-from tokenmill.server.serving import Serving
+from tokenmill.server.serving import Prompt, Serving
 
 # Content part types that carry text, in input items and in stored outputs.
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(LenientRequest):
     """The fields of OpenAI's Responses API that apply to text generation; numbers
     and booleans strict, as the other requests (server/protocol.py)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -79,13 +76,14 @@ class ResponsesRequest(BaseModel):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
     priority: StrictInt = 0
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # Fields passed on as they are to the chat request that runs the response.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-                   "include_stop_str_in_output", "user", "model")
+                   "include_stop_str_in_output", "user", "model", "chat_template_kwargs")
 
 
 class ResponseStore:
@@ -176,12 +174,13 @@ def refuse_unsupported(request: ResponsesRequest) -> None:
         raise APIError(400, "background responses are not supported", param="background")
 
 
-def usage_json(num_input: int, num_cached: int, num_output: int) -> dict[str, Any]:
+def usage_json(num_input: int, num_cached: int, num_output: int,
+               num_reasoning: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": num_input,
         "input_tokens_details": {"cached_tokens": num_cached},
         "output_tokens": num_output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": num_reasoning},
         "total_tokens": num_input + num_output,
     }
 
@@ -191,33 +190,55 @@ def message_json(message_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def reasoning_json(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning item (the thinking split out by --reasoning-parser), as vLLM's."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
+
+
 class ResponseBuilder:
     """One response's JSON as it grows: the object the stream's events carry and
     the non-streaming answer."""
 
-    def __init__(self, serving: Serving, request: ResponsesRequest, max_tokens: int) -> None:
+    def __init__(self, serving: Serving, request: ResponsesRequest, max_tokens: int,
+                 prompt: Prompt) -> None:
         self.id = random_id("resp")
         self.message_id = random_id("msg")
+        self.reasoning_id = random_id("rs")
         self.created_at = int(time.time())
         self.serving = serving
         self.request = request
         self.max_tokens = max_tokens
+        self.answer = AnswerStream(None, serving.reasoning_parser(prompt))
         self.text = ""
+        self.reasoning = ""
         self.finish_reason: str | None = None
         self.outputs: OutputAccumulator | None = None  # (set once the request runs)
 
-    def add(self, c: CompletionOutput) -> str:
-        """Takes the output's delta; returns its new text."""
+    def add(self, c: CompletionOutput) -> AnswerDelta:
+        """Takes the output's delta; returns its new thinking and text."""
         if c.finish_reason is not None:
             self.finish_reason = c.finish_reason
-        self.text += c.text
-        return c.text
+        part = self.answer.feed(c.text, final=c.finish_reason is not None,
+                                num_tokens=len(c.token_ids))
+        self.reasoning += part.reasoning or ""
+        self.text += part.content or ""
+        return part
+
+    @property
+    def message_index(self) -> int:
+        """The message's place in `output` (after the reasoning item, if any)."""
+        return 1 if self.reasoning else 0
 
     def json(self, status: Literal["in_progress", "completed", "incomplete", "failed"],
              error: dict[str, Any] | None = None) -> dict[str, Any]:
         request = self.request
         done = status in ("completed", "incomplete")
-        output = [message_json(self.message_id, self.text, status)] if done else []
+        output = []
+        if done:
+            if self.reasoning:
+                output.append(reasoning_json(self.reasoning_id, self.reasoning, "completed"))
+            output.append(message_json(self.message_id, self.text, status))
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "model": self.serving.model_name, "status": status,
@@ -238,7 +259,7 @@ class ResponseBuilder:
         assert outputs is not None
         usage = outputs.usage()
         return usage_json(usage.prompt_tokens, outputs.num_cached_tokens.get(0, 0),
-                          usage.completion_tokens)
+                          usage.completion_tokens, self.answer.num_reasoning_tokens)
 
     def final_status(self) -> Literal["completed", "incomplete"]:
         # Cut by the token limit: OpenAI's "incomplete" with reason max_output_tokens.
@@ -262,6 +283,8 @@ async def create_response(serving: Serving, store: ResponseStore, request: Respo
     try:
         chat = ChatCompletionRequest.model_validate({
             "messages": system + conversation,
+            # OpenAI's reasoning.effort: the template's reasoning_effort, as chat's field
+            "reasoning_effort": (request.reasoning or {}).get("effort"),
             **{name: v for name in SAMPLING_FIELDS if (v := getattr(request, name)) is not None},
         })
     except ValidationError as e:
@@ -276,7 +299,8 @@ async def create_response(serving: Serving, store: ResponseStore, request: Respo
         raise APIError(400, e.message.replace("max_tokens", "max_output_tokens"),
                        param="max_output_tokens") from e
     params = build_sampling_params(chat, max_tokens, None)
-    builder = ResponseBuilder(serving, request, max_tokens)
+    serving.hold_constraint_after_thinking(params, prompt)
+    builder = ResponseBuilder(serving, request, max_tokens, prompt)
     streams = await serving.start(builder.id, [prompt], [params], request.priority)
     outputs = builder.outputs = OutputAccumulator(streams)
 
@@ -315,31 +339,59 @@ async def _stream(
         seq += 1
         return event(kind, seq - 1, **fields)
 
-    item = {"item_id": builder.message_id, "output_index": 0}
-    part = {**item, "content_index": 0}
+    thought = {"item_id": builder.reasoning_id, "output_index": 0, "content_index": 0}
+    reasoning_open = message_open = False
+
+    def open_message() -> Iterator[str]:
+        """The message item begins (after the thinking, if there was any)."""
+        nonlocal reasoning_open, message_open
+        if reasoning_open:  # the thinking is over
+            reasoning_open = False
+            yield ev("response.reasoning_text.done", **thought, text=builder.reasoning)
+            yield ev("response.output_item.done", output_index=0,
+                     item=reasoning_json(builder.reasoning_id, builder.reasoning, "completed"))
+        message_open = True
+        yield ev("response.output_item.added", output_index=builder.message_index,
+                 item=message_json(builder.message_id, "", "in_progress") | {"content": []})
+        yield ev("response.content_part.added", **part(),
+                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def part() -> dict[str, Any]:
+        return {"item_id": builder.message_id, "output_index": builder.message_index,
+                "content_index": 0}
+
     yield ev("response.created", response=builder.json("in_progress"))
     yield ev("response.in_progress", response=builder.json("in_progress"))
-    yield ev("response.output_item.added", output_index=0,
-             item=message_json(builder.message_id, "", "in_progress") | {"content": []})
-    yield ev("response.content_part.added", **part,
-             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
     try:
         async for _, _, c in outputs.deltas():
             delta = builder.add(c)
-            if delta:
-                yield ev("response.output_text.delta", **part, delta=delta, logprobs=[])
+            if delta.reasoning and not message_open:
+                if not reasoning_open:
+                    reasoning_open = True
+                    yield ev("response.output_item.added", output_index=0,
+                             item=reasoning_json(builder.reasoning_id, "", "in_progress")
+                             | {"content": []})
+                yield ev("response.reasoning_text.delta", **thought, delta=delta.reasoning)
+            if delta.content:
+                if not message_open:
+                    for opened in open_message():
+                        yield opened
+                yield ev("response.output_text.delta", **part(), delta=delta.content, logprobs=[])
     except APIError as err:  # (the engine's fault)
         yield ev("response.failed", response=builder.json(
             "failed", error={"code": str(err.code or "server_error"), "message": err.message}))
         return
     finally:
         await outputs.aclose()  # (the client left: abort)
+    if not message_open:
+        for opened in open_message():
+            yield opened
     body = finish()
     status = body["status"]
-    yield ev("response.output_text.done", **part, text=builder.text, logprobs=[])
-    yield ev("response.content_part.done", **part,
+    yield ev("response.output_text.done", **part(), text=builder.text, logprobs=[])
+    yield ev("response.content_part.done", **part(),
              part={"type": "output_text", "text": builder.text, "annotations": [], "logprobs": []})
-    yield ev("response.output_item.done", output_index=0,
+    yield ev("response.output_item.done", output_index=builder.message_index,
              item=message_json(builder.message_id, builder.text, status))
     yield ev("response.completed" if status == "completed" else "response.incomplete",
              response=body)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
@@ -25,6 +26,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
 from tokenmill.server.protocol import now_s
+from tokenmill.server.reasoning import THINK_END, ReasoningParser, prompt_closes_reasoning
 from tokenmill.server.templates import TemplateRenderer
 
 T = TypeVar("T")
@@ -67,6 +69,7 @@ class Serving:
         self.config = config
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
+        self._reasoning_end_token_id: int | None = None  # (-1: not one token)
         # Only a server that runs request templates starts their worker process.
         self.template_renderer = TemplateRenderer() if config.trust_request_chat_template else None
 
@@ -89,6 +92,31 @@ class Serving:
                 return
         if names:
             setattr(request, names[-1], cap)
+
+    def hold_constraint_after_thinking(self, params: SamplingParams, prompt: Prompt) -> None:
+        """With --reasoning-parser, a constraint (structured outputs, tool calls)
+        holds the answer after the thinking, as vLLM's: the grammar waits for the
+        `</think>` token, unless the prompt already closed the thinking (Qwen3
+        with enable_thinking=false). A tokenizer that writes `</think>` in several
+        tokens cannot say when it ends: the grammar holds from the first token."""
+        if self.config.reasoning_parser is None or params.structured_outputs is None:
+            return
+        if prompt_closes_reasoning(prompt.text):
+            return
+        if self._reasoning_end_token_id is None:
+            ids = self.engine.encode(THINK_END, False) if self.engine.tokenizer is not None else []
+            self._reasoning_end_token_id = ids[0] if len(ids) == 1 else -1
+            if len(ids) != 1:
+                logger.warning("--reasoning-parser: this tokenizer writes %s in %d tokens; "
+                               "structured outputs hold from the first token", THINK_END, len(ids))
+        if self._reasoning_end_token_id >= 0:
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, reasoning_end_token_id=self._reasoning_end_token_id)
+
+    def reasoning_parser(self, prompt: Prompt) -> ReasoningParser | None:
+        """A fresh parser for one choice's thinking (--reasoning-parser), or None."""
+        name = self.config.reasoning_parser
+        return None if name is None else ReasoningParser(name, prompt.text)
 
     def close(self) -> None:
         if self.template_renderer is not None:
@@ -173,6 +201,7 @@ class Serving:
     async def render_request_chat_template(
         self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """A chat template from a request, rendered under limits in the template
         worker (templates.py) and waited for on a worker thread."""
@@ -180,7 +209,7 @@ class Serving:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this engine runs without a tokenizer; send token ids")
-        plain, variables = tokenizer.chat_template_inputs(messages)
+        plain, variables = tokenizer.chat_template_inputs(messages, chat_template_kwargs)
         if tools is not None:
             variables["tools"] = tools
         return await asyncio.to_thread(
@@ -318,7 +347,8 @@ class StreamChunks:
     def chat(self, index: int, content: str | None, finish_reason: str | None,
              stop_reason: int | str | None) -> str:
         return (f'{self.head}chat.completion.chunk","created":{now_s()},{self.model}{index},'
-                f'"delta":{{"role":null,"content":{_json(content)},"tool_calls":null}},'
+                f'"delta":{{"role":null,"content":{_json(content)},"reasoning_content":null,'
+                f'"tool_calls":null}},'
                 f'"logprobs":null,"finish_reason":{_json(finish_reason)},'
                 f'"stop_reason":{_json(stop_reason)}}}],"usage":null}}\n\n')
 
@@ -338,8 +368,11 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], fault_end: str | None = None) -> None:
         self.chunks = chunks
+        # (how a stream ends after an internal fault: OpenAI's error event and [DONE])
+        self.fault_end = fault_end if fault_end is not None else (
+            sse_error(APIError(500, INTERNAL_ERROR_MESSAGE)) + sse("[DONE]"))
         self.status_code = 200
         self.background = None
         self.init_headers()
@@ -364,8 +397,8 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
         except Exception:
             logger.exception("a stream failed after its first byte")
-            end = sse_error(APIError(500, INTERNAL_ERROR_MESSAGE)) + sse("[DONE]")
-            await send({"type": "http.response.body", "body": end.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": self.fault_end.encode(),
+                        "more_body": True})
         finally:
             await chunks.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -19,7 +19,9 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import SamplingFields
 
 # StructuredOutputsParams' fields, as the `structured_outputs` body field may set them.
-_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
+# (reasoning_end_token_id is the server's to set, from --reasoning-parser.)
+_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams)) - {
+    "reasoning_end_token_id"}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 

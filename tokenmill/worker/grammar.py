@@ -33,22 +33,31 @@ logger = logging.getLogger("tokenmill")
 
 
 class RequestGrammar:
-    """One request's place in its grammar. Every sample of n > 1 has its own."""
+    """One request's place in its grammar. Every sample of n > 1 has its own.
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    With `reasoning_end_token_id` (a reasoning model's `</think>`), the grammar
+    waits: nothing is masked and no token advances it until that token has been
+    sampled; the answer after it is held to the grammar (vLLM's rule)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, reasoning_end_token_id: int | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_rejected = 0
+        self.reasoning_end_token_id = reasoning_end_token_id
+        self.thinking = reasoning_end_token_id is not None
 
     @property
     def active(self) -> bool:
-        """False once a stop token ended the grammar (after that nothing is masked:
-        only ignore_eos keeps such a request going)."""
-        return not self.matcher.is_terminated()
+        """False while the model thinks, and once a stop token ended the grammar
+        (after that nothing is masked: only ignore_eos keeps such a request going)."""
+        return not self.thinking and not self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token. A token the mask allowed is always
         accepted; one it did not (every allowed token banned by another option,
         such as min_tokens holding EOS back) leaves the matcher where it was."""
+        if self.thinking:
+            self.thinking = token_id != self.reasoning_end_token_id
+            return
         if self.active and not self.matcher.accept_token(token_id):
             self.num_rejected += 1
             if self.num_rejected == 1:

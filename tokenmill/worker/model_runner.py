@@ -144,9 +144,11 @@ class ModelRunner:
         self.pending_grammars: dict[str, RequestGrammar] = {}
         self.grammar_mask = GrammarMask(spec.vocab_size, ops=ops)
 
-    def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
-        """The compiled grammar of a request not scheduled yet: its own matcher."""
-        self.pending_grammars[request_id] = RequestGrammar(compiled)
+    def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar,
+                    reasoning_end_token_id: int | None = None) -> None:
+        """The compiled grammar of a request not scheduled yet: its own matcher
+        (waiting for `reasoning_end_token_id` first, where given)."""
+        self.pending_grammars[request_id] = RequestGrammar(compiled, reasoning_end_token_id)
 
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
