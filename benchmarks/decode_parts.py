@@ -49,7 +49,7 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
     """Times each part of the captured decode step alone (or loops it for perf)."""
     input_ids, positions, meta, _ = captured["inputs"]
     kv = runner.kv_caches
-    hidden0 = plan.model.model.embed_tokens(input_ids)
+    hidden0 = plan.embed(input_ids)
 
     call = plan.attention.kernel_call(hidden0, kv[0], meta)
     assert call is not None

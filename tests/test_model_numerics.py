@@ -24,6 +24,7 @@ from tokenmill.backends.cpu.dispatch import Route
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import cpu_has_bf16, load_model
@@ -44,7 +45,9 @@ class PagedRunner:
                  forward: ModelForward | None = None) -> None:
         dtype = model.model.embed_tokens.weight.dtype
         # (release=False: the tests run the reference on the same model after)
-        self.model = forward or pick_forward(model, dtype, torch.device("cpu"), release=False)[0]
+        # (the options as the engine builds them, so TOKENMILL_NO_CPP_KERNELS=1 runs the reference)
+        self.model = forward or pick_forward(model, dtype, torch.device("cpu"), EngineArgs().create_cpu_options(),
+                                             release=False)[0]
         self.one_call = one_call  # token_seq_ids / token_seq_lens as the engine sends them
         # Ask the model for the last row of every other request only (output_rows).
         self.rows_out = rows_out
@@ -323,7 +326,7 @@ def test_cpu_plan_matches_the_reference(
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
     assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == (_kernels_run(dtype) and not spec.qk_norm)
-    picked = CpuPlan.build(model, getattr(torch, dtype))
+    picked = CpuPlan.build(model, getattr(torch, dtype), CpuBackendOptions())
     if not isinstance(picked, CpuPlan):
         pytest.skip("the CPU plan does not serve this model here (the reference does)")
     seqs = _seqs(spec.vocab_size)
@@ -355,10 +358,10 @@ def test_the_runners_plan_holds_the_only_copy_of_each_weight(
     kept, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
     released, _ = load_model(ModelConfig(model=str(path), dtype=dtype), source)
     params = sum(p.numel() for p in released.parameters())
-    reference = CpuPlan.build(kept, getattr(torch, dtype))
+    reference = CpuPlan.build(kept, getattr(torch, dtype), CpuBackendOptions())
     if reference is None or spec.qk_norm:
         pytest.skip("the CPU plan does not serve this model here")
-    picked = pick_forward(released, getattr(torch, dtype), torch.device("cpu"))[0]
+    picked = pick_forward(released, getattr(torch, dtype), torch.device("cpu"), CpuBackendOptions())[0]
     assert isinstance(picked, CpuPlan)
     down = released.model.layers[0].mlp.down_proj
     assert down.weight.device.type == "meta" and released.lm_head.weight.device.type == "meta"
@@ -528,7 +531,9 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         model, _ = load_model(ModelConfig(model=str(path), dtype=dtype), source)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tokenmill"):
-            made = ModelRunner(model, spec, 8, BLOCK_SIZE, torch_dtype, torch.device("cpu"))
+            # (the options as the engine builds them: EngineArgs.create_cpu_options)
+            made = ModelRunner(model, spec, 8, BLOCK_SIZE, torch_dtype, torch.device("cpu"),
+                               EngineArgs().create_cpu_options())
         assert [m for m in caplog.messages if m.startswith("forward: ")] == [caplog.messages[-1]]
         return made
 

@@ -226,7 +226,7 @@ def test_greedy_matches_the_dequantized_reference(q8_case: dict[str, Any], scena
         ours = [entry[tok].logprob for entry, tok in zip(completion.logprobs, ref_tokens, strict=True)]
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
     if scenario == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats().num_preemptions > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

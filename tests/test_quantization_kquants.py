@@ -278,7 +278,7 @@ def test_greedy_matches_the_dequantized_reference(gguf_case: dict[str, Any], sce
             assert (names[layer.qkv.format], names[layer.gate_up.format], names[layer.down.format]) == expect
     _check_greedy(_generate(llm), gguf_case["refs"])
     if scenario == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats().num_preemptions > 0
 
 
 def test_bf16_logprobs_near_the_dequantized_reference(gguf_case: dict[str, Any]) -> None:

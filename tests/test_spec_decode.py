@@ -86,7 +86,7 @@ def assert_matches_oracle(llm: LLM, outputs: list[Any], refs: list[Any]) -> None
 def test_ngram_greedy_matches_transformers(target: dict[str, Any], scenario: str) -> None:
     llm, outputs = run_greedy(target["path"], NGRAM, **SCENARIOS[scenario])
     assert_matches_oracle(llm, outputs, target["refs"])
-    stats = llm.engine.scheduler.stats().spec_decoding
+    stats = llm.engine.stats().spec_decoding
     assert stats is not None
     # Drafts were verified, some accepted and some rejected (both paths ran).
     assert stats.num_drafts > 0
@@ -94,7 +94,7 @@ def test_ngram_greedy_matches_transformers(target: dict[str, Any], scenario: str
     assert stats.num_accepted_tokens_per_pos[0] >= stats.num_accepted_tokens_per_pos[-1]
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
     if scenario == "budget8-preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats().num_preemptions > 0
     else:
         # Each prompt + its output again: every full block of computed tokens (all
         # but the last output token) is a hit, accepted drafts' blocks included.
@@ -183,7 +183,7 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(target: dict[s
                   check_integrity=True, apply_process_settings=False, speculative_config=spec,
                   **SCENARIOS["budget8-preempt"])
         runs.append(llm.generate(prompts, params, use_tqdm=False))
-    stats = llm.engine.scheduler.stats().spec_decoding
+    stats = llm.engine.stats().spec_decoding
     assert stats is not None and stats.num_accepted_tokens > 0
     num_stopped = 0
     for i, (plain, spec_out) in enumerate(zip(*runs, strict=True)):
@@ -329,7 +329,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_it_at_its_token(
         params = [SamplingParams(temperature=0.0, max_tokens=24, stop=s, ignore_eos=True)
                   for s in stops]
         outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        stats = llm.engine.scheduler.stats().spec_decoding
+        stats = llm.engine.stats().spec_decoding
         accepted.append(stats.num_accepted_tokens if stats else 0)
         return outputs
 
@@ -416,9 +416,9 @@ def test_draft_model_greedy_matches_transformers(target: dict[str, Any], other_d
             "disable_by_batch_size": 64}
     llm, outputs = run_greedy(target["path"], spec, **SCENARIOS["budget8-preempt"])
     assert_matches_oracle(llm, outputs, target["refs"])
-    stats = llm.engine.scheduler.stats().spec_decoding
+    stats = llm.engine.stats().spec_decoding
     assert stats is not None and stats.num_draft_tokens > 0
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_a_draft_model_equal_to_the_target_accepts_every_draft(target: dict[str, Any]) -> None:
@@ -426,7 +426,7 @@ def test_a_draft_model_equal_to_the_target_accepts_every_draft(target: dict[str,
             "disable_by_batch_size": 64}
     llm, outputs = run_greedy(target["path"], spec, num_kv_blocks=512, block_size=4)
     assert_matches_oracle(llm, outputs, target["refs"])
-    stats = llm.engine.scheduler.stats().spec_decoding
+    stats = llm.engine.stats().spec_decoding
     assert stats is not None and stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens  # acceptance rate 1.0
 
@@ -485,7 +485,7 @@ def test_bf16_greedy_is_the_same_with_and_without_speculation(bf16_target: str, 
         if TEST_DEVICE == "cpu":
             assert isinstance(llm.engine.runner.forward, CpuPlan) == (cpp and kernels.load() is not None)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    stats = llm.engine.scheduler.stats().spec_decoding
+    stats = llm.engine.stats().spec_decoding
     assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for i, (plain, spec_tokens) in enumerate(zip(*runs, strict=True)):
         assert spec_tokens == plain, f"prompt {i}"

@@ -24,6 +24,7 @@ import transformers
 from tests.hf_models import COMMON, build_hf_model, save_hf_model
 from tests.test_correctness import MAX_TOKENS, PROMPTS
 from tokenmill import LLM, SamplingParams
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import ModelSpec, ParallelConfig
 from tokenmill.distributed.group import TensorParallelError
 from tokenmill.engine.arg_utils import EngineArgs
@@ -193,7 +194,7 @@ def _reduce_both_ways(rank: int, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     group = RankGroup(rank, 2, "127.0.0.1", port)
     group.connect()
-    group.open_tensors(torch.device("cpu"))
+    group.open_tensors(torch.device("cpu"), CpuBackendOptions())
     assert group.shm is not None, "ranks on one machine: shared memory"
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own partial sums
     out = []

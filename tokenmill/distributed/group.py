@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed import GatherOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 from tokenmill import envs
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.distributed import shm
 from tokenmill.distributed.shm import ShmAllReduce
 
@@ -126,9 +127,10 @@ class RankGroup:
         self.commands = ProcessGroupGloo(PrefixStore("commands", self.store), self.rank, self.size,
                                          IDLE_TIMEOUT)
 
-    def open_tensors(self, device: torch.device) -> None:
+    def open_tensors(self, device: torch.device, cpu_options: CpuBackendOptions) -> None:
         """Join the group of the step's collectives, for tensors on `device`
-        (every rank calls it once, after the commands group)."""
+        (every rank calls it once, after the commands group), over shared
+        memory where `cpu_options` (rank 0's) and the machine allow."""
         self.device = device
         store = PrefixStore("tensors", self.store)
         if device.type == "cuda":
@@ -140,13 +142,13 @@ class RankGroup:
         else:
             self.tensors = ProcessGroupGloo(store, self.rank, self.size,
                                             timedelta(seconds=self.step_timeout_s))
-            self._open_shm()
+            self._open_shm(cpu_options)
 
-    def _open_shm(self) -> None:
+    def _open_shm(self, cpu_options: CpuBackendOptions) -> None:
         """All-reduce through shared memory where every rank is on this machine
         and maps the region; else (or where any rank could not) gloo. Every rank
         decides the same: the hosts are compared from the store, then voted on."""
-        ops = shm.ops_for_shm()
+        ops = shm.ops_for_shm(cpu_options)
         store = self.store
         store.set(f"shm/host/{self.rank}", shm.host_key() if ops is not None else f"off/{self.rank}")
         hosts = {store.get(f"shm/host/{r}") for r in range(self.size)}

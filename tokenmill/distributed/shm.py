@@ -114,5 +114,7 @@ class ShmAllReduce:
         self.native = None
 
 
-def ops_for_shm() -> CpuOps | None:
-    return kernels.load() if enabled() and CpuBackendOptions.from_env().cpp_kernels else None
+def ops_for_shm(options: CpuBackendOptions) -> CpuOps | None:
+    """The kernels the transport runs on, or None where shared memory is off
+    (TOKENMILL_TP_SHM=0) or `options` (the caller's) switch the kernels off."""
+    return kernels.load() if enabled() and options.cpp_kernels else None

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import CacheConfig, ModelConfig, ParallelConfig
 from tokenmill.distributed.group import RankGroup, TensorParallelError
 from tokenmill.distributed.launch import RankProcesses, RayRanks
@@ -50,7 +51,7 @@ class TensorParallel:
     other nodes' ranks by `tokenmill worker`), shards the model, and makes the
     forward that drives the other ranks. One per engine; `shutdown()` ends it."""
 
-    def __init__(self, config: ParallelConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: ParallelConfig, model_config: ModelConfig, cpu_options: CpuBackendOptions) -> None:
         if config.node_rank != 0:
             raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; "
                              "the other nodes run `tokenmill worker`")
@@ -72,9 +73,9 @@ class TensorParallel:
             self.group.connect()
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            # The others load the model while this process does.
-            self.group.send(("load", model_config))
-            self.group.open_tensors(self.device)
+            # The others load the model while this process does, with this process's CPU options.
+            self.group.send(("load", model_config, cpu_options))
+            self.group.open_tensors(self.device, cpu_options)
         except BaseException:
             self.shutdown()
             raise

@@ -2,7 +2,8 @@
 
 `python -m tokenmill.distributed.worker --rank R ...` (launch.py starts it).
 It joins the group, loads the model rank 0 names and keeps its own shard
-(model/parallel.py), allocates a KV cache for its own heads with rank 0's
+(model/parallel.py) on rank 0's CPU backend options (sent with the model's
+config: one process builds them), allocates a KV cache for its own heads with rank 0's
 block count, then serves commands until "stop":
 
     ("forward", input_ids, positions, attention metadata, output_rows)
@@ -34,20 +35,20 @@ logger = logging.getLogger("tokenmill")
 
 
 def serve_rank(group: RankGroup, local_rank: int) -> None:
-    kind, model_config = group.receive()
+    kind, model_config, cpu_options = group.receive()  # (rank 0's CPU options)
     assert kind == "load", kind
     device = torch.device(model_config.device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         model_config = dataclasses.replace(model_config, device=str(device))
-    group.open_tensors(device)
+    group.open_tensors(device, cpu_options)
     whole, spec = load_model(model_config, resolve_model_source(model_config.model))
     dtype = next(whole.parameters()).dtype
     model = shard_model(whole, ShardLayout.of(spec, group.rank, group.size), group.reducer)
     del whole
     widths = vocab_widths(spec, group.size)
-    forward, how = pick_forward(model, dtype, device)
+    forward, how = pick_forward(model, dtype, device, cpu_options)
     logger.info("rank %d: forward: %s", group.rank, how)
     kind, num_blocks, block_size = group.receive()
     assert kind == "cache", kind

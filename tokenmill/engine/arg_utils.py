@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import (
     CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -94,6 +95,12 @@ class EngineArgs:
             raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
         return SpeculativeConfig.from_dict(self.speculative_config)
+    def create_cpu_options(self) -> CpuBackendOptions:
+        """The CPU backend's options, built here once per engine and passed down
+        (runner, plan, the other tensor-parallel ranks): no engine arg sets them
+        yet, the environment's switches do (envs.py)."""
+        return CpuBackendOptions.from_env()
+
     def create_parallel_config(self) -> ParallelConfig:
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError(f"quantization={self.quantization!r} cannot be used with "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import (
     CacheConfig,
     ModelConfig,
@@ -92,7 +93,8 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs, check_integrity: bool = False) -> LLMEngine:
         return cls(*engine_args.create_engine_configs(), check_integrity=check_integrity,
                    speculative_config=engine_args.create_speculative_config(),
-                   parallel_config=engine_args.create_parallel_config())
+                   parallel_config=engine_args.create_parallel_config(),
+                   cpu_options=engine_args.create_cpu_options())
 
     def __init__(
         self,
@@ -102,8 +104,11 @@ class LLMEngine:
         check_integrity: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         parallel_config: ParallelConfig | None = None,
+        *,
+        cpu_options: CpuBackendOptions,
     ) -> None:
         self.model_config = model_config
+        self.cpu_options = cpu_options  # (EngineArgs.create_cpu_options: built once, passed down)
         self.speculative_config = speculative_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -120,7 +125,7 @@ class LLMEngine:
         if self.parallel_config.tensor_parallel_size > 1:
             from tokenmill.distributed.tensor_parallel import TensorParallel
 
-            self.tp = TensorParallel(self.parallel_config, model_config)
+            self.tp = TensorParallel(self.parallel_config, model_config, cpu_options)
         try:
             model, spec = load_model(model_config, self.source)
             self._init_rest(model, spec)
@@ -159,7 +164,7 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
         if self.tp is not None:
             self.tp.start(num_blocks, cache_config.block_size)
-        forward = chosen_forward(model, self.dtype, self.device)
+        forward = chosen_forward(model, self.dtype, self.device, self.cpu_options)
         if self.tp is not None:  # every forward goes to the other ranks too
             forward = self.tp.driver(forward)
         speculative_config = self.speculative_config
@@ -168,9 +173,9 @@ class LLMEngine:
             assert speculative_config.model is not None
             drafter = DraftModelProposer(
                 speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
-                self.device)
+                self.device, self.cpu_options)
         self.runner = ModelRunner(
-            model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device,
+            model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device, self.cpu_options,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
             drafter=drafter,
         )

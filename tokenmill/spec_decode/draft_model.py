@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import ModelConfig, ModelSpec
 from tokenmill.core.contracts import ScheduledRequest
 from tokenmill.model.loader import load_model
@@ -31,7 +32,7 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 class DraftModelProposer:
     def __init__(self, model: str, target_spec: ModelSpec, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, cpu_options: CpuBackendOptions) -> None:
         name = str(dtype).removeprefix("torch.")
         config = ModelConfig(model=model, dtype=name, device=device.type)
         draft, spec = load_model(config, resolve_model_source(model))
@@ -39,7 +40,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model has a vocabulary of {spec.vocab_size} "
                              f"tokens, the target {target_spec.vocab_size}; the draft must share "
                              "the target's tokenizer")
-        self.runner = ModelRunner(draft, spec, num_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(draft, spec, num_blocks, block_size, dtype, device, cpu_options)
         # Per request: the tokens whose K/V the draft's pool holds, positions 0.. in order.
         self.written: dict[str, list[int]] = {}
 

@@ -74,16 +74,15 @@ class ModelForward(Protocol):
 
 
 def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
-                 options: CpuBackendOptions | None = None, release: bool = True) -> tuple[ModelForward, str]:
+                 options: CpuBackendOptions, release: bool = True) -> tuple[ModelForward, str]:
     """The CPU plan where it serves `model`, else the reference model (with the
     C++ paged attention where the kernels exist on the CPU); and a line saying
-    which and why. `options`: the CPU backend's (None: from the environment);
+    which and why. `options`: the CPU backend's (EngineArgs.create_cpu_options);
     `release`: the plan keeps the only copy of each weight (the model's own are
     dropped as it packs them; tests that run the reference on the same model
     after pass False)."""
     if device.type != "cpu":
         return model, f"reference torch model ({device.type})"
-    options = options or CpuBackendOptions.from_env()
     name = str(dtype).removeprefix("torch.")
     reason = unsupported(model, dtype, options)
     plan = CpuPlan.build(model, dtype, options, release) if reason is None else None
@@ -96,7 +95,7 @@ def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.devi
 
 
 def chosen_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
-                   options: CpuBackendOptions | None = None) -> ModelForward:
+                   options: CpuBackendOptions) -> ModelForward:
     """pick_forward's choice, with its reason logged."""
     forward, how = pick_forward(model, dtype, device, options)
     logger.info("forward: %s", how)
@@ -112,20 +111,19 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        cpu_options: CpuBackendOptions,
         seed: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         forward: ModelForward | None = None,
         drafter: Drafter | None = None,
-        cpu_options: CpuBackendOptions | None = None,
     ) -> None:
-        """`forward`: what runs the model (default: pick_forward's choice for
+        """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
+        once). `forward`: what runs the model (default: pick_forward's choice for
         `model`); the engine passes its own where it wraps that choice (tensor
-        parallelism). `drafter`: speculative decoding with a draft model.
-        `cpu_options`: the CPU backend's (None: from the environment)."""
+        parallelism). `drafter`: speculative decoding with a draft model."""
         self.model = model
         self.drafter = drafter
-        # The CPU backend's options, built once (None: from the environment).
-        self.cpu_options = cpu_options or CpuBackendOptions.from_env()
+        self.cpu_options = cpu_options
         ops = kernels.load() if self.cpu_options.cpp_kernels and device.type == "cpu" else None
         # Chosen once: the CPU plan or the reference model, for every step.
         self.forward = forward if forward is not None else chosen_forward(model, dtype, device, self.cpu_options)

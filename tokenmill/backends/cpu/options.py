@@ -1,5 +1,6 @@
-"""The CPU backend's options: what a process chose, built once (from the
-environment or by the caller) and passed to the plan; never read again."""
+"""The CPU backend's options: what a process chose, built once where the
+engine is configured (engine/arg_utils.py EngineArgs.create_cpu_options, from
+the environment) and passed down to the plan; never read again."""
 
 from __future__ import annotations
 

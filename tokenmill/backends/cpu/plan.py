@@ -143,12 +143,11 @@ class CpuPlan:
         self._pack(release)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackendOptions | None = None,
+    def build(cls, model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackendOptions,
               release: bool = False) -> CpuPlan | None:
         """The plan for `model` in `dtype`, or None where `unsupported` says why not.
-        `options`: the CPU backend's (None: from the environment); `release`: the
-        plan keeps the only copy of each weight (module docstring)."""
-        options = options or CpuBackendOptions.from_env()
+        `options`: the CPU backend's (built once, by the engine's configuration);
+        `release`: the plan keeps the only copy of each weight (module docstring)."""
         ops = kernels.load() if options.cpp_kernels else None
         if ops is None or unsupported(model, dtype, options) is not None:
             return None
