@@ -281,6 +281,24 @@ def test_greedy_matches_the_dequantized_reference(gguf_case: dict[str, Any], sce
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_the_plan_holds_the_only_copy_of_each_kquant_weight(gguf_case: dict[str, Any]) -> None:
+    """The runner's plan packs the file's blocks and releases each module's own (a
+    meta tensor of the same shape remains), but for the embedding's, which it reads."""
+    llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    plan = llm.engine.runner.forward
+    if not isinstance(plan, CpuPlan):
+        pytest.skip("the C++ kernels are not built here")
+    model = llm.engine.runner.model.model
+    layer = model.layers[0]
+    for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        kept = kquant_of(module)
+        assert kept is not None and kept[1].device.type == "meta", module
+    embed = kquant_of(model.embed_tokens)
+    assert embed is not None and embed[1].device.type == "cpu"
+    assert plan.layers[0].o.data.device.type == "cpu"
+
+
 def test_bf16_logprobs_near_the_dequantized_reference(gguf_case: dict[str, Any]) -> None:
     """bf16 activations (kq_gemm's int8 path): logprobs within 0.1 of the float32 reference."""
     llm = LLM(gguf_case["path"], dtype="bfloat16", quantization="gguf", skip_tokenizer_init=True,

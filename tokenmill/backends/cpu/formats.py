@@ -161,8 +161,9 @@ def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks of `fmt` (uint8 [N, K / SB, block_bytes], model/quantization.py's
     layouts) -> the layout csrc/kq_gemm.cpp reads front to back, zero rows padding N
     to a multiple of 16: uint8 [ceil(N/16), K / SB, kquant_block_bytes(fmt)], each
-    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc (and mn) a
-    byte each in lane order, then per 32 inputs the q's low nibbles as q4_gemm's
+    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc a byte each
+    in lane order (and mn, a pair of sub-blocks at a time: byte 2 j + t of pair p
+    lane j's mn of sub-block 2 p + t), then per 32 inputs the q's low nibbles as q4_gemm's
     operands (for 8 inputs kk, byte 4 j + t: q[j][8 kk + t] low, q[j][8 kk + 4 + t]
     high) and their high bits as 64-bit masks (bit 4 j + t; for each kk and bit, the
     low operand's then the high one's). On huge pages (mapped_zeros), as pack_weight."""
@@ -182,8 +183,9 @@ def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
         parts.append(lanes(f.dmin.unsqueeze(-1)))
     if f.sc is not None:
         parts.append(lanes(f.sc.to(torch.int8)))
-    if f.mn is not None:
-        parts.append(lanes(f.mn))
+    if f.mn is not None:  # pairs of sub-blocks, lane-major: byte 2 j + t of pair p the mn of sub-block 2 p + t
+        mn = f.mn.reshape(groups, 16, nb, -1, 2).permute(0, 2, 3, 1, 4)
+        parts.append(mn.contiguous().reshape(groups, nb, -1))
     q = f.q.reshape(groups, 16, nb, chunks, 4, 2, 4)  # (g, j, sb, c, kk, low/high operand, t)
     nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
     body = [nibbles.reshape(groups, nb, chunks, 256)]

@@ -47,7 +47,7 @@ from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
-from tokenmill.model.quantization import q8_0_of
+from tokenmill.model.quantization import KQUANT_FORMATS, q8_0_of
 
 logger = logging.getLogger("tokenmill")
 
@@ -66,8 +66,8 @@ class _Layer(NamedTuple):
 
 
 # The tensors a module holds a weight in (model/quantization.py: a float
-# Parameter, or Q8_0 / Q4_1 blocks as buffers), which the packed copy replaces.
-_WEIGHT_NAMES = ("weight", "qweight", "qscale", "q4_1")
+# Parameter, or Q8_0 / Q4_1 / KQUANT_FORMATS blocks as buffers), which the packed copy replaces.
+_WEIGHT_NAMES = ("weight", "qweight", "qscale", "q4_1", *(name.lower() for name in KQUANT_FORMATS))
 
 
 def release_weights(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> None:
