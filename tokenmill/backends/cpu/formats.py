@@ -31,6 +31,7 @@ from tokenmill.model.quantization import (
     KQuantFormat,
     kquant_fields,
     kquant_of,
+    kquant_parts_of,
     q4_0_as_q4_1,
     q4_1_of,
     q8_0_of,
@@ -45,6 +46,7 @@ class CppPackedWeight(Protocol):
     k: int  # input features
     data: torch.Tensor  # the format's packed layout
     bias: torch.Tensor  # [n], or empty: none
+    parts: list[CppPackedWeight]  # format "parts": the output rows' parts, in order (else empty)
 
 
 class PackingOps(Protocol):
@@ -53,7 +55,7 @@ class PackingOps(Protocol):
     def weight_formats(self) -> list[str]: ...
 
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
-                     bias: torch.Tensor) -> CppPackedWeight: ...
+                     bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
 
 
 @dataclass(frozen=True)
@@ -241,8 +243,17 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 
 
+# A fused weight whose output rows are parts of different formats (quantization.kquant_parts_of):
+# packed part by part, its GEMM each part's into its columns of y (csrc/formats.h kParts).
+PARTS = "parts"
+
+
 def source_of(module: nn.Module) -> tuple[str, Any]:
-    """A Linear's weight as it holds it: (format name, what that row's pack takes)."""
+    """A Linear's weight as it holds it: (format name, what that row's pack takes), or
+    (PARTS, [(format name, source), ...] in row order)."""
+    parts = kquant_parts_of(module)
+    if parts is not None:
+        return PARTS, [(fmt.name.lower(), blocks) for fmt, blocks in parts]
     q8, q4, kq = q8_0_of(module), q4_1_of(module), kquant_of(module)
     if q8 is not None:
         return "q8_0", q8
@@ -259,7 +270,19 @@ def source_of(module: nn.Module) -> tuple[str, Any]:
 
 
 def pack(ops: PackingOps, name: str, source: Any, bias: torch.Tensor | None = None) -> CppPackedWeight:
-    """`source` in format `name` (a FORMATS row) packed for the GEMM, with its bias (or none)."""
+    """`source` in format `name` (a FORMATS row, or PARTS) packed for the GEMM, with its bias (or none)."""
+    if name == PARTS:
+        kernels_here = list(ops.weight_formats())
+        if PARTS not in kernels_here:
+            raise RuntimeError(f"the C++ kernels have no {PARTS!r} GEMM (they serve {kernels_here}): rebuild them")
+        packed, first = [], 0
+        for part_name, part_source in source:  # (k-quant blocks: [rows, ...])
+            rows = part_source.shape[0]
+            packed.append(pack(ops, part_name, part_source, None if bias is None else bias[first:first + rows]))
+            first += rows
+        return ops.PackedWeight(format=kernels_here.index(PARTS), n=first, k=packed[0].k,
+                                data=torch.empty(0, dtype=torch.uint8),
+                                bias=torch.empty(0), parts=packed)
     row = FORMATS.get(name)
     if row is None:
         raise ValueError(f"unknown weight format {name!r} (the formats: {', '.join(FORMATS)})")
@@ -280,5 +303,6 @@ def pack_module(ops: PackingOps, module: nn.Module) -> CppPackedWeight:
 
 
 def packed_bytes(weight: CppPackedWeight) -> int:
-    """The bytes a packed weight holds (its data and bias)."""
-    return weight.data.numel() * weight.data.element_size() + weight.bias.numel() * weight.bias.element_size()
+    """The bytes a packed weight holds (its data and bias, and its parts')."""
+    return (weight.data.numel() * weight.data.element_size() + weight.bias.numel() * weight.bias.element_size()
+            + sum(packed_bytes(part) for part in weight.parts))
