@@ -40,6 +40,7 @@ from tokenmill.model.quantization import (
     KQuantFormat,
     dequantize_kquant,
     kquant_of,
+    kquant_parts_of,
     q8_0_of,
 )
 from tokenmill.model.source import resolve_model_source
@@ -136,6 +137,32 @@ def test_kq_gemm_against_the_dequantized_weights(name: str, dtype: torch.dtype) 
     assert torch.equal(ops.packed_gemm_silu(x, gate_up), ops.silu_and_mul(ops.packed_gemm(x, gate_up, False)))
 
 
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_of_parts_is_its_parts_side_by_side(dtype: torch.dtype) -> None:
+    """formats.PARTS (a fused qkv mixing types): each column the bits of its part's
+    own GEMM, its share of the bias included, at 1 and 19 rows; gate_up's silu too.
+    A PackedWeight whose parts do not add up is refused."""
+    ops = kernels.load()
+    assert ops is not None
+    q4k, q6k = KQUANT_FORMATS["Q4_K"], KQUANT_FORMATS["Q6_K"]
+    k = 512
+    first, second = _random_blocks(q4k, 40, k, seed=1), _random_blocks(q6k, 24, k, seed=2)
+    bias = (torch.randn(64) * 0.1).to(dtype)
+    w = pack(ops, "parts", [("q4_k", first), ("q6_k", second)], bias)
+    assert ops.weight_formats()[w.format] == "parts" and (w.n, w.k) == (64, k) and len(w.parts) == 2
+    alone = [pack(ops, "q4_k", first, bias[:40]), pack(ops, "q6_k", second, bias[40:])]
+    x = torch.randn(19, k).to(dtype)
+    for m in (1, 19):
+        ours = ops.packed_gemm(x[:m].contiguous(), w, True)
+        assert torch.equal(ours, torch.cat([ops.packed_gemm(x[:m].contiguous(), p, True) for p in alone], 1))
+    gate_up = pack(ops, "parts", [("q4_k", first[:32]), ("q6_k", second[:16].repeat(2, 1, 1))])
+    assert torch.equal(ops.packed_gemm_silu(x, gate_up), ops.silu_and_mul(ops.packed_gemm(x, gate_up, False)))
+    with pytest.raises(RuntimeError, match="outputs are not"):
+        ops.PackedWeight(format=w.format, n=65, k=k, data=torch.empty(0, dtype=torch.uint8), bias=torch.empty(0),
+                         parts=alone)
+
+
 # --- tiny GGUF files ----------------------------------------------------------------
 
 # A Llama whose matrices' inputs are multiples of 256 (the k-quants' super-blocks).
@@ -144,13 +171,12 @@ CONFIG = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "num_attention
 # The matrices' GGUF types. "q4_k_m": llama-quantize's Q4_K_M mix (Q4_K, Q6_K for
 # ffn_down and the embedding, the head tied); "mixed": an untied Q4_0 head, a Q5_0
 # embedding and ffn_down, Q5_K gate/up, a Q6_K attn_v beside Q4_K q/k (so the
-# fused qkv is Q8_0: the file's values requantized, as quantization="q8_0").
+# fused qkv is two parts: Q4_K q and k, Q6_K v, as about half of a Q4_K_M file's layers).
 LAYOUTS: dict[str, dict[str, Any]] = {
     "q4_k_m": {"tied": True, "types": {"token_embd": GT.Q6_K, "ffn_down": GT.Q6_K}, "default": GT.Q4_K},
     "mixed": {"tied": False, "default": GT.Q4_K,
               "types": {"token_embd": GT.Q5_0, "output": GT.Q4_0, "ffn_down": GT.Q5_0, "ffn_gate": GT.Q5_K,
-                        "ffn_up": GT.Q5_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_0},
-              "as_q8_0": ("attn_q", "attn_k", "attn_v")},
+                        "ffn_up": GT.Q5_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_0}},
 }
 
 
@@ -187,7 +213,7 @@ def gguf_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     hf_model.generation_config.pad_token_id = 0
     path = tmp_path_factory.mktemp(request.param) / "tiny.gguf"
     written = _write_gguf(hf_model, path, layout)
-    _dequantize_into(hf_model, written, layout.get("as_q8_0", ()))
+    _dequantize_into(hf_model, written)
     refs = [hf_greedy(hf_model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     return {"name": request.param, "path": str(path), "written": written, "refs": refs}
 
@@ -224,8 +250,13 @@ def test_the_files_blocks_are_kept_as_they_are(gguf_case: dict[str, Any]) -> Non
         gate, up = f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"
         assert torch.equal(_kept(mlp.gate_up_proj, kind(gate)), torch.cat([_raw(written, gate), _raw(written, up)]))
         q, k, v = (f"blk.{i}.attn_{p}.weight" for p in "qkv")
-        if gguf_case["name"] == "mixed":  # Q4_K q/k beside a Q6_K v: the fused qkv is Q8_0
-            assert kquant_of(attn.qkv_proj) is None and q8_0_of(attn.qkv_proj) is not None
+        if gguf_case["name"] == "mixed":  # Q4_K q/k beside a Q6_K v: two parts, each as the file has it
+            parts = kquant_parts_of(attn.qkv_proj)
+            assert kquant_of(attn.qkv_proj) is None and q8_0_of(attn.qkv_proj) is None and parts is not None
+            assert [fmt.name for fmt, _ in parts] == ["Q4_K", "Q6_K"] and "weight" not in attn.qkv_proj._parameters
+            assert torch.equal(parts[0][1], torch.cat([_raw(written, q, spec.num_heads),
+                                                       _raw(written, k, spec.num_kv_heads)]))
+            assert torch.equal(parts[1][1], _raw(written, v))
         else:
             assert torch.equal(_kept(attn.qkv_proj, kind(q)), torch.cat([
                 _raw(written, q, spec.num_heads), _raw(written, k, spec.num_kv_heads), _raw(written, v)]))
@@ -273,12 +304,35 @@ def test_greedy_matches_the_dequantized_reference(gguf_case: dict[str, Any], sce
         plan = llm.engine.runner.forward
         assert isinstance(plan, CpuPlan)
         names = plan.ops.weight_formats()
-        expect = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "mixed": ("q8_0", "q5_k", "q5_0")}[gguf_case["name"]]
+        expect = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "mixed": ("parts", "q5_k", "q5_0")}[gguf_case["name"]]
         for layer in plan.layers:
             assert (names[layer.qkv.format], names[layer.gate_up.format], names[layer.down.format]) == expect
+            if gguf_case["name"] == "mixed":
+                assert [names[part.format] for part in layer.qkv.parts] == ["q4_k", "q6_k"]
     _check_greedy(_generate(llm), gguf_case["refs"])
     if scenario == "preempt":
         assert llm.engine.stats().num_preemptions > 0
+
+
+def test_the_plan_holds_the_only_copy_of_each_kquant_weight(gguf_case: dict[str, Any]) -> None:
+    """The runner's plan packs the file's blocks and releases each module's own (a
+    meta tensor of the same shape remains), but for the embedding's, which it reads."""
+    llm = LLM(gguf_case["path"], dtype="float32", quantization="gguf", skip_tokenizer_init=True,
+              num_kv_blocks=512)
+    plan = llm.engine.runner.forward
+    if not isinstance(plan, CpuPlan):
+        pytest.skip("the C++ kernels are not built here")
+    model = llm.engine.runner.model.model
+    layer = model.layers[0]
+    for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        kept = kquant_of(module)
+        assert kept is not None and kept[1].device.type == "meta", module
+    parts = kquant_parts_of(layer.self_attn.qkv_proj)
+    if gguf_case["name"] == "mixed":
+        assert parts is not None and all(blocks.device.type == "meta" for _, blocks in parts)
+    embed = kquant_of(model.embed_tokens)
+    assert embed is not None and embed[1].device.type == "cpu"
+    assert plan.layers[0].o.data.device.type == "cpu"
 
 
 def test_bf16_logprobs_near_the_dequantized_reference(gguf_case: dict[str, Any]) -> None:

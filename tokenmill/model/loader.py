@@ -39,6 +39,7 @@ from tokenmill.model.quantization import (
     q4_0_as_q4_1,
     quantize_q8_0,
     set_kquant,
+    set_kquant_parts,
     set_q4_1,
     set_q8_0,
 )
@@ -191,8 +192,9 @@ def load_weights(
     other tensor quantized here; their float Parameters are never written.
     With "gguf" (`storage`: checkpoint name -> GGUF type) a module whose
     tensors are all of one kept type (Q4_1, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)
-    keeps their blocks as they are (Q4_0 fused with Q4_1: as Q4_1), the others
-    are Q8_0 as above (a fused module mixing types: Q8_0)."""
+    keeps their blocks as they are (Q4_0 fused with Q4_1: as Q4_1), a fused
+    module mixing k-quant types keeps each part's (quantization.set_kquant_parts),
+    the others are Q8_0 as above (a fused module mixing other types: Q8_0)."""
     targets = checkpoint_targets(model)
     unexpected = sorted(n for n in tensors if n not in targets and not ignored(n))
     missing = sorted(n for n in targets if n not in tensors)
@@ -209,8 +211,9 @@ def load_weights(
     params = dict(model.named_parameters())
     blocks = _q8_0_destinations(model, params, quantization) if quantization is not None else {}
     kept: dict[str, tuple[str, torch.Tensor]] = {}
+    kept_parts: dict[str, list[tuple[str, int, torch.Tensor]]] = {}
     if quantization == "gguf":
-        kept = _kept_destinations(targets, blocks, storage or {})
+        kept, kept_parts = _kept_destinations(model, targets, blocks, storage or {})
     with torch.no_grad():
         for name, (param_name, shard) in targets.items():
             dest: torch.Tensor = params[param_name]  # not .data: the copy counts as a change of the weight
@@ -230,6 +233,12 @@ def load_weights(
                 assert isinstance(tensor, GgufBlocks), name
                 kind, dest_blocks = kept[param_name]
                 dest_blocks[rows].copy_(tensor.as_q4_1() if kind == "Q4_1" else tensor.blocks)
+            elif param_name in kept_parts:  # the part holding this shard's rows
+                assert isinstance(tensor, GgufBlocks) and shard is not None, name
+                start, stop = rows.start, rows.stop
+                for _, first, part in kept_parts[param_name]:
+                    if first <= start < first + part.shape[0]:
+                        part[start - first:stop - first].copy_(tensor.blocks)
             elif param_name in blocks:
                 if isinstance(tensor, GgufBlocks):  # (a fused module mixing types)
                     tensor = tensor.values()
@@ -244,6 +253,9 @@ def load_weights(
         _set_kept(module, kind, kept_blocks)
         if isinstance(module, Embedding):
             module.compute_dtype = params[param_name].dtype
+    for param_name, part_list in kept_parts.items():
+        set_kquant_parts(model.get_submodule(param_name.rpartition(".")[0]),
+                         [(KQUANT_FORMATS[kind], part) for kind, _, part in part_list])
     for param_name, (q, d) in blocks.items():
         module = model.get_submodule(param_name.rpartition(".")[0])
         set_q8_0(module, q, d)
@@ -259,16 +271,20 @@ def load_weights(
 
 
 def _kept_destinations(
-    targets: Mapping[str, tuple[str, str | None]],
+    model: nn.Module, targets: Mapping[str, tuple[str, str | None]],
     blocks: dict[str, tuple[torch.Tensor, torch.Tensor]], storage: Mapping[str, str],
-) -> dict[str, tuple[str, torch.Tensor]]:
+) -> tuple[dict[str, tuple[str, torch.Tensor]], dict[str, list[tuple[str, int, torch.Tensor]]]]:
     """quantization="gguf": parameter name -> (GGUF type, its empty blocks) for each
     quantized weight whose checkpoint tensors are all of one kept type, or Q4_0
-    and Q4_1 (kept as Q4_1); taken out of `blocks`, the Q8_0 destinations."""
+    and Q4_1 (kept as Q4_1); and parameter name -> its parts (GGUF type, first row,
+    empty blocks), a part each run of shards of one type, for a fused weight mixing
+    KQUANT_FORMATS types (a Q4_K_M file's Q4_K q/k beside a Q6_K v). Both taken out
+    of `blocks`, the Q8_0 destinations."""
     parts: dict[str, list[str]] = {}
     for name, (param_name, _) in targets.items():
         parts.setdefault(param_name, []).append(name)
     out: dict[str, tuple[str, torch.Tensor]] = {}
+    mixed: dict[str, list[tuple[str, int, torch.Tensor]]] = {}
     for param_name in list(blocks):
         kinds = {storage.get(name) for name in parts.get(param_name, [])}
         if kinds == {"Q4_0", "Q4_1"}:
@@ -278,7 +294,21 @@ def _kept_destinations(
             rows, k = blocks.pop(param_name)[0].shape
             out[param_name] = (kind, torch.empty(rows, k // _block_values(kind), _block_bytes(kind),
                                                  dtype=torch.uint8))
-    return out
+        elif len(kinds) > 1 and all(t in KQUANT_FORMATS for t in kinds):
+            module = model.get_submodule(param_name.rpartition(".")[0])
+            assert isinstance(module, MergedLinear), param_name
+            shards = sorted(((module.shard_slice(str(targets[name][1])), storage[name]) for name in parts[param_name]),
+                            key=lambda shard: shard[0].start)
+            runs: list[list[Any]] = []  # [type, first row, end row]
+            for rows_of, shard_kind in shards:
+                if runs and runs[-1][0] == shard_kind and runs[-1][2] == rows_of.start:
+                    runs[-1][2] = rows_of.stop
+                else:
+                    runs.append([shard_kind, rows_of.start, rows_of.stop])
+            k = blocks.pop(param_name)[0].shape[1]
+            mixed[param_name] = [(t, first, torch.empty(end - first, k // _block_values(t), _block_bytes(t),
+                                                        dtype=torch.uint8)) for t, first, end in runs]
+    return out, mixed
 
 
 def _set_kept(module: nn.Module, kind: str, kept_blocks: torch.Tensor) -> None:

@@ -106,14 +106,17 @@ def set_q4_1(module: nn.Module, blocks: torch.Tensor) -> None:
 def is_quantized(module: nn.Module) -> bool:
     """Whether `module` holds quantized blocks (Q8_0, Q4_1 or a KQUANT_FORMATS type)
     instead of a float weight."""
-    return q8_0_of(module) is not None or q4_1_of(module) is not None or kquant_of(module) is not None
+    return (q8_0_of(module) is not None or q4_1_of(module) is not None or kquant_of(module) is not None
+            or kquant_parts_of(module) is not None)
 
 
 def dense_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The module's weight as a float tensor: its Parameter, or its blocks dequantized."""
-    q8, q4, kq = q8_0_of(module), q4_1_of(module), kquant_of(module)
+    q8, q4, kq, parts = q8_0_of(module), q4_1_of(module), kquant_of(module), kquant_parts_of(module)
     if kq is not None:
         return dequantize_kquant(*kq).to(dtype)
+    if parts is not None:
+        return torch.cat([dequantize_kquant(fmt, blocks) for fmt, blocks in parts]).to(dtype)
     if q4 is not None:
         return dequantize_q4_1(q4).to(dtype)
     if q8 is None:
@@ -258,6 +261,32 @@ def kquant_of(module: nn.Module) -> tuple[KQuantFormat, torch.Tensor] | None:
         if blocks is not None:
             return fmt, blocks
     return None
+
+
+def kquant_parts_of(module: nn.Module) -> list[tuple[KQuantFormat, torch.Tensor]] | None:
+    """A fused module's parts of different KQUANT_FORMATS types, in the order of their
+    output rows (buffers `<type>_part<i>`: `q4_k_part0`, `q6_k_part1` ...), or None."""
+    parts: dict[int, tuple[KQuantFormat, torch.Tensor]] = {}
+    for name, blocks in module._buffers.items():
+        kind, _, index = name.partition("_part")
+        if index.isdigit() and kind.upper() in KQUANT_FORMATS and blocks is not None:
+            parts[int(index)] = (KQUANT_FORMATS[kind.upper()], blocks)
+    return [parts[i] for i in sorted(parts)] or None
+
+
+def is_kquant_part(name: str) -> bool:
+    """Whether a buffer's name is one of kquant_parts_of's."""
+    kind, _, index = name.partition("_part")
+    return index.isdigit() and kind.upper() in KQUANT_FORMATS
+
+
+def set_kquant_parts(module: nn.Module, parts: list[tuple[KQuantFormat, torch.Tensor]]) -> None:
+    """Make a fused `module` (a Linear) hold its output rows as consecutive parts, each
+    of its own type's blocks as the file has them, instead of its float weight."""
+    if "weight" in module._parameters:
+        del module._parameters["weight"]
+    for i, (fmt, blocks) in enumerate(parts):
+        module.register_buffer(f"{fmt.name.lower()}_part{i}", blocks)
 
 
 def set_kquant(module: nn.Module, fmt: KQuantFormat, blocks: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from tokenmill.model.quantization import (
     KQuantFormat,
     kquant_fields,
     kquant_of,
+    kquant_parts_of,
     q4_0_as_q4_1,
     q4_1_of,
     q8_0_of,
@@ -45,6 +46,7 @@ class CppPackedWeight(Protocol):
     k: int  # input features
     data: torch.Tensor  # the format's packed layout
     bias: torch.Tensor  # [n], or empty: none
+    parts: list[CppPackedWeight]  # format "parts": the output rows' parts, in order (else empty)
 
 
 class PackingOps(Protocol):
@@ -53,7 +55,7 @@ class PackingOps(Protocol):
     def weight_formats(self) -> list[str]: ...
 
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
-                     bias: torch.Tensor) -> CppPackedWeight: ...
+                     bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,9 @@ def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks of `fmt` (uint8 [N, K / SB, block_bytes], model/quantization.py's
     layouts) -> the layout csrc/kq_gemm.cpp reads front to back, zero rows padding N
     to a multiple of 16: uint8 [ceil(N/16), K / SB, kquant_block_bytes(fmt)], each
-    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc (and mn) a
-    byte each in lane order, then per 32 inputs the q's low nibbles as q4_gemm's
+    super-block the 16 outputs' float16 d (and dmin), their sub-blocks' sc a byte each
+    in lane order (and mn, a pair of sub-blocks at a time: byte 2 j + t of pair p
+    lane j's mn of sub-block 2 p + t), then per 32 inputs the q's low nibbles as q4_gemm's
     operands (for 8 inputs kk, byte 4 j + t: q[j][8 kk + t] low, q[j][8 kk + 4 + t]
     high) and their high bits as 64-bit masks (bit 4 j + t; for each kk and bit, the
     low operand's then the high one's). On huge pages (mapped_zeros), as pack_weight."""
@@ -182,8 +185,9 @@ def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
         parts.append(lanes(f.dmin.unsqueeze(-1)))
     if f.sc is not None:
         parts.append(lanes(f.sc.to(torch.int8)))
-    if f.mn is not None:
-        parts.append(lanes(f.mn))
+    if f.mn is not None:  # pairs of sub-blocks, lane-major: byte 2 j + t of pair p the mn of sub-block 2 p + t
+        mn = f.mn.reshape(groups, 16, nb, -1, 2).permute(0, 2, 3, 1, 4)
+        parts.append(mn.contiguous().reshape(groups, nb, -1))
     q = f.q.reshape(groups, 16, nb, chunks, 4, 2, 4)  # (g, j, sb, c, kk, low/high operand, t)
     nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
     body = [nibbles.reshape(groups, nb, chunks, 256)]
@@ -239,8 +243,17 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 
 
+# A fused weight whose output rows are parts of different formats (quantization.kquant_parts_of):
+# packed part by part, its GEMM each part's into its columns of y (csrc/formats.h kParts).
+PARTS = "parts"
+
+
 def source_of(module: nn.Module) -> tuple[str, Any]:
-    """A Linear's weight as it holds it: (format name, what that row's pack takes)."""
+    """A Linear's weight as it holds it: (format name, what that row's pack takes), or
+    (PARTS, [(format name, source), ...] in row order)."""
+    parts = kquant_parts_of(module)
+    if parts is not None:
+        return PARTS, [(fmt.name.lower(), blocks) for fmt, blocks in parts]
     q8, q4, kq = q8_0_of(module), q4_1_of(module), kquant_of(module)
     if q8 is not None:
         return "q8_0", q8
@@ -257,7 +270,19 @@ def source_of(module: nn.Module) -> tuple[str, Any]:
 
 
 def pack(ops: PackingOps, name: str, source: Any, bias: torch.Tensor | None = None) -> CppPackedWeight:
-    """`source` in format `name` (a FORMATS row) packed for the GEMM, with its bias (or none)."""
+    """`source` in format `name` (a FORMATS row, or PARTS) packed for the GEMM, with its bias (or none)."""
+    if name == PARTS:
+        kernels_here = list(ops.weight_formats())
+        if PARTS not in kernels_here:
+            raise RuntimeError(f"the C++ kernels have no {PARTS!r} GEMM (they serve {kernels_here}): rebuild them")
+        packed, first = [], 0
+        for part_name, part_source in source:  # (k-quant blocks: [rows, ...])
+            rows = part_source.shape[0]
+            packed.append(pack(ops, part_name, part_source, None if bias is None else bias[first:first + rows]))
+            first += rows
+        return ops.PackedWeight(format=kernels_here.index(PARTS), n=first, k=packed[0].k,
+                                data=torch.empty(0, dtype=torch.uint8),
+                                bias=torch.empty(0), parts=packed)
     row = FORMATS.get(name)
     if row is None:
         raise ValueError(f"unknown weight format {name!r} (the formats: {', '.join(FORMATS)})")
@@ -278,5 +303,6 @@ def pack_module(ops: PackingOps, module: nn.Module) -> CppPackedWeight:
 
 
 def packed_bytes(weight: CppPackedWeight) -> int:
-    """The bytes a packed weight holds (its data and bias)."""
-    return weight.data.numel() * weight.data.element_size() + weight.bias.numel() * weight.bias.element_size()
+    """The bytes a packed weight holds (its data and bias, and its parts')."""
+    return (weight.data.numel() * weight.data.element_size() + weight.bias.numel() * weight.bias.element_size()
+            + sum(packed_bytes(part) for part in weight.parts))

@@ -30,7 +30,7 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "packed_gemm.cpp", "q8_gemm.cpp",
-                                      "q4_gemm.cpp", "kq_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+                                      "q4_gemm.cpp", "kq_gemm.cpp", "parts_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
                                       "layer_loop.cpp", "layer_stack.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
                                       "act_quant.h", "formats.h", "block_gemm.h", "cpu_features.h",
@@ -110,7 +110,7 @@ class CpuOps(Protocol):
     def weight_formats(self) -> list[str]: ...
 
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
-                     bias: torch.Tensor) -> CppPackedWeight: ...
+                     bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
 
     def LayerWeights(self, *, norm1: torch.Tensor, qkv: CppPackedWeight, o: CppPackedWeight,
                      norm2: torch.Tensor, gate_up: CppPackedWeight, down: CppPackedWeight,

@@ -47,7 +47,7 @@ from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
-from tokenmill.model.quantization import q8_0_of
+from tokenmill.model.quantization import KQUANT_FORMATS, is_kquant_part, q8_0_of
 
 logger = logging.getLogger("tokenmill")
 
@@ -65,9 +65,9 @@ class _Layer(NamedTuple):
     sliding_window: int | None
 
 
-# The tensors a module holds a weight in (model/quantization.py: a float
-# Parameter, or Q8_0 / Q4_1 blocks as buffers), which the packed copy replaces.
-_WEIGHT_NAMES = ("weight", "qweight", "qscale", "q4_1")
+# The tensors a module holds a weight in (model/quantization.py: a float Parameter, or
+# Q8_0 / Q4_1 / KQUANT_FORMATS blocks as buffers, or a fused weight's parts), which the packed copy replaces.
+_WEIGHT_NAMES = ("weight", "qweight", "qscale", "q4_1", *(name.lower() for name in KQUANT_FORMATS))
 
 
 def release_weights(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> None:
@@ -77,7 +77,7 @@ def release_weights(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> N
     through it raises rather than computing on nothing."""
     module.forward = _released_forward  # (an instance attribute: nn.Module.__call__ finds it first)
     for store in (module._parameters, module._buffers):
-        for name in _WEIGHT_NAMES:
+        for name in [*_WEIGHT_NAMES, *(n for n in store if is_kquant_part(n))]:
             t = store.get(name)
             if t is None or t.device.type == "meta" or any(t is k for k in keep):
                 continue
@@ -210,7 +210,7 @@ class CpuPlan:
         self.row_cost = 0.0
         if self.layers:
             first = self.layers[0]
-            params = sum(p.data.numel() for p in (first.qkv, first.o, first.gate_up, first.down))
+            params = sum(_data_numel(p) for p in (first.qkv, first.o, first.gate_up, first.down))
             kv_bytes = 2 * self.num_kv_heads * self.head_dim * first.qkv.data.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
         self.path_facts = PathFacts(
@@ -350,6 +350,11 @@ class CpuPlan:
             return ops.rms_norm(hidden, self.final_norm, eps)
         ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
         return hidden
+
+
+def _data_numel(weight: CppPackedWeight) -> int:
+    """The elements of a packed weight's data, its parts' included."""
+    return weight.data.numel() + sum(_data_numel(part) for part in weight.parts)
 
 
 def threads() -> int:

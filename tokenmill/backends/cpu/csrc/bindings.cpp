@@ -14,17 +14,29 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PackedWeight>(m, "PackedWeight")
-      .def(py::init([](int64_t format, int64_t n, int64_t k, at::Tensor data, at::Tensor bias) {
+      .def(py::init([](int64_t format, int64_t n, int64_t k, at::Tensor data, at::Tensor bias,
+                       std::vector<PackedWeight> parts) {
              TORCH_CHECK(format >= 0 && format < kNumFormats, "PackedWeight: unknown format ", format);
              TORCH_CHECK(n > 0 && k > 0, "PackedWeight: n and k must be positive");
-             return PackedWeight{static_cast<WeightFormat>(format), n, k, data, bias};
+             const bool of_parts = static_cast<WeightFormat>(format) == WeightFormat::kParts;
+             TORCH_CHECK(of_parts != parts.empty(), "PackedWeight: parts go with the parts format, and only there");
+             int64_t rows = 0;
+             for (const PackedWeight& part : parts) {
+               TORCH_CHECK(part.k == k && part.format != WeightFormat::kParts, "PackedWeight: a part of ", k,
+                           " inputs in a format of its own");
+               rows += part.n;
+             }
+             TORCH_CHECK(!of_parts || rows == n, "PackedWeight: the parts' ", rows, " outputs are not n = ", n);
+             return PackedWeight{static_cast<WeightFormat>(format), n, k, data, bias, std::move(parts)};
            }),
-           py::kw_only(), py::arg("format"), py::arg("n"), py::arg("k"), py::arg("data"), py::arg("bias"))
+           py::kw_only(), py::arg("format"), py::arg("n"), py::arg("k"), py::arg("data"), py::arg("bias"),
+           py::arg("parts") = std::vector<PackedWeight>{})
       .def_property_readonly("format", [](const PackedWeight& w) { return static_cast<int64_t>(w.format); })
       .def_readonly("n", &PackedWeight::n)
       .def_readonly("k", &PackedWeight::k)
       .def_readonly("data", &PackedWeight::data)
-      .def_readonly("bias", &PackedWeight::bias);
+      .def_readonly("bias", &PackedWeight::bias)
+      .def_readonly("parts", &PackedWeight::parts);
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2, PackedWeight gate_up,
                        PackedWeight down, int64_t sliding_window, double scale) {

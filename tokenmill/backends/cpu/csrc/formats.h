@@ -30,6 +30,7 @@ enum class WeightFormat : int64_t {
   kQ4_K = 6,
   kQ5_K = 7,
   kQ6_K = 8,
+  kParts = 9,  // output rows in parts of different formats, each a PackedWeight (parts_gemm.cpp)
 };
 
 // One weight [N, K] packed for the GEMM: its format, its shape, its bytes in
@@ -40,6 +41,7 @@ struct PackedWeight {
   int64_t n = 0, k = 0;  // output and input features
   at::Tensor data;
   at::Tensor bias;
+  std::vector<PackedWeight> parts;  // kParts: the parts in row order (data and bias empty)
 };
 
 // y = x W^T (+ bias): [M, K] bf16 or float32 -> [M, N] in x's dtype, or float32 with float32_out.
@@ -74,6 +76,8 @@ at::Tensor q5_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, cons
 at::Tensor q5_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
 at::Tensor q6_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
 at::Tensor q6_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor parts_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor parts_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
 
 // Indexed by WeightFormat.
 inline constexpr FormatRow kFormats[] = {
@@ -86,6 +90,7 @@ inline constexpr FormatRow kFormats[] = {
     {WeightFormat::kQ4_K, "q4_k", q4_k_gemm, q4_k_gemm_silu},
     {WeightFormat::kQ5_K, "q5_k", q5_k_gemm, q5_k_gemm_silu},
     {WeightFormat::kQ6_K, "q6_k", q6_k_gemm, q6_k_gemm_silu},
+    {WeightFormat::kParts, "parts", parts_gemm, parts_gemm_silu},
 };
 inline constexpr int64_t kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 

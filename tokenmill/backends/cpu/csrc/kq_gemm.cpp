@@ -11,7 +11,8 @@
 // (outputs 16 g .. 16 g + 15) is K / SB super-blocks one after the other, each
 //   header: 16 float16 d (lane j: output 16 g + j); [K-quants with mins] 16 float16
 //           dmin; [scales] for each sub-block s 16 bytes sc (lane order); [mins] for
-//           each sub-block 16 bytes mn
+//           each pair of sub-blocks 2 p, 2 p + 1 32 bytes, byte 2 j + t the mn of
+//           sub-block 2 p + t (once widened to int16, vpdpwssd's operand)
 //   SB / 32 chunks of 32 inputs, each: for 8 inputs kk = 0..3, 64 bytes, byte 4 j + t
 //           holding q[j][8 kk + t] & 15 in its low nibble and q[j][8 kk + 4 + t] & 15
 //           in its high one (q4_gemm.cpp's operands); then for each kk and high bit
@@ -27,6 +28,11 @@
 //   the super-block's integer terms (sc (dot - off sum(xq)), mn sum(xq)) stay integers
 //   until one float32 step: acc += (d s) isum - (dmin s) msum. It differs from the
 //   dequantized reference by x's rounding only: |y - ref| <= sum_k |w_k| s_k / 2.
+//   The sums of xq come with x (KqFormat::terms): -off sum(xq) a sub-block, or (mins)
+//   a pair's two sums as int16, so msum is one vpdpwssd a pair; |sum(xq)| <= 32 * 127.
+//   Row tiles of up to 4 rows share each group's unpacked operands: at one row the
+//   weights' bytes bound the GEMV, at more the port that runs vpdpbusd and vpmulld
+//   (docs/perf-notes.md: the k-quants' read rate by row count).
 // - float32 x (and bf16 x without VNNI): the weights exactly as gguf-py dequantizes
 //   them, one float32 FMA a k and row, k in order.
 // Either way a row's result is the same sequence of operations whatever the other
@@ -81,7 +87,35 @@ constexpr int kMaxGroups = block_gemm::kTaskGroups;
 constexpr int64_t kPrefetchBytes = 2048;  // (q8_gemm's rule)
 
 
-using Args = block_gemm::BlockArgs<int32_t>;  // xs: a scale a super-block; xt: sum(xq) of each sub-block
+using Args = block_gemm::BlockArgs<int32_t>;  // xs: a scale a super-block; xt: KqTerms of it
+
+// A super-block's terms of x (block_gemm's xt), from its int8 xq: with mins (OFF 0) the
+// sub-blocks' sums of xq two to an int32, as int16 (vpdpwssd's operand against the mins'
+// pairs; |sum| <= 32 * 127); else -OFF times each sub-block's sum (added to its dot).
+template <class F>
+struct KqTerms {
+  static_assert(F::MINS == (F::OFF == 0) && (!F::MINS || F::NSUB % 2 == 0), "mins xor an offset");
+  static constexpr int64_t kPerBlock = F::MINS ? F::NSUB / 2 : F::NSUB;
+  static void of(int32_t total, const int8_t* xq, int32_t* out) {
+    int32_t part[F::NSUB];
+    if constexpr (F::NSUB == 1) {
+      part[0] = total;
+    } else {
+      for (int64_t t = 0; t < F::NSUB; ++t) {
+        part[t] = 0;
+        for (int64_t k = 0; k < F::SUB; ++k) part[t] += xq[t * F::SUB + k];
+      }
+    }
+    for (int64_t t = 0; t < kPerBlock; ++t) {
+      if constexpr (F::MINS) {
+        const uint32_t pair = static_cast<uint16_t>(part[2 * t]) | (static_cast<uint32_t>(part[2 * t + 1]) << 16);
+        std::memcpy(out + t, &pair, 4);
+      } else {
+        out[t] = -F::OFF * part[t];
+      }
+    }
+  }
+};
 
 inline float half_at(const uint8_t* p) {
   at::Half h;
@@ -107,7 +141,7 @@ inline float weight_at(const uint8_t* sb, int j, int64_t k) {
     const uint8_t raw = sb[F::SC_AT + 16 * s + j];
     a *= static_cast<float>(F::SIGNED ? static_cast<int>(static_cast<int8_t>(raw)) : static_cast<int>(raw));
   }
-  if constexpr (F::MINS) m = half_at(sb + 32 + 2 * j) * static_cast<float>(sb[F::MN_AT + 16 * s + j]);
+  if constexpr (F::MINS) m = half_at(sb + 32 + 2 * j) * static_cast<float>(sb[F::MN_AT + 32 * (s / 2) + 2 * j + s % 2]);
   return a * static_cast<float>(q - F::OFF) - m;
 }
 
@@ -139,6 +173,26 @@ inline __m512i lanes_i32(const uint8_t* p) {
   return SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
+// A pair of sub-blocks' mins (header at hdr, pair p) as int16: lane j's dword (mn[2 p], mn[2 p + 1]).
+template <class F>
+inline __m512i min_pair(const uint8_t* hdr, int64_t p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + F::MN_AT + 32 * p)));
+}
+
+// Sub-block s's mins alone, 16 lanes as int32 (the float path).
+template <class F>
+inline __m512i min_lanes(const uint8_t* hdr, int64_t s) {
+  const __m512i pair = min_pair<F>(hdr, s / 2);
+  return s % 2 ? _mm512_srli_epi32(pair, 16) : _mm512_and_si512(pair, _mm512_set1_epi32(0xffff));
+}
+
+// 4 bytes at p broadcast to every lane (from memory: a load, no shuffle).
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // The float path: rows m0 .. m0+MT of float32 x times groups g0 .. g0+NB.
 template <class F, int MT, int NB>
 void tile_float(const Args& a, int64_t m0, int64_t g0) {
@@ -166,7 +220,7 @@ void tile_float(const Args& a, int64_t m0, int64_t g0) {
         for (int j = 0; j < NB; ++j) {
           scale[j] = F::SCALES ? _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(lanes_i32<F::SIGNED>(hdr[j] + F::SC_AT + 16 * s)))
                                : d[j];
-          sub[j] = F::MINS ? _mm512_mul_ps(dmin[j], _mm512_cvtepi32_ps(lanes_i32<false>(hdr[j] + F::MN_AT + 16 * s)))
+          sub[j] = F::MINS ? _mm512_mul_ps(dmin[j], _mm512_cvtepi32_ps(min_lanes<F>(hdr[j], s)))
                            : _mm512_setzero_ps();
           operands<F>(hdr[j] + F::HEADER + c * F::CHUNK, kk, v[j][0], v[j][1]);
         }
@@ -194,32 +248,43 @@ void tile_float(const Args& a, int64_t m0, int64_t g0) {
 #if TOKENMILL_KQ_VNNI
 // The VNNI path: rows m0 .. m0+MT of quantized x times groups g0 .. g0+NB; pf, if not
 // null, the next task's groups (pf_bytes), fetched into L2 meanwhile (q4_gemm's rule).
+// One row sums a chunk's low and high operands apart (two dependency chains a group,
+// where one row gives too few to hide vpdpbusd's latency) and adds them at the fold.
 template <class F, int MT, int NB>
 void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t pf_bytes) {
-  const int64_t sbs = a.K / F::SB, group_bytes = sbs * F::BYTES, subs = a.K / F::SUB;
+  constexpr bool kSplit = MT == 1;
+  constexpr int64_t TPB = KqTerms<F>::kPerBlock;
+  const int64_t sbs = a.K / F::SB, group_bytes = sbs * F::BYTES;
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int8_t* xr[MT];
-  for (int i = 0; i < MT; ++i) xr[i] = a.xq + (m0 + i) * a.K;
+  const int32_t* tr[MT];
+  for (int i = 0; i < MT; ++i) {
+    xr[i] = a.xq + (m0 + i) * a.K;
+    tr[i] = a.xt + (m0 + i) * sbs * TPB;
+  }
   const char* pp = reinterpret_cast<const char*>(pf);
   for (int64_t sb = 0; sb < sbs; ++sb) {
     const char* const pend = pf ? reinterpret_cast<const char*>(pf) + pf_bytes * (sb + 1) / sbs : nullptr;
     const uint8_t* hdr[NB];
     for (int j = 0; j < NB; ++j) hdr[j] = a.w + (g0 + j) * group_bytes + sb * F::BYTES;
-    __m512i isum[MT][NB], dot[MT][NB];
+    __m512i isum[MT][NB], dot[MT][NB], dot_hi[MT][NB];
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NB; ++j) isum[i][j] = dot[i][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NB; ++j) isum[i][j] = dot[i][j] = dot_hi[i][j] = _mm512_setzero_si512();
     // Sub-block s's dot products into isum: sc (dot - OFF sum(xq)), exact in int32.
     auto fold = [&](int64_t s) {
+      __m512i sc[NB];
+      if constexpr (F::SCALES)
+        for (int j = 0; j < NB; ++j) sc[j] = lanes_i32<F::SIGNED>(hdr[j] + F::SC_AT + 16 * s);
       for (int i = 0; i < MT; ++i) {
-        const int32_t bs = a.xt[(m0 + i) * subs + sb * F::NSUB + s];
         for (int j = 0; j < NB; ++j) {
           __m512i t = dot[i][j];
-          if constexpr (F::OFF != 0) t = _mm512_sub_epi32(t, _mm512_set1_epi32(F::OFF * bs));
-          if constexpr (F::SCALES) t = _mm512_mullo_epi32(t, lanes_i32<F::SIGNED>(hdr[j] + F::SC_AT + 16 * s));
+          if constexpr (kSplit) t = _mm512_add_epi32(t, dot_hi[i][j]);
+          if constexpr (F::OFF != 0) t = _mm512_add_epi32(t, bcast4(tr[i] + sb * TPB + s));  // - OFF sum(xq)
+          if constexpr (F::SCALES) t = _mm512_mullo_epi32(t, sc[j]);
           isum[i][j] = _mm512_add_epi32(isum[i][j], t);
-          dot[i][j] = _mm512_setzero_si512();
+          dot[i][j] = dot_hi[i][j] = _mm512_setzero_si512();
         }
       }
     };
@@ -233,12 +298,12 @@ void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t
           operands<F>(chunk[j], kk, lo[j], hi[j]);
         }
         for (int i = 0; i < MT; ++i) {
-          int32_t four[2];
-          std::memcpy(four, xr[i] + sb * F::SB + 32 * c + 8 * kk, 8);
-          const __m512i xlo = _mm512_set1_epi32(four[0]), xhi = _mm512_set1_epi32(four[1]);
+          const int8_t* xp = xr[i] + sb * F::SB + 32 * c + 8 * kk;
+          const __m512i xlo = bcast4(xp), xhi = bcast4(xp + 4);
           for (int j = 0; j < NB; ++j) {
             dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], lo[j], xlo);
-            dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], hi[j], xhi);
+            if constexpr (kSplit) dot_hi[i][j] = _mm512_dpbusd_epi32(dot_hi[i][j], hi[j], xhi);
+            else dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], hi[j], xhi);
           }
         }
         if (F::SUB == 16 && kk % 2 == 1) fold(2 * c + kk / 2);
@@ -259,10 +324,8 @@ void tile_vnni(const Args& a, int64_t m0, int64_t g0, const uint8_t* pf, int64_t
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(d, _mm512_set1_ps(xs)), acc[i][j]);
         if constexpr (F::MINS) {  // dmin s sum_s mn sum(xq): integers until the one product
           __m512i msum = _mm512_setzero_si512();
-          const int32_t* bs = a.xt + (m0 + i) * subs + sb * F::NSUB;
-          for (int64_t s = 0; s < F::NSUB; ++s)
-            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(lanes_i32<false>(hdr[j] + F::MN_AT + 16 * s),
-                                                             _mm512_set1_epi32(bs[s])));
+          for (int64_t p = 0; p < F::NSUB / 2; ++p)
+            msum = _mm512_dpwssd_epi32(msum, min_pair<F>(hdr[j], p), bcast4(tr[i] + sb * TPB + p));
           const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr[j] + 32)));
           acc[i][j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, _mm512_set1_ps(xs)), acc[i][j]);
         }
@@ -277,9 +340,17 @@ template <class F, bool VNNI, int MT>
 void rows(const Args& a, int64_t m0, int64_t g0, int nb, const uint8_t* pf, int64_t pf_bytes) {
 #if TOKENMILL_KQ_VNNI
   if constexpr (VNNI) {
-    if (nb == 3) tile_vnni<F, MT, 3>(a, m0, g0, pf, pf_bytes);
-    else if (nb == 2) tile_vnni<F, MT, 2>(a, m0, g0, pf, pf_bytes);
-    else tile_vnni<F, MT, 1>(a, m0, g0, pf, pf_bytes);
+    if constexpr (MT >= 3) {  // (3 groups would take more than the 32 registers)
+      if (nb >= 2) tile_vnni<F, MT, 2>(a, m0, g0, pf, pf_bytes);
+      else tile_vnni<F, MT, 1>(a, m0, g0, pf, pf_bytes);
+      if (nb == 3) tile_vnni<F, MT, 1>(a, m0, g0 + 2, nullptr, 0);
+    } else if (nb == 3) {
+      tile_vnni<F, MT, 3>(a, m0, g0, pf, pf_bytes);
+    } else if (nb == 2) {
+      tile_vnni<F, MT, 2>(a, m0, g0, pf, pf_bytes);
+    } else {
+      tile_vnni<F, MT, 1>(a, m0, g0, pf, pf_bytes);
+    }
     return;
   }
 #else
@@ -292,7 +363,8 @@ void rows(const Args& a, int64_t m0, int64_t g0, int nb, const uint8_t* pf, int6
 }
 #endif
 
-// Rows [0, M) times groups g0 .. g0+nb (<= kMaxGroups), in row tiles (VNNI 2, float 4).
+// Rows [0, M) times groups g0 .. g0+nb (<= kMaxGroups), in row tiles (VNNI up to 4, float 4):
+// the first tile reads the groups from memory (and fetches the next task), the others from L2.
 template <class F>
 void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
 #if TOKENMILL_KQ_AVX512
@@ -300,11 +372,15 @@ void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
     const int64_t groups = (a.N + 15) / 16, group_bytes = a.K / F::SB * F::BYTES;
     const int64_t next = std::min<int64_t>(kMaxGroups, groups - (g0 + nb));
     const uint8_t* pf = next > 0 ? a.w + (g0 + nb) * group_bytes : nullptr;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const uint8_t* p = m0 == 0 ? pf : nullptr;
       const int64_t pb = p ? next * group_bytes : 0;
-      if (M - m0 >= 2) rows<F, true, 2>(a, m0, g0, nb, p, pb);
-      else rows<F, true, 1>(a, m0, g0, nb, p, pb);
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: rows<F, true, 4>(a, m0, g0, nb, p, pb); break;
+        case 3: rows<F, true, 3>(a, m0, g0, nb, p, pb); break;
+        case 2: rows<F, true, 2>(a, m0, g0, nb, p, pb); break;
+        default: rows<F, true, 1>(a, m0, g0, nb, p, pb); break;
+      }
     }
     return;
   }
@@ -334,24 +410,14 @@ void task(const Args& a, int64_t M, int64_t g0, int nb, bool vnni) {
 }  // namespace kq
 
 // A format's row of block_gemm.h's driver: x quantized per super-block (kActBlock: 32,
-// or 256 as llama.cpp's Q8_K), with sum(xq) of each sub-block as the terms.
+// or 256 as llama.cpp's Q8_K), with the sub-blocks' sums of xq as the terms (KqTerms).
 template <class F>
 struct KqFormat {
   static constexpr const char* kName = F::kName;
   static constexpr bool kVnni = TOKENMILL_KQ_VNNI;
   using Term = int32_t;
-  static constexpr int64_t kActBlock = F::SB, kTermsPerBlock = F::NSUB;
-  static void terms(float, int32_t total, const int8_t* xq, int32_t* out) {
-    if constexpr (F::NSUB == 1) {
-      out[0] = total;
-    } else {
-      for (int64_t t = 0; t < F::NSUB; ++t) {
-        int32_t part = 0;
-        for (int64_t k = 0; k < F::SUB; ++k) part += xq[t * F::SUB + k];
-        out[t] = part;
-      }
-    }
-  }
+  static constexpr int64_t kActBlock = F::SB, kTermsPerBlock = kq::KqTerms<F>::kPerBlock;
+  static void terms(float, int32_t total, const int8_t* xq, int32_t* out) { kq::KqTerms<F>::of(total, xq, out); }
   static int64_t group_bytes(int64_t K) { return K / F::SB * F::BYTES; }
   // This thread's tasks [t0, t1), each fetching the next one into L2 as it runs (int8 path).
   static void tasks(const kq::Args& a, int64_t M, int64_t t0, int64_t t1, int64_t groups, bool vnni) {
