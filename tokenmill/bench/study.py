@@ -35,6 +35,7 @@ from tokenmill.bench import extras, peers, vllm_peer
 from tokenmill.bench import serve as serve_bench
 from tokenmill.bench.throughput import (
     BENCH_DTYPES,
+    NAIVE_STATIC,
     POLICIES,
     ThroughputRow,
     format_table,
@@ -255,10 +256,10 @@ def main_study(args: argparse.Namespace) -> int:
 
     rows = [run_in_subprocess(args, config, cap) for cap in caps for config in configs]
     for r in rows:
-        r.ratio_vs_static = ratio(rows, r.policy, "static+reserved", r.cap)
+        r.ratio_vs_static = ratio(rows, r.policy, NAIVE_STATIC, r.cap)
     peer_rows = run_peers(args, caps)
     for r in peer_rows:
-        base = next((b for b in rows if b.policy == "static+reserved" and b.cap == r.cap), None)
+        base = next((b for b in rows if b.policy == NAIVE_STATIC and b.cap == r.cap), None)
         if base is not None:
             r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
     decomp = decomposition(rows)
