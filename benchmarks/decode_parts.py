@@ -56,7 +56,8 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
 
     def loop() -> torch.Tensor:  # dispatch.Path.LOOP's call
         return plan.ops.layer_loop(plan.weights, hidden0.clone(), positions, kv, meta.slot_mapping, call.tables,
-                                   call.seq_lens, call.seq_ids, torch.empty(0, dtype=torch.int64), True)
+                                   call.seq_lens, call.seq_ids, torch.empty(0, dtype=torch.int64), True,
+                                   kv_prefetch=plan.kv_prefetch)
 
     if args.perf:
         print(f"pid {os.getpid()} looping the layer loop at B={batch}", flush=True)
@@ -75,10 +76,14 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
             a = ops.packed_gemm_silu(xs[576], lay.gate_up)
             ops.packed_gemm(a, lay.down, False)
 
-    def null_calls() -> None:  # the Python + pybind cost of 120 calls
-        for _ in plan.layers:
-            for _ in range(4):
-                ops.kv_prefetch_mode(-1)
+    empty = {k: x[:0] for k, x in xs.items()}
+
+    def null_calls() -> None:  # the Python + pybind cost of gemms' calls: the same calls on no rows
+        for lay in plan.layers:
+            ops.packed_gemm(empty[576], lay.qkv, False)
+            ops.packed_gemm(empty[plan.q_size], lay.o, False)
+            ops.packed_gemm_silu(empty[576], lay.gate_up)
+            ops.packed_gemm(empty[1536], lay.down, False)
 
     with torch.inference_mode():
         res = {

@@ -1,5 +1,6 @@
 """dispatch.choose_path as a table: the step's shape and the plan's facts in,
-the path out (the paths' numbers are compared in test_model_numerics.py)."""
+the path out (the paths' numbers are compared in test_model_numerics.py); and
+the options the plan is built with."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill.backends.cpu.dispatch import Path, PathFacts, Route, choose_path
+from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 
 _NONE = torch.empty(0, dtype=torch.int64)
@@ -71,3 +73,15 @@ def test_split_carries_each_threads_rows() -> None:
     lopsided = dataclasses.replace(DECODES, seq_lens=[200000] + [300] * 63)  # one request outweighs the rest
     assert choose_path(lopsided, FACTS, profiling=False, all_rows=True, threads=2,
                        shm_group=False).path is Path.LOOP
+
+
+def test_the_kv_prefetch_option_comes_from_its_variable_and_refuses_other_modes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TOKENMILL_KV_PREFETCH", raising=False)
+    assert CpuBackendOptions.from_env().kv_prefetch == "auto"
+    monkeypatch.setenv("TOKENMILL_KV_PREFETCH", "off")
+    assert CpuBackendOptions.from_env().kv_prefetch == "off"
+    monkeypatch.setenv("TOKENMILL_KV_PREFETCH", "sometimes")
+    with pytest.raises(ValueError, match=r"auto, off, on.*TOKENMILL_KV_PREFETCH"):
+        CpuBackendOptions.from_env()

@@ -292,8 +292,8 @@ def _kernels_run(dtype: str) -> bool:
         torch.empty(1, 2, dtype=getattr(torch, dtype))) is not None
 
 
-def _plan_or_skip(model: LlamaForCausalLM, dtype: str) -> CpuPlan:
-    built = CpuPlan.build(model, getattr(torch, dtype))
+def _plan_or_skip(model: LlamaForCausalLM, dtype: str, options: CpuBackendOptions | None = None) -> CpuPlan:
+    built = CpuPlan.build(model, getattr(torch, dtype), options or CpuBackendOptions())
     if built is None:
         pytest.skip("the CPU plan does not apply here")
     return built
@@ -417,7 +417,7 @@ def test_decode_steps_with_the_kv_prefetch_give_the_same_bits(
 ) -> None:
     """Decode-only steps of 8-48 rows in bf16 with head_dim 64 are where the
     C++ layers prefetch the next layer's K/V during the projections (on some
-    CPUs; here switched on for any CPU)
+    CPUs; here switched on for any CPU by the plan's option)
     (csrc/kv_prefetch.h: each thread of the layer loop for its part of the
     attention kernel's queries, or each thread of a split step for its own).
     Prefetches are hints: the logits must be those without them, to the bit."""
@@ -433,23 +433,17 @@ def test_decode_steps_with_the_kv_prefetch_give_the_same_bits(
                              ModelSource(kind="hf", path=str(tmp_path), name="llama64"))
     if not _kernels_run("bfloat16"):
         pytest.skip("the C++ kernels' layer loop does not apply")
-    fast = _plan_or_skip(model, "bfloat16")
     assert spec.head_dim == 64
     rng = random.Random(3)
     seqs = {f"r{i}": [rng.randrange(spec.vocab_size) for _ in range(14 + i)] for i in range(12)}
     schedule = [[(r, len(ids) - 3) for r, ids in seqs.items()]] + [[(r, 1) for r in seqs]] * 3
     monkeypatch.setitem(globals(), "NUM_BLOCKS", 128)  # PagedRunner's cache: room for 12 requests
     monkeypatch.setattr(plan, "threads", lambda: 2)
-    fast.path_facts = dataclasses.replace(fast.path_facts, split_min_rows=0 if split else 10**9)
-    ops = kernels.load()
-    assert ops is not None
     results = []
-    for mode in (1, 0):  # on, whatever the CPU (csrc/cpu_features.cpp kv_prefetch_pays); off
-        before = ops.kv_prefetch_mode(mode)
-        try:
-            results.append(run_schedule(model, spec, seqs, schedule, one_call=True, forward=fast))
-        finally:
-            ops.kv_prefetch_mode(before)
+    for mode in ("on", "off"):  # on, whatever the CPU (csrc/cpu_features.cpp kv_prefetch_pays); off
+        fast = _plan_or_skip(model, "bfloat16", CpuBackendOptions(kv_prefetch=mode))
+        fast.path_facts = dataclasses.replace(fast.path_facts, split_min_rows=0 if split else 10**9)
+        results.append(run_schedule(model, spec, seqs, schedule, one_call=True, forward=fast))
     for req_id in seqs:
         assert torch.equal(results[0][req_id], results[1][req_id]), req_id
     ref = run_schedule(model, spec, seqs, schedule, one_call=True, forward=model)

@@ -35,6 +35,13 @@ def tp_layer_loop() -> bool:
     return _flag("TOKENMILL_TP_LAYER_LOOP", True)
 
 
+def kv_prefetch() -> str:
+    """TOKENMILL_KV_PREFETCH=auto|off|on: whether the C++ layer calls ask for the
+    next layer's K/V during the projections (backends/cpu/options.py
+    CpuBackendOptions.kv_prefetch); default auto, where it was measured to pay."""
+    return os.environ.get("TOKENMILL_KV_PREFETCH") or "auto"
+
+
 def tp_shm() -> bool:
     """TOKENMILL_TP_SHM=0 (on any rank): tensor parallelism over gloo even where
     every rank shares the machine (set but empty: gloo too); default 1, shared

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from tokenmill import envs
 
+# kv_prefetch's modes, each as the C++ layer calls take it (csrc/cpu_features.h KvPrefetchMode).
+KV_PREFETCH_MODES = {"auto": -1, "off": 0, "on": 1}
+
 
 @dataclass(frozen=True)
 class CpuBackendOptions:
@@ -15,7 +18,18 @@ class CpuBackendOptions:
     # memory (dispatch.Path.TP_LOOP); False: the Python loop (TOKENMILL_TP_LAYER_LOOP=0,
     # the A/B of benchmarks/tp_step.py).
     tp_layer_loop: bool = True
+    # Whether the C++ layer calls ask for the next layer's K/V during the
+    # projections (csrc/kv_prefetch.h): "auto" where it was measured to pay
+    # (csrc/cpu_features.cpp kv_prefetch_pays), "off", or "on" wherever it
+    # applies, on any CPU (tests, A/B runs). TOKENMILL_KV_PREFETCH.
+    kv_prefetch: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_prefetch not in KV_PREFETCH_MODES:
+            raise ValueError(f"kv_prefetch must be one of {', '.join(KV_PREFETCH_MODES)}, not "
+                             f"{self.kv_prefetch!r} (TOKENMILL_KV_PREFETCH)")
 
     @classmethod
     def from_env(cls) -> CpuBackendOptions:
-        return cls(cpp_kernels=not envs.no_cpp_kernels(), tp_layer_loop=envs.tp_layer_loop())
+        return cls(cpp_kernels=not envs.no_cpp_kernels(), tp_layer_loop=envs.tp_layer_loop(),
+                   kv_prefetch=envs.kv_prefetch())

@@ -43,7 +43,7 @@ from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.dispatch import SPLIT_ROWS_PER_WEIGHT_BYTE, Path, PathFacts, choose_path
 from tokenmill.backends.cpu.formats import pack_module
 from tokenmill.backends.cpu.kernels import CppPackedWeight, CpuOps
-from tokenmill.backends.cpu.options import CpuBackendOptions
+from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
@@ -128,6 +128,7 @@ class CpuPlan:
                  release: bool = False) -> None:
         self.model = model
         self.options = options
+        self.kv_prefetch = KV_PREFETCH_MODES[options.kv_prefetch]  # (as the C++ layer calls take it)
         self.dtype = dtype
         self.ops = ops
         self.attention = CpuAttentionBackend()
@@ -257,13 +258,13 @@ class CpuPlan:
                 call.seq_ids)
         if route.path is Path.SPLIT:
             assert route.split_bounds is not None
-            return self.ops.layer_stack(*step, route.split_bounds)
+            return self.ops.layer_stack(*step, route.split_bounds, kv_prefetch=self.kv_prefetch)
         rows = _NO_ROWS if output_rows is None else output_rows
         if route.path is Path.LOOP:
-            return self.ops.layer_loop(*step, rows, output_rows is None)
+            return self.ops.layer_loop(*step, rows, output_rows is None, kv_prefetch=self.kv_prefetch)
         assert native is not None  # Path.TP_LOOP
         try:
-            return self.ops.layer_loop_tp(*step, rows, output_rows is None, native)
+            return self.ops.layer_loop_tp(*step, rows, output_rows is None, native, kv_prefetch=self.kv_prefetch)
         except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
             stopped = getattr(self.all_reduce, "stopped", None)
             raise (stopped(e) if stopped is not None else e) from e

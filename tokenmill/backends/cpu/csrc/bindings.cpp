@@ -73,24 +73,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(q8_embed, py::arg("qweight"), py::arg("qscale"), py::arg("ids"), py::arg("float32_out"));
   TOKENMILL_DEF(argmax_rows, py::arg("logits"));
   TOKENMILL_DEF(apply_token_bitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
-  TOKENMILL_DEF(packed_gemm, py::arg("x"), py::arg("weight"), py::arg("float32_out"));
-  TOKENMILL_DEF(packed_gemm_silu, py::arg("x"), py::arg("weight"));
+  // (From Python with no K/V prefetch streams: the layer calls feed them, formats.h.)
+  m.def("packed_gemm", torch::wrap_pybind_function([](at::Tensor x, const PackedWeight& w, bool float32_out) {
+          return packed_gemm(std::move(x), w, float32_out, KvStreams{});
+        }), py::arg("x"), py::arg("weight"), py::arg("float32_out"));
+  m.def("packed_gemm_silu", torch::wrap_pybind_function([](at::Tensor x, const PackedWeight& w) {
+          return packed_gemm_silu(std::move(x), w, KvStreams{});
+        }), py::arg("x"), py::arg("weight"));
   m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
   m.def("weight_formats", torch::wrap_pybind_function(weight_formats));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
-                py::arg("output_rows"), py::arg("all_rows"));
+                py::arg("output_rows"), py::arg("all_rows"), py::arg("kv_prefetch"));
   TOKENMILL_DEF(layer_loop_tp, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
-                py::arg("output_rows"), py::arg("all_rows"), py::arg("group"));
+                py::arg("output_rows"), py::arg("all_rows"), py::arg("group"), py::arg("kv_prefetch"));
   TOKENMILL_DEF(shm_all_reduce, py::arg("group"), py::arg("t"));
   TOKENMILL_DEF(shm_gather, py::arg("group"), py::arg("local"), py::arg("out"), py::arg("widths"));
   TOKENMILL_DEF(shm_send, py::arg("group"), py::arg("data"));
   TOKENMILL_DEF(shm_receive, py::arg("group"));
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
-                py::arg("bounds"));
+                py::arg("bounds"), py::arg("kv_prefetch"));
   TOKENMILL_DEF(kv_prefetch_rows, py::arg("kv_cache"), py::arg("tables"), py::arg("seq_lens"),
                 py::arg("seq_ids"), py::arg("window"));
-  TOKENMILL_DEF(kv_prefetch_mode, py::arg("mode"));
 }

@@ -6,7 +6,6 @@
 #include "cpu_features.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <fstream>
 #include <vector>
@@ -48,15 +47,14 @@ bool kv_prefetch_pays() {
   return pays;
 }
 
-// -1: as kv_prefetch_pays says; 0: never; 1: wherever it applies (tests set it:
-// kv_prefetch_mode below).
-namespace {
-std::atomic<int> g_kv_prefetch{-1};
-}  // namespace
+KvPrefetchMode kv_prefetch_mode(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "kv_prefetch: -1 (auto), 0 (off) or 1 (on), not ", mode);
+  return static_cast<KvPrefetchMode>(mode);
+}
 
-bool kv_prefetch_on() {
-  const int mode = g_kv_prefetch.load(std::memory_order_relaxed);
-  return mode < 0 ? kv_prefetch_pays() : mode > 0;
+// Whether the layer calls may prefetch in this mode (on this CPU, for kAuto).
+bool kv_prefetch_on(KvPrefetchMode mode) {
+  return mode == KvPrefetchMode::kAuto ? kv_prefetch_pays() : mode == KvPrefetchMode::kOn;
 }
 
 // This machine's L3 in bytes (Linux sysfs), or 0 where unknown.
@@ -86,13 +84,4 @@ bool kv_fits_l3(const std::vector<at::Tensor>& kv_caches, const std::vector<Laye
     kv_bytes = std::max(kv_bytes, 2 * rows * kv_caches[i].stride(2) * kv_caches[i].element_size());
   }
   return kv_bytes <= l3_bytes() / 4 * 3;
-}
-
-// When layer_loop and layer_stack ask for the next layer's K/V during the
-// projections: -1 where kv_prefetch_pays (the default), 0 never, 1 wherever
-// it applies (tests, so that they run the prefetching code on any CPU).
-// Returns the mode before.
-int64_t kv_prefetch_mode(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 1, "kv_prefetch_mode: -1, 0 or 1");
-  return g_kv_prefetch.exchange(static_cast<int>(mode));
 }

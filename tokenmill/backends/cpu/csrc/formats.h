@@ -14,6 +14,8 @@
 
 #include <torch/extension.h>
 
+#include "kv_prefetch.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -41,9 +43,12 @@ struct PackedWeight {
 };
 
 // y = x W^T (+ bias): [M, K] bf16 or float32 -> [M, N] in x's dtype, or float32 with float32_out.
-using GemmFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w, bool float32_out);
+// kv: the K/V prefetch streams the call's tiles feed (kv_prefetch.h), empty
+// outside the layer calls; only the dense tiles feed them (the block formats'
+// entries take and ignore them: the prefetch was measured in bf16 only).
+using GemmFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
 // silu(gate) * up from gate_up weights ([gate; up], N = 2 inter) -> [M, inter].
-using GemmSiluFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w);
+using GemmSiluFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
 
 struct FormatRow {
   WeightFormat format;
@@ -53,22 +58,22 @@ struct FormatRow {
 };
 
 // Each format's entries (defined in its own file).
-at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q4_1_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q4_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q4_0_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q5_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q5_0_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q4_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q4_k_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q5_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q5_k_gemm_silu(at::Tensor x, const PackedWeight& w);
-at::Tensor q6_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out);
-at::Tensor q6_k_gemm_silu(at::Tensor x, const PackedWeight& w);
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q4_1_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q4_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q4_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q5_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q5_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q4_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q4_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q5_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q5_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
+at::Tensor q6_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q6_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
 
 // Indexed by WeightFormat.
 inline constexpr FormatRow kFormats[] = {
@@ -90,13 +95,13 @@ inline const FormatRow& format_row(const PackedWeight& w) {
   return kFormats[f];
 }
 
-// y = x W^T (+ W's bias) in W's format: what every caller (the layer stack,
-// the plan's Python loop, the head) runs.
-inline at::Tensor packed_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
-  return format_row(w).gemm(std::move(x), w, float32_out);
+// y = x W^T (+ W's bias) in W's format: what every caller (the layer calls,
+// the plan's Python loop, the head) runs; kv as GemmFn says (bindings.cpp passes none).
+inline at::Tensor packed_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv) {
+  return format_row(w).gemm(std::move(x), w, float32_out, kv);
 }
-inline at::Tensor packed_gemm_silu(at::Tensor x, const PackedWeight& w) {
-  return format_row(w).gemm_silu(std::move(x), w);
+inline at::Tensor packed_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv) {
+  return format_row(w).gemm_silu(std::move(x), w, kv);
 }
 
 // The C++ names of the formats in WeightFormat's order (formats.py checks its rows against them).

@@ -362,12 +362,12 @@ struct KqFormat {
   }
 };
 
-#define TOKENMILL_KQ_ENTRIES(lower, F)                                              \
-  at::Tensor lower##_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) { \
-    return block_gemm::gemm<KqFormat<F>>(std::move(x), w, float32_out);           \
-  }                                                                                \
-  at::Tensor lower##_gemm_silu(at::Tensor x, const PackedWeight& w) {             \
-    return block_gemm::gemm_silu<KqFormat<F>>(std::move(x), w);                   \
+#define TOKENMILL_KQ_ENTRIES(lower, F)                                                               \
+  at::Tensor lower##_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&) { \
+    return block_gemm::gemm<KqFormat<F>>(std::move(x), w, float32_out);                              \
+  }                                                                                                  \
+  at::Tensor lower##_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&) {              \
+    return block_gemm::gemm_silu<KqFormat<F>>(std::move(x), w);                                      \
   }
 TOKENMILL_KQ_ENTRIES(q4_0, kq::Q4_0)
 TOKENMILL_KQ_ENTRIES(q5_0, kq::Q5_0)

@@ -105,19 +105,18 @@ inline void query_range(const int64_t* lens, int64_t n, int64_t window, int64_t 
   hi = tid == nth - 1 ? n : b;
 }
 
-// The stream this thread's GEMM tiles feed (packed_gemm.cpp), or null.
-inline thread_local KvPrefetch* tl_kv_prefetch = nullptr;
+// The K/V prefetch streams one GEMM call's tiles feed, passed to it as an
+// argument by the layer calls (layer_loop.cpp): thread t of the OpenMP team
+// that runs the GEMM feeds streams[t] (t < threads); none where streams is
+// null (every other call). In layer_stack's split steps the GEMM runs on its
+// thread alone (thread 0 of a team of one): one stream.
+struct KvStreams {
+  KvPrefetch* streams = nullptr;
+  int64_t threads = 0;
 
-// Points this thread at stream p (if not null) for a scope, and puts back what
-// it pointed at before on the way out, also on an exception.
-struct KvPrefetchScope {
-  explicit KvPrefetchScope(KvPrefetch* p) : prev_(tl_kv_prefetch) {
-    if (p) tl_kv_prefetch = p;
+  // Thread t's stream where it has rows still to ask for, else null.
+  KvPrefetch* of_thread(int64_t t) const {
+    KvPrefetch* p = t < threads ? streams + t : nullptr;
+    return p && p->q < p->q_end ? p : nullptr;
   }
-  ~KvPrefetchScope() { tl_kv_prefetch = prev_; }
-  KvPrefetchScope(const KvPrefetchScope&) = delete;
-  KvPrefetchScope& operator=(const KvPrefetchScope&) = delete;
-
- private:
-  KvPrefetch* prev_;
 };

@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include <omp.h>
@@ -66,27 +65,11 @@ KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::T
   return p;
 }
 
-// Points every thread of the team at its stream for a scope (each stream idle
-// until filled), and clears the pointers again, also on an exception.
-struct TeamStreams {
-  std::vector<KvPrefetch> streams;
-  explicit TeamStreams(int nth) : streams(nth) {
-#pragma omp parallel num_threads(nth)
-    tl_kv_prefetch = &streams[omp_get_thread_num()];
-  }
-  ~TeamStreams() {
-#pragma omp parallel num_threads(static_cast<int>(streams.size()))
-    tl_kv_prefetch = nullptr;
-  }
-  TeamStreams(const TeamStreams&) = delete;
-  TeamStreams& operator=(const TeamStreams&) = delete;
-};
-
 // o_proj / down_proj: packed_gemm, or on a shard (tp) its float32 partial sum
 // all-reduced over the ranks and rounded once (as the whole GEMM rounds its sum).
-at::Tensor row_parallel(const at::Tensor& x, const PackedWeight& w, const ShmGroup* tp) {
-  if (!tp) return packed_gemm(x, w, false);
-  at::Tensor sum = packed_gemm(x, w, true);
+at::Tensor row_parallel(const at::Tensor& x, const PackedWeight& w, const ShmGroup* tp, const KvStreams& kv) {
+  if (!tp) return packed_gemm(x, w, false, kv);
+  at::Tensor sum = packed_gemm(x, w, true, kv);
   shm_reduce(*tp, sum);
   return sum.to(x.scalar_type());
 }
@@ -102,8 +85,12 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
   int64_t m = h.size(0);
   at::Tensor residual = h;
   at::Tensor pf_lens, pf_tab, pf_seq;  // paged_attention's arguments as the prefetch stream reads them
-  std::unique_ptr<TeamStreams> team;
-  if (prefetch == Prefetch::kTeam) team = std::make_unique<TeamStreams>(omp_get_max_threads());
+  // The streams the projections after each attention feed (kv_prefetch.h):
+  // kOwn one, this thread's (its GEMMs run on it alone); kTeam one for each
+  // thread of the team the GEMMs run on. Passed to those GEMMs only.
+  std::vector<KvPrefetch> streams(prefetch == Prefetch::kTeam ? omp_get_max_threads()
+                                  : prefetch == Prefetch::kOwn ? 1
+                                                               : 0);
   if (prefetch != Prefetch::kNone) {
     pf_lens = lens.to(at::kLong).contiguous();
     pf_tab = tab.to(at::kLong).contiguous();
@@ -118,7 +105,7 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       fused_add_rms_norm(h, residual, w.norm1, s.eps);
       x = h;
     }
-    at::Tensor qkv = packed_gemm(x, w.qkv, false);
+    at::Tensor qkv = packed_gemm(x, w.qkv, false, KvStreams{});  // (streams are filled after attention)
     rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
@@ -131,24 +118,24 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
     at::Tensor out = paged_attention(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, seq);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
-    KvPrefetch next_kv;
-    if (pf) next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_seq, s.layers[i + 1].sliding_window);
-    if (pf && team) {  // each thread the queries its part of the kernel takes
-      const int64_t nth = static_cast<int64_t>(team->streams.size());
+    KvStreams kv;
+    if (pf) {
+      const KvPrefetch next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_seq, s.layers[i + 1].sliding_window);
+      const int64_t nth = static_cast<int64_t>(streams.size());
       for (int64_t t = 0; t < nth; ++t) {
-        KvPrefetch& p = team->streams[t] = next_kv;
-        query_range(next_kv.lens, next_kv.q_end, next_kv.window, t, nth, p.q, p.q_end);
+        KvPrefetch& p = streams[t] = next_kv;
+        // kTeam: each thread the queries its part of the kernel takes
+        if (prefetch == Prefetch::kTeam) query_range(next_kv.lens, next_kv.q_end, next_kv.window, t, nth, p.q, p.q_end);
       }
+      kv = KvStreams{streams.data(), nth};
     }
-    KvPrefetchScope prefetching(pf && !team ? &next_kv : nullptr);
-    h = row_parallel(out.view({m, q_size}), w.o, tp);
+    h = row_parallel(out.view({m, q_size}), w.o, tp, kv);
     fused_add_rms_norm(h, residual, w.norm2, s.eps);
     // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
     const bool fused_silu = w.gate_up.n % 32 == 0;
-    const at::Tensor act = fused_silu ? packed_gemm_silu(h, w.gate_up) : silu_and_mul(packed_gemm(h, w.gate_up, false));
-    h = row_parallel(act, w.down, tp);
-    if (team)
-      for (KvPrefetch& p : team->streams) p.q = p.q_end;  // idle through the next layer's qkv and attention
+    const at::Tensor act =
+        fused_silu ? packed_gemm_silu(h, w.gate_up, kv) : silu_and_mul(packed_gemm(h, w.gate_up, false, kv));
+    h = row_parallel(act, w.down, tp, kv);
   }
   fused_add_rms_norm(h, residual, s.final_norm, s.eps);
   return h;
@@ -164,7 +151,7 @@ namespace {
 at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                            std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
                            at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
-                           const ShmGroup* tp) {
+                           KvPrefetchMode kv_prefetch, const ShmGroup* tp) {
   NoGil no_gil;
   const ModelWeights& s = model;
   const int64_t head_dim = s.head_dim;
@@ -173,12 +160,13 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
   // The K/V prefetch (kv_prefetch.h) as in layer_stack's split steps, each
   // thread for the queries its part of the bf16 attention kernel takes: for
   // decode-only steps (no two queries of one request) of 8 to kPrefetchMaxRows
-  // rows. (Not with dynamic teams: a team smaller than the one whose pointers
-  // were set could leave a thread's pointer behind.) Not in float32 on AVX2,
-  // where it cost (docs/perf-notes.md).
+  // rows, where kv_prefetch (the plan's option) allows it. (Not with dynamic
+  // teams: a GEMM's smaller team would leave the streams of its missing
+  // threads' queries unfed.) Not in float32 on AVX2, where it cost
+  // (docs/perf-notes.md).
   const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
                            (head_dim == 32 || head_dim == 64 || head_dim == 128);
-  bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on() &&
+  bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on(kv_prefetch) &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
                   kv_fits_l3(kv_caches, s.layers, seq_lens);
   if (prefetch && seq_ids.numel()) {
@@ -193,9 +181,10 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
 
 at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                       std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                      at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows) {
+                      at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
+                      int64_t kv_prefetch) {
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         seq_ids, output_rows, all_rows, nullptr);
+                         seq_ids, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), nullptr);
 }
 
 // layer_loop on a tensor-parallel shard whose ranks share this machine: the
@@ -204,10 +193,10 @@ at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor p
 at::Tensor layer_loop_tp(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                          std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
                          at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
-                         const ShmGroup& group) {
+                         const ShmGroup& group, int64_t kv_prefetch) {
   check_group(group);
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         seq_ids, output_rows, all_rows, &group);
+                         seq_ids, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), &group);
 }
 
 // The cache slots (block * block_size + offset) of the K rows that the

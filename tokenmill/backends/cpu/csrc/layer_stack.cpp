@@ -21,6 +21,7 @@
 //   tables, seq_lens, seq_ids: paged_attention's arguments for all n queries
 //   bounds      [0, r1, ..., n]: thread t takes rows [bounds[t], bounds[t+1]),
 //               each a run of whole requests
+//   kv_prefetch the K/V prefetch's mode (cpu_features.h KvPrefetchMode)
 #include <torch/extension.h>
 
 #include "cpu_features.h"
@@ -37,7 +38,7 @@
 
 at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                        std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> bounds) {
+                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> bounds, int64_t kv_prefetch) {
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
   NoGil no_gil;
@@ -50,9 +51,11 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
   const bool per_query_row = seq_ids.numel() == 0;  // query i reads block table row i
   // The next layer's K/V asked for during each layer's projections
   // (kv_prefetch.h) where a layer's K/V (all threads') fits 3/4 of L3 and a
-  // thread has at most kPrefetchMaxRows rows, in bf16 on CPUs where it pays
-  // (kv_prefetch_pays; float32 goes without: docs/perf-notes.md).
-  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on() && kv_fits_l3(kv_caches, s.layers, seq_lens);
+  // thread has at most kPrefetchMaxRows rows, in bf16 where kv_prefetch (the
+  // plan's option) allows it (kv_prefetch_on; float32 goes without:
+  // docs/perf-notes.md).
+  const KvPrefetchMode mode = kv_prefetch_mode(kv_prefetch);
+  const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on(mode) && kv_fits_l3(kv_caches, s.layers, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
   std::vector<std::exception_ptr> errors(threads);

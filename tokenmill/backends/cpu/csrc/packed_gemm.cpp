@@ -67,7 +67,7 @@ struct GemmArgs {
 };
 
 // step(kk) for kk = 0 .. steps - 1; with KV, this thread's K/V prefetch stream
-// (kv_prefetch.h) fed one row every 16 steps, outside the inner loop (a check
+// kv (kv_prefetch.h) fed one row every 16 steps, outside the inner loop (a check
 // inside it cost 12% at 64+ rows). The AVX2 build unrolls the steps by 4: its
 // step is ~25 instructions for 12 FMAs, and the loop's own compare, branch
 // and increments were a sixth of them. The AVX-512 build keeps its loop
@@ -78,10 +78,10 @@ struct GemmArgs {
 #define TOKENMILL_K_UNROLL _Pragma("GCC unroll 4")
 #endif
 template <bool KV, typename Step>
-__attribute__((always_inline)) inline void k_loop(int64_t steps, Step& step) {
+__attribute__((always_inline)) inline void k_loop(int64_t steps, Step& step, KvPrefetch* kv) {
   if constexpr (KV) {
     for (int64_t k0 = 0; k0 < steps; k0 += 16) {
-      tl_kv_prefetch->next_row();
+      kv->next_row();
       const int64_t k1 = std::min<int64_t>(steps, k0 + 16);
       TOKENMILL_K_UNROLL
       for (int64_t kk = k0; kk < k1; ++kk) step(kk);
@@ -126,9 +126,9 @@ inline __m256i silu_mul_bf16(__m512 g, __m512 u) {
 // SILU: the blocks are (gate, up) pairs, and the tile writes silu(gate) * up
 // (one block of outputs a pair) instead of the sums: `col` is the first output
 // block (in y's columns / 16) of block 0 (of pair 0 with SILU).
-// KV: this thread feeds its K/V prefetch stream (k_loop).
+// KV: this thread feeds its K/V prefetch stream kv (k_loop; null without KV).
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
-inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, const char* pp,
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, KvPrefetch* kv, const char* pp,
                  int64_t pd = 0, int64_t stop = 0, int every = 1) {
   const int64_t steps = BF16 ? a.K / 2 : a.K;
   __m512 acc[MT][NB];
@@ -163,7 +163,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
       }
     }
   };
-  k_loop<KV>(steps, step);
+  k_loop<KV>(steps, step, kv);
   if constexpr (SILU) {  // (bf16 only; N: the outputs, one per pair lane; no bias)
     for (int j = 0; j < NB; j += 2) {
       const int64_t n0 = (col + j / 2) * 16;
@@ -266,7 +266,7 @@ inline __m256 load_bf16(const uint16_t* p) {
 // vfmadd213ps from (%rsp) in the K loop); the bf16 SILU tile runs at most 5
 // rows (max_tile_rows) for the same reason.
 template <bool BF16, int MT, int NB, bool SILU = false, bool KV = false>
-inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, WeightStream& pf,
+inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t col, KvPrefetch* kv, WeightStream& pf,
                  WeightStream& pf2) {
   const int64_t steps = BF16 ? a.K / 2 : a.K;
   const float* x = static_cast<const float*>(a.x) + m0 * a.K;  // (BF16: the tile's panel, [K/2][MT][2])
@@ -319,7 +319,7 @@ inline void tile(const GemmArgs& a, int64_t m0, const char* const* w, int64_t co
         }
       }
     };
-    k_loop<KV>(steps, step);
+    k_loop<KV>(steps, step, kv);
     ws.p = pp;
     if constexpr (SILU && BF16) {  // as below, in bf16: the gate's sums wait rounded (as silu_and_mul reads them)
       uint16_t* y = a.y16 + m0 * a.N + (col + j / 2) * 16;
@@ -418,12 +418,14 @@ constexpr int64_t max_tile_rows() { return TOKENMILL_GEMM_BF16 ? 6 : BF16 && SIL
 constexpr int64_t kGroupBlocks = 3;  // output blocks a task's group (run below; with SILU 2 pairs)
 
 // Rows [m0, m1) times the NB blocks at w, in tiles as TilePlan lays them out.
-// The next group's weights (pf: a pointer a block, or null) are prefetched meanwhile.
+// The next group's weights (pf: a pointer a block, or null) are prefetched
+// meanwhile; with KV, the K/V rows of this thread's stream kv too.
 // The switch over tile sizes is written out in each build on purpose: one
 // shared helper calling a generic lambda per size changed GCC's inlining of
 // the tiles and slowed the AVX2 bf16 SiLU matmul (docs/perf-notes.md).
 template <bool BF16, int NB, bool SILU = false, bool KV = false>
-void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
+void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf,
+          KvPrefetch* kv) {
   constexpr int MT = 6;
 #if !TOKENMILL_GEMM_BF16
   // AVX2: in address order, one line every `every` steps spread over all the
@@ -442,12 +444,12 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = m0 + plan.start(t);
     switch (plan.size(t)) {
-      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, s, s2); break;
-      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, s, s2); break;
-      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, s, s2); break;
-      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, s, s2); break;
-      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, s, s2); break;
-      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, s, s2); break;
+      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, kv, s, s2); break;
+      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, kv, s, s2); break;
+      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, kv, s, s2); break;
+      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, kv, s, s2); break;
+      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, kv, s, s2); break;
+      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, kv, s, s2); break;
     }
   }
 #else
@@ -474,30 +476,32 @@ void rows(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64
     const char* p = lines ? pf[0] + t * ps * 64 : nullptr;
     const int64_t stop = lines * every;
     switch (plan.size(t)) {
-      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
-      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
-      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
-      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
-      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
-      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, p, pd, stop, every); break;
+      case 1: tile<BF16, 1, NB, SILU, KV>(a, r0, w, col, kv, p, pd, stop, every); break;
+      case 2: tile<BF16, 2, NB, SILU, KV>(a, r0, w, col, kv, p, pd, stop, every); break;
+      case 3: tile<BF16, 3, NB, SILU, KV>(a, r0, w, col, kv, p, pd, stop, every); break;
+      case 4: tile<BF16, 4, NB, SILU, KV>(a, r0, w, col, kv, p, pd, stop, every); break;
+      case 5: tile<BF16, 5, NB, SILU, KV>(a, r0, w, col, kv, p, pd, stop, every); break;
+      default: tile<BF16, MT, NB, SILU, KV>(a, r0, w, col, kv, p, pd, stop, every); break;
     }
   }
 #endif
 }
 
-// rows<> with the K/V prefetch stream fed where this thread has one with rows to go.
+// rows<>, feeding this thread's K/V prefetch stream kv where it has one (not null).
 template <bool BF16, int NB, bool SILU = false>
-void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf) {
-  if (tl_kv_prefetch && tl_kv_prefetch->q < tl_kv_prefetch->q_end) rows<BF16, NB, SILU, true>(a, m0, m1, w, col, pf);
-  else rows<BF16, NB, SILU, false>(a, m0, m1, w, col, pf);
+void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, int64_t col, const char* const* pf,
+             KvPrefetch* kv) {
+  if (kv) rows<BF16, NB, SILU, true>(a, m0, m1, w, col, pf, kv);
+  else rows<BF16, NB, SILU, false>(a, m0, m1, w, col, pf, nullptr);
 }
 
 // Tasks: groups of GB output blocks (3 blocks; with SILU 2 (gate, up) pairs,
 // gate block b paired with up block b + nblocks / 2) times stretches of rows.
 // Rows are split only when there are too few groups to keep every thread busy
-// (few outputs, many rows).
+// (few outputs, many rows). Each task feeds its thread's stream of kv where it
+// has rows to go (kv_prefetch.h KvStreams).
 template <bool BF16, bool SILU = false>
-void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
+void run(const GemmArgs& a_in, int64_t M, int64_t nblocks, const KvStreams& kv) {
   GemmArgs a = a_in;
   constexpr int64_t GB = SILU ? 2 : kGroupBlocks;  // output blocks a group
   const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
@@ -561,13 +565,14 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks) {
     // The first tile over this group's weights prefetches the next group's (a whole one).
     const char* const* pf = c == 0 && g + 1 < groups && blocks(g + 1, next) == GB ? next : nullptr;
     const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
+    KvPrefetch* const stream = kv.streams ? kv.of_thread(omp_get_thread_num()) : nullptr;
     if constexpr (SILU) {
-      if (nb == 2) rows_kv<BF16, 4, true>(a, m0, m1, w, col, pf);
-      else rows_kv<BF16, 2, true>(a, m0, m1, w, col, pf);
+      if (nb == 2) rows_kv<BF16, 4, true>(a, m0, m1, w, col, pf, stream);
+      else rows_kv<BF16, 2, true>(a, m0, m1, w, col, pf, stream);
     } else {
-      if (nb == 3) rows_kv<BF16, 3>(a, m0, m1, w, col, pf);
-      else if (nb == 2) rows_kv<BF16, 2>(a, m0, m1, w, col, pf);
-      else rows_kv<BF16, 1>(a, m0, m1, w, col, pf);
+      if (nb == 3) rows_kv<BF16, 3>(a, m0, m1, w, col, pf, stream);
+      else if (nb == 2) rows_kv<BF16, 2>(a, m0, m1, w, col, pf, stream);
+      else rows_kv<BF16, 1>(a, m0, m1, w, col, pf, stream);
     }
   }
 }
@@ -608,7 +613,7 @@ void check_dense(const at::Tensor& x, const PackedWeight& w, const char* op) {
 
 std::vector<std::string> packed_gemm_dtypes() { return {"bfloat16", "float32"}; }
 
-at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv) {
   NoGil no_gil;
   check_dense(x, w, "packed_gemm");
   const bool bf16 = w.format == WeightFormat::kBF16;
@@ -628,8 +633,8 @@ at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
   GemmArgs a{x.data_ptr(), packed.data_ptr(), bias32.defined() ? bias32.data_ptr<float>() : nullptr,
              out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-  if (bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true>(part, rows, nblocks); });
-  else in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks); });
+  if (bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true>(part, rows, nblocks, kv); });
+  else in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks, kv); });
   return y;
 }
 
@@ -642,14 +647,14 @@ at::Tensor silu_and_mul(at::Tensor gate_up);  // (fused_ops.cpp)
 // block b + nblocks / 2 in the tiles (so inter a multiple of 16). bf16 with
 // AVX512-BF16; float32 with AVX2 (the AVX-512 build runs float32 in those two
 // steps: its tile's activation rounds to bf16).
-at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w) {
+at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv) {
   NoGil no_gil;
   check_dense(x, w, "packed_gemm_silu");
   const bool bf16 = w.format == WeightFormat::kBF16;
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.data.size(0), inter = w.n / 2;
   TORCH_CHECK(w.n % 32 == 0 && !(w.bias.defined() && w.bias.numel() > 0),
               "packed_gemm_silu: gate_up needs N = 2 inter, inter a multiple of 16, and no bias");
-  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(dense_gemm(x, w, false));
+  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(dense_gemm(x, w, false, kv));
   x = x.contiguous();
   const at::Tensor packed = w.data.contiguous();
   at::Tensor y = at::empty({M, inter}, x.options());
@@ -659,19 +664,19 @@ at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w) {
              bf16 ? nullptr : y.data_ptr<float>(), K, inter};
   // (bf16 in both builds, float32 in the AVX2 one)
 #if !TOKENMILL_GEMM_BF16
-  if (!bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false, true>(part, rows, nblocks); });
+  if (!bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false, true>(part, rows, nblocks, kv); });
   else
 #endif
-  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks); });
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks, kv); });
   return y;
 }
 #else
 std::vector<std::string> packed_gemm_dtypes() { return {}; }
-at::Tensor dense_gemm(at::Tensor x, const PackedWeight&, bool) {
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight&, bool, const KvStreams&) {
   TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }
-at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight&) {
+at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight&, const KvStreams&) {
   TORCH_CHECK(false, "packed_gemm_silu needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }
