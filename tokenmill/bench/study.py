@@ -272,14 +272,14 @@ def run_curve(args: argparse.Namespace, config: str, capacity: float | None,
     before each rate: no rate finds the last one's prompts cached."""
     workload = throughput_a(128)
     label = f"study-{config.replace('+', '-')}"
-    port = serve_bench.free_port()
-    base_url = f"http://127.0.0.1:{port}"
     restart = POLICIES[config]["enable_prefix_caching"]
     curve = LatencyCurve(config, capacity, "the rates ran out before it saturated")
     with contextlib.ExitStack() as server:
         for i, rate in enumerate(rate_ladder(capacity, args.start_rate, args.max_rate)):
             if i == 0 or restart:
                 server.close()  # the last rate's server, if any
+                port = serve_bench.free_port()
+                base_url = f"http://127.0.0.1:{port}"
                 log = out / (f"{label}-{i}.log" if restart else f"{label}.log")
                 server.enter_context(serve_bench.running_server(
                     serve_command(args, config, port), base_url, label, log_path=log))
