@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import study
+from tokenmill.bench import peers, study
+from tokenmill.bench.serve import RateReport
 from tokenmill.bench.throughput import ThroughputRow
+from tokenmill.bench.workloads import throughput_a
 from tokenmill.cli import build_parser
 from tokenmill.engine.arg_utils import EngineArgs
 
@@ -46,22 +49,131 @@ def test_the_decomposition_is_the_seed_s() -> None:
 
 
 def test_each_latency_configuration_is_a_server_with_the_study_s_budget() -> None:
-    args = argparse.Namespace(dtype="bfloat16", num_kv_blocks=512, max_num_seqs=32, model=None)
+    args = argparse.Namespace(dtype="bfloat16", num_kv_blocks=512, max_num_seqs=32, model=None,
+                              max_num_batched_tokens=2048)
     cmd = study.serve_command(args, "static+reserved", 8123)
     assert cmd[cmd.index("serve") - 2:cmd.index("serve")] == ["-m", "tokenmill.cli"]
     serve_args = build_parser().parse_args(cmd[cmd.index("serve"):])
     engine = EngineArgs.from_cli_args(serve_args)
     assert (engine.scheduling_policy, engine.kv_allocation, engine.num_kv_blocks,
-            engine.max_num_seqs, engine.enable_prefix_caching) == ("static", "reserved", 512, 32,
-                                                                    False)
+            engine.max_num_seqs, engine.max_num_batched_tokens,
+            engine.enable_prefix_caching) == ("static", "reserved", 512, 32, 2048, False)
     paged = EngineArgs.from_cli_args(build_parser().parse_args(
         study.serve_command(args, "continuous", 8123)[3:]))
     assert (paged.scheduling_policy, paged.kv_allocation) == ("fcfs", "paged")
+    prefix = EngineArgs.from_cli_args(build_parser().parse_args(
+        study.serve_command(args, "continuous+prefix", 8123)[3:]))
+    assert prefix.enable_prefix_caching
 
 
 def test_bench_study_parses_and_refuses_an_unknown_configuration() -> None:
     args = build_parser().parse_args(["bench", "study", "--configs", "static,turbo"])
     with pytest.raises(ValueError, match="unknown \\['turbo'\\]"):
         study.main_study(args)
+    args = build_parser().parse_args(["bench", "study", "--latency-configs", "naive"])
+    with pytest.raises(ValueError, match="unknown \\['naive'\\]"):
+        study.main_study(args)
     args = build_parser().parse_args(["bench", "study"])
     assert args.caps == "32,128,512,1536" and args.configs.split(",") == list(study.CONFIGS)
+    # Latency for every configuration, continuous+prefix included.
+    assert args.latency_configs.split(",") == list(study.CONFIGS)
+
+
+def report(rate: float, done_req_s: float, ttft_p50_ms: float = 100.0, n: int = 64,
+           ok: int = 64) -> RateReport:
+    q = {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0}
+    return RateReport(rate=rate, num_requests=n, num_ok=ok, duration_s=n / done_req_s,
+                      request_throughput=done_req_s, output_throughput=1.0,
+                      total_token_throughput=1.0, goodput=None,
+                      ttft_ms={**q, "p50": ttft_p50_ms, "p99": 2 * ttft_p50_ms}, tpot_ms=q,
+                      itl_ms=q, e2e_ms={**q, "p50": 3 * ttft_p50_ms, "p99": 4 * ttft_p50_ms},
+                      errors=[])
+
+
+def test_the_rates_rise_from_the_measured_capacity() -> None:
+    rows = [row("continuous", 128, 100.0), row("continuous", 32, 100.0)]
+    rows[0].wall_s = 32.0  # 128 requests in 32 s: 4 req/s
+    assert study.capacity_req_s(rows, "continuous") == 4.0
+    assert study.capacity_req_s(rows, "static") is None  # not run at CAP 128
+    assert study.rate_ladder(4.0, 0.5, 64) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0]
+    assert study.rate_ladder(4.0, 0.5, 5.5) == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert study.rate_ladder(1 / 3, 0.5, 64)[:2] == [0.0833, 0.167]  # 3 significant digits
+    # No capacity: doubling from the start rate, up to the cap.
+    assert study.rate_ladder(None, 0.5, 8) == [0.5, 1.0, 2.0, 4.0, 8.0]
+    # Below capacity, the arrivals span what 64 take at capacity (16 at least).
+    assert [study.requests_at(r, 4.0, 64) for r in (1.0, 2.0, 3.0, 4.0, 8.0)] == [
+        16, 32, 48, 64, 64]
+    assert study.requests_at(0.1, 4.0, 64) == 16 and study.requests_at(0.1, 4.0, 8) == 8
+    assert study.requests_at(0.1, None, 64) == 64
+
+
+def test_saturation_is_where_done_requests_stop_rising_or_ttft_passes_the_limit() -> None:
+    rising = [report(1, 0.95), report(2, 1.9), report(3, 2.8)]
+    assert study.saturation(rising[:1], 20000, 0.05) is None
+    assert study.saturation(rising, 20000, 0.05) is None
+    flat = [*rising, report(4, 2.9)]
+    assert study.saturation(flat, 20000, 0.05) == (
+        "2.90 req/s done at 4 req/s, under 1.05 x the 2.80 done at 3")
+    assert study.saturation([*rising, report(4, 3.5, ttft_p50_ms=25000)], 20000, 0.05) == (
+        "p50 TTFT 25000 ms at 4 req/s, over the limit of 20000 ms")
+    assert study.saturation([report(1, 0.9, ok=60)], 20000, 0.05) == (
+        "4 of 64 requests failed at 1 req/s")
+    curve = study.LatencyCurve("static", 3.2, "saturated: " + study.saturation(flat, 2e4, 0.05),
+                               flat)
+    table = study.format_latency([curve])
+    assert "| static | 4 | 64 | 2.90 | 100 / 200 | 300 / 400 | 64/64 |" in table
+    assert "- static (capacity 3.20 req/s offline): saturated: 2.90 req/s done" in table
+
+
+def test_the_latency_figure_has_a_line_a_configuration(tmp_path: Path) -> None:
+    curves = [study.LatencyCurve("static", 3.0, "x", [report(1, 1.0), report(2, 1.5)]),
+              study.LatencyCurve("continuous", None, "y", [report(0.5, 0.5)])]
+    study.plot_latency(curves, tmp_path / "latency.png")
+    assert (tmp_path / "latency.png").stat().st_size > 10_000
+
+
+def test_hf_static_batches_fit_the_kv_budget() -> None:
+    # 4 requests of prompt 128: batches of max_num_seqs, or as many as fit the
+    # budget at prompt + their batch's longest output (its cache's real size).
+    prompts, outputs = [128] * 4, [10, 300, 20, 30]
+    assert peers.static_batches(prompts, outputs, 32) == [range(0, 4)]
+    assert peers.static_batches(prompts, outputs, 2) == [range(0, 2), range(2, 4)]
+    # 2 x (128 + 300) = 856 > 800: the long one starts a batch, 3 x 428 > 800 ends it.
+    assert peers.static_batches(prompts, outputs, 32, 800) == [
+        range(0, 1), range(1, 2), range(2, 4)]
+    with pytest.raises(ValueError, match="request 1 needs 428 tokens of K/V, more than the "
+                                         "budget of 400"):
+        peers.static_batches(prompts, outputs, 32, 400)
+    # The study's budget at CAP 1536: every batch fits 8,192 tokens.
+    w = throughput_a(1536)
+    batches = peers.static_batches([len(p) for p in w.prompts], w.output_lens, 32, 8192)
+    assert sum(len(b) for b in batches) == 128
+    assert all(len(b) * (128 + max(w.output_lens[b.start:b.stop])) <= 8192 for b in batches)
+    assert max(len(b) for b in batches) <= 32 and min(len(b) for b in batches) < 32
+    cmd = peers.hf_command(argparse.Namespace(dtype="bfloat16", max_num_seqs=32, model=None),
+                           "hf-static", 1536, 8192)
+    assert cmd[cmd.index("--kv-budget-tokens") + 1] == "8192"
+
+
+def test_the_run_time_is_estimated_by_the_simulator(tmp_path: Path) -> None:
+    from tokenmill.sim import study_estimate
+    from tokenmill.sim.cost_model import CostModel, ModelShape
+
+    shape = ModelShape(num_params=134_515_008, num_layers=30, num_heads=9, num_kv_heads=3,
+                       head_dim=64, hidden_size=576, vocab_size=49152, element_bytes=2,
+                       max_model_len=8192)
+    CostModel(kind="fitted", model=shape, knot_values_s=[0.01, 0.01, 0.02, 0.08, 0.3, 1.2],
+              per_sampled_row_s=3e-5).save(tmp_path / "cost.json")
+    args = build_parser().parse_args(["bench", "study", "--caps", "32,128", "--cost-model",
+                                      str(tmp_path / "cost.json"), "--peers", "hf-static",
+                                      "--latency-configs", "continuous"])
+    args.num_kv_blocks = 512
+    parts, how = study_estimate.estimate(args)
+    assert set(parts) == {"throughput", "peers", "latency"}
+    # Every run's start is priced on top of its simulated wall time.
+    assert parts["throughput"] > 10 * study_estimate.RUN_START_S
+    assert parts["peers"] > 2 * study_estimate.HF_START_S
+    assert parts["latency"] > study_estimate.SERVER_START_S
+    assert "cost.json (bfloat16)" in how
+    args.cost_model = str(tmp_path / "none.json")
+    assert study_estimate.estimate(args)[0] == {}

@@ -1,7 +1,7 @@
 """Reserved KV allocation (core/kv_reservation.py) as CPU narratives.
 
-Same conventions as test_core_narratives.py (block_size 4, the fake runner
-samples token 7, integrity checked after every schedule and update): each
+The narratives' helpers and conventions (tests/narratives.py: block_size 4, the
+fake runner samples token 7, integrity checked after every schedule and update): each
 story asserts exact block ids, ref counts, what is reserved, and who is
 admitted and when, against the pool's budget. The production scheduler runs
 these stories unchanged: the policy is the KV manager's.
@@ -14,34 +14,29 @@ from pathlib import Path
 import pytest
 
 from tests.hf_models import TEST_DEVICE, build_hf_model, save_hf_model
-from tests.test_core_narratives import (
-    BLOCK_SIZE,
+from tests.narratives import (
     SAMPLED,
     free_ids,
     make_request,
+    make_scheduler,
     num_tokens_by_req,
     run_to_completion,
     step,
     toks,
 )
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config import CacheConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_reservation import ReservingKVCacheManager, make_kv_cache_manager
 from tokenmill.core.request import RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.static_scheduler import make_scheduler as make_policy_scheduler
 
 
-def make_scheduler(*, num_blocks: int, kv_allocation: str = "reserved", policy: str = "fcfs",
-                   max_num_seqs: int = 8, enable_prefix_caching: bool = False,
-                   max_model_len: int = 1024) -> Scheduler:
-    return make_policy_scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=100, policy=policy),
-        CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching,
-                    kv_allocation=kv_allocation),
-        num_blocks=num_blocks, max_model_len=max_model_len,
-    )
+def reserving(*, num_blocks: int, kv_allocation: str = "reserved", policy: str = "fcfs",
+              max_num_seqs: int = 8, enable_prefix_caching: bool = False) -> Scheduler:
+    """The narratives' scheduler, reserving and without the prefix cache unless told."""
+    return make_scheduler(num_blocks=num_blocks, kv_allocation=kv_allocation, policy=policy,
+                          max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
 
 
 def held(sched: Scheduler, request_id: str) -> list[int]:
@@ -49,12 +44,12 @@ def held(sched: Scheduler, request_id: str) -> list[int]:
 
 
 def test_the_option_picks_the_kv_manager_and_nothing_else() -> None:
-    paged = make_scheduler(num_blocks=8, kv_allocation="paged")
-    reserved = make_scheduler(num_blocks=8)
+    paged = reserving(num_blocks=8, kv_allocation="paged")
+    reserved = reserving(num_blocks=8)
     assert type(paged.kv) is KVCacheManager
     assert type(reserved.kv) is ReservingKVCacheManager
     assert type(paged) is type(reserved) is Scheduler
-    assert type(make_scheduler(num_blocks=8, policy="static")).__name__ == "StaticBatchScheduler"
+    assert type(reserving(num_blocks=8, policy="static")).__name__ == "StaticBatchScheduler"
     with pytest.raises(ValueError, match="kv_allocation='pooled' is not supported"):
         CacheConfig(kv_allocation="pooled")
     kv = make_kv_cache_manager(CacheConfig(block_size=4, kv_allocation="reserved"), 5, 20)
@@ -64,7 +59,7 @@ def test_the_option_picks_the_kv_manager_and_nothing_else() -> None:
 def test_a_request_is_admitted_only_when_its_whole_reservation_fits() -> None:
     # 10 blocks of 4 tokens. a reserves 8 + 8 = 16 tokens (4 blocks), b 8 + 12 = 20
     # (5 blocks), c 4 + 4 = 8 (2 blocks): a and b leave 1 block unpromised.
-    sched = make_scheduler(num_blocks=10)
+    sched = reserving(num_blocks=10)
     a = make_request("a", toks(1, 8), max_tokens=8)
     b = make_request("b", toks(11, 18), max_tokens=12)
     c = make_request("c", toks(21, 24), max_tokens=4)
@@ -111,7 +106,7 @@ def test_a_request_is_admitted_only_when_its_whole_reservation_fits() -> None:
 
 def test_paging_admits_the_same_requests_at_once() -> None:
     # The story above under paging: c needs 1 block now, and 6 are free.
-    sched = make_scheduler(num_blocks=10, kv_allocation="paged")
+    sched = reserving(num_blocks=10, kv_allocation="paged")
     for rid, prompt, n in (("a", toks(1, 8), 8), ("b", toks(11, 18), 12), ("c", toks(21, 24), 4)):
         sched.add_request(make_request(rid, prompt, max_tokens=n))
     out, _ = step(sched)
@@ -123,7 +118,7 @@ def test_paging_admits_the_same_requests_at_once() -> None:
 def test_a_full_pool_of_promises_never_preempts() -> None:
     # Every block promised at admission: the running requests fill their
     # reservations to the last block, and nobody is preempted or waits for one.
-    sched = make_scheduler(num_blocks=6)
+    sched = reserving(num_blocks=6)
     a = make_request("a", toks(1, 4), max_tokens=8)  # 12 tokens: 3 blocks
     b = make_request("b", toks(11, 14), max_tokens=8)  # 3 blocks
     sched.add_request(a)
@@ -137,7 +132,7 @@ def test_a_full_pool_of_promises_never_preempts() -> None:
 
 
 def test_a_request_that_can_never_fit_is_refused_naming_max_tokens_and_the_budget() -> None:
-    sched = make_scheduler(num_blocks=10)  # 40 tokens
+    sched = reserving(num_blocks=10)  # 40 tokens
     with pytest.raises(ValueError) as err:
         sched.add_request(make_request("a", toks(1, 8), max_tokens=33))
     message = str(err.value)
@@ -147,7 +142,7 @@ def test_a_request_that_can_never_fit_is_refused_naming_max_tokens_and_the_budge
     assert not sched.requests and not sched.waiting  # nothing was queued
     # 32 fits exactly (10 blocks), and paging accepts 33 (it stops at the context).
     sched.add_request(make_request("b", toks(1, 8), max_tokens=32))
-    paged = make_scheduler(num_blocks=10, kv_allocation="paged")
+    paged = reserving(num_blocks=10, kv_allocation="paged")
     paged.add_request(make_request("a", toks(1, 8), max_tokens=33))
     # max_tokens None reserves the context, capped by the pool: 40 tokens.
     sched.add_request(make_request("c", toks(1, 8), max_tokens=None))
@@ -159,7 +154,7 @@ def test_prefix_hits_held_by_another_request_cost_no_reservation() -> None:
     # 4 reserved blocks, the 2 it hits are a's, so it needs only 2 of the 3 free.
     # Without the prefix cache it needs 4 and waits for a.
     for caching, admitted in ((True, {"a": 10, "b": 2}), (False, {"a": 10})):
-        sched = make_scheduler(num_blocks=6, enable_prefix_caching=caching)
+        sched = reserving(num_blocks=6, enable_prefix_caching=caching)
         a = make_request("a", toks(1, 10), max_tokens=2)
         b = make_request("b", [*toks(1, 8), 50, 51], max_tokens=6)
         sched.add_request(a)
@@ -182,7 +177,7 @@ def test_static_batch_with_reserved_memory_runs_its_members_as_reservations_allo
     # becomes padding and grows past its reservation into blocks nobody was
     # promised; when b still cannot fit, the padding gives its blocks up (as under
     # paging) and b runs alone. c, the next batch, waits for b.
-    sched = make_scheduler(num_blocks=6, policy="static", max_num_seqs=2)
+    sched = reserving(num_blocks=6, policy="static", max_num_seqs=2)
     a = make_request("a", toks(1, 4), max_tokens=8)  # 12 tokens: 3 blocks
     b = make_request("b", toks(11, 14), max_tokens=12)  # 16 tokens: 4 blocks
     c = make_request("c", toks(21, 24), max_tokens=1)

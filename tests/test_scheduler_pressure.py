@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 
-from tests.test_core_narratives import BLOCK_SIZE, make_request, make_scheduler, step
+from tests.narratives import BLOCK_SIZE, make_request, make_scheduler, step
 from tokenmill.core.request import Request, RequestStatus
 
 

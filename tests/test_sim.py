@@ -243,6 +243,40 @@ def test_cli_simulate_and_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "| static | 32 |" in table and "+0.0%" in table and "1.00x / 1.00x" in table
 
 
+def test_compare_with_a_study_takes_its_ratios_against_naive_static(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `bench study`'s JSON (rows under "rows"), measured = the simulation's own rows
+    # with naive static made 2x slower: every ratio is against static+reserved.
+    cost = tmp_path / "cost.json"
+    COST.save(cost)
+    args = ["simulate", "--caps", "32", "--policies", "static+reserved,static,continuous+reserved,"
+            "continuous", "--num-kv-blocks", "512", "--cost-model", str(cost),
+            "--output-dir", str(tmp_path)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "| vs static+reserved |" in table and "| static+reserved | 32 | bfloat16 |" in table
+    rows = json.loads((tmp_path / "sim-throughput-bfloat16.json").read_text())["rows"]
+    predicted = {r["policy"]: r["generated_tok_s"] for r in rows}
+    for r in rows:
+        assert r["ratio_vs_static"] == pytest.approx(
+            r["generated_tok_s"] / predicted["static+reserved"])
+    for r in rows:
+        if r["policy"] == "static+reserved":
+            r["generated_tok_s"] /= 2
+    (tmp_path / "study.json").write_text(json.dumps({"budget": {}, "rows": rows}))
+    assert main([*args, "--compare", str(tmp_path / "study.json")]) == 0
+    out = capsys.readouterr().out
+    compare = out.split("| policy | cap | measured")[1]
+    assert "measured / predicted vs static+reserved |" in compare
+    continuous = predicted["continuous"] / predicted["static+reserved"]
+    assert f"| continuous | 32 | {predicted['continuous']:.1f} | {predicted['continuous']:.1f} | " \
+           f"+0.0% | {2 * continuous:.2f}x / {continuous:.2f}x |" in compare
+    decomposition = out.split("The seed's decomposition, measured / predicted:")[1]
+    memory = predicted["continuous"] / predicted["continuous+reserved"]
+    assert f"| {memory:.2f}x / {memory:.2f}x | {2 * continuous:.2f}x / {continuous:.2f}x |" \
+        in decomposition
+
+
 def test_the_simulator_needs_no_torch() -> None:
     code = textwrap.dedent("""
         import sys

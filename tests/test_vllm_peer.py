@@ -63,7 +63,11 @@ FAKE_VLLM = textwrap.dedent(
             self.preemptions = 0
             scheduler = SimpleNamespace(max_num_seqs=kwargs["max_num_seqs"],
                                         max_num_batched_tokens=max_num_batched_tokens)
-            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
+            # Sized from VLLM_CPU_KVCACHE_SPACE unless overridden; CPU's default blocks 128.
+            cache = SimpleNamespace(num_gpu_blocks=kwargs.get("num_gpu_blocks_override", 1170),
+                                    block_size=kwargs.get("block_size", 128))
+            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+                scheduler_config=scheduler, cache_config=cache))
 
         def generate(self, prompts, params, use_tqdm=True):
             import time
@@ -133,6 +137,24 @@ def test_throughput_through_the_runner(tmp_path: Path, fake_vllm: dict[str, str]
     # The child's 200 MiB count: memory is the whole process tree's.
     assert row.peak_rss_mib > 200
     assert row.settings["peak_rss_sum_mib"] >= row.peak_rss_mib
+
+
+def test_the_study_s_kv_budget_is_vllm_s_block_count(tmp_path: Path,
+                                                     fake_vllm: dict[str, str]) -> None:
+    # bench study gives vLLM its pool in blocks of its own size: 512 x 16 tokens.
+    row = vllm_peer.run_throughput(Path(sys.executable), tmp_path / "model", 32, "bfloat16",
+                                   32, 2048, fake_vllm, kv_blocks=(512, 16))
+    (init, *_) = json.loads(Path(fake_vllm["FAKE_VLLM_LOG"]).read_text())
+    assert (init["init"]["num_gpu_blocks_override"], init["init"]["block_size"]) == (512, 16)
+    assert row.num_kv_blocks == 512
+    assert (row.settings["num_kv_blocks"], row.settings["block_size"]) == (512, 16)
+    # Without it vLLM sizes its own pool: recorded in the settings, not as the row's pool.
+    row = vllm_peer.run_throughput(Path(sys.executable), tmp_path / "model", 32, "bfloat16",
+                                   32, 2048, fake_vllm)
+    (init, *_) = json.loads(Path(fake_vllm["FAKE_VLLM_LOG"]).read_text())
+    assert "num_gpu_blocks_override" not in init["init"] and "block_size" not in init["init"]
+    assert row.num_kv_blocks is None
+    assert (row.settings["num_kv_blocks"], row.settings["block_size"]) == (1170, 128)
 
 
 def test_a_run_with_missing_tokens_fails(tmp_path: Path, fake_vllm: dict[str, str]) -> None:

@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "study", help="the seed's four systems (static / continuous x reserved / paged KV) "
                       "at one KV budget: throughput-A to CAP 1536, peers, serve-B latency")
     study.add_args(study_parser)
-    study_parser.set_defaults(func=study.main_study)
+    study_parser.set_defaults(func=_bench_study)
     from tokenmill.bench import report
 
     all_parser = bench_sub.add_parser("all", help="run every benchmark and write BENCHMARKS.md")
@@ -328,6 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cli.add_args(sim_parser)
     sim_parser.set_defaults(func=sim_cli.dispatch)
     return parser
+
+
+def _bench_study(args: argparse.Namespace) -> int:
+    """`tokenmill bench study`, its run time estimated first by the simulator
+    (bench/ may not import sim/, which imports bench/)."""
+    from tokenmill.bench import study
+    from tokenmill.sim import study_estimate
+
+    return study.main_study(args, estimate=study_estimate.estimate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,23 +57,56 @@ def _load_hf(model: str | None, dtype: str) -> Any:
     return hf
 
 
-def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: int) -> ThroughputRow:
+def static_batches(prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
+                   kv_budget_tokens: int | None = None) -> list[range]:
+    """hf-static's batches, in the workload's order: max_num_seqs requests each, or,
+    under a KV budget, as many as fit it. A batch runs to its longest member, and
+    transformers' cache holds every member's prompt + that length, so a batch of n
+    needs n x (its longest prompt + its longest output) tokens of K/V."""
+    batches: list[range] = []
+    start = 0
+    while start < len(prompt_lens):
+        end = start + 1
+        while end < len(prompt_lens) and end - start < max_num_seqs:
+            need = (end + 1 - start) * (max(prompt_lens[start:end + 1])
+                                        + max(output_lens[start:end + 1]))
+            if kv_budget_tokens is not None and need > kv_budget_tokens:
+                break
+            end += 1
+        alone = prompt_lens[start] + output_lens[start]
+        if kv_budget_tokens is not None and alone > kv_budget_tokens:
+            raise ValueError(f"request {start} needs {alone} tokens of K/V, more than the "
+                             f"budget of {kv_budget_tokens}")
+        batches.append(range(start, end))
+        start = end
+    return batches
+
+
+def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: int,
+             kv_budget_tokens: int | None = None) -> ThroughputRow:
+    """One transformers peer at one CAP; `kv_budget_tokens` bounds hf-static's
+    batches (static_batches), as `bench study` bounds every configuration."""
     import torch
 
     workload = throughput_a(cap)
     hf = _load_hf(model, dtype)
     prompts, lens = workload.prompts, workload.output_lens
     computed = 0
+    settings: dict[str, Any] = {}
     with torch.inference_mode():
         hf.generate(torch.tensor(prompts[:2]), max_new_tokens=2, do_sample=False)  # warm-up
         start = time.perf_counter()
         if peer == "hf-static":
-            for i in range(0, len(prompts), max_num_seqs):
-                batch = torch.tensor(prompts[i : i + max_num_seqs])  # equal lengths: no padding
-                longest = max(lens[i : i + max_num_seqs])
+            batches = static_batches([len(p) for p in prompts], lens, max_num_seqs,
+                                     kv_budget_tokens)
+            for members in batches:
+                batch = torch.tensor(prompts[members.start:members.stop])  # equal lengths
+                longest = max(lens[members.start:members.stop])
                 hf.generate(batch, attention_mask=torch.ones_like(batch),
                             max_new_tokens=longest, do_sample=False)
                 computed += batch.shape[0] * (batch.shape[1] + longest - 1)
+            settings = {"kv_budget_tokens": kv_budget_tokens,
+                        "batch_sizes": [len(b) for b in batches]}
         elif peer == "hf-continuous":
             from transformers import GenerationConfig
 
@@ -98,7 +131,14 @@ def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: i
         else:
             raise ValueError(f"unknown peer {peer!r}; choose from {PEERS} (vLLM runs elsewhere)")
         wall = time.perf_counter() - start
-    return make_row(peer, cap, dtype, workload, wall, computed, float("nan"), 0, 0)
+    row = make_row(peer, cap, dtype, workload, wall, computed, float("nan"), 0, 0)
+    if peer == "hf-static":
+        # Every member runs every step of its batch: the batch's size, weighted by its steps.
+        steps = [max(lens[b.start:b.stop]) for b in batches]
+        row.mean_batch_size = sum(len(b) * n for b, n in zip(batches, steps, strict=True)) / sum(steps)
+        row.num_steps = sum(steps)
+    row.settings = settings
+    return row
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -142,14 +182,24 @@ def setup_vllm(args: argparse.Namespace) -> tuple[Path, Path, dict[str, str]]:
     return python, vllm_peer.model_dir_for(args.model, venv), vllm_peer.vllm_env(venv)
 
 
-def run_hf_in_subprocess(args: argparse.Namespace, peer: str, cap: int) -> ThroughputRow | None:
+def hf_command(args: argparse.Namespace, peer: str, cap: int,
+               kv_budget_tokens: int | None = None) -> list[str]:
+    """The command of one transformers peer run (run_peer in a fresh process)."""
+    cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
+           "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    if kv_budget_tokens is not None:
+        cmd += ["--kv-budget-tokens", str(kv_budget_tokens)]
+    if args.model:
+        cmd += ["--model", args.model]
+    return cmd
+
+
+def run_hf_in_subprocess(args: argparse.Namespace, peer: str, cap: int,
+                         kv_budget_tokens: int | None = None) -> ThroughputRow | None:
     """One transformers peer run in a fresh process; None (and why, on stderr) if it failed."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
-           "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
-    if args.model:
-        cmd += ["--model", args.model]
+    cmd = hf_command(args, peer, cap, kv_budget_tokens)
     print(f"== {peer}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
@@ -212,9 +262,12 @@ def _main() -> int:
     add_args(p)
     p.add_argument("--one", default=None, help="(internal) one peer run, JSON on stdout")
     p.add_argument("--cap", type=int, default=128)
+    p.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="(internal) hf-static: batches bounded by this much K/V")
     args = p.parse_args()
     if args.one:
-        row = run_peer(args.one, args.model, args.cap, args.dtype, args.max_num_seqs)
+        row = run_peer(args.one, args.model, args.cap, args.dtype, args.max_num_seqs,
+                       args.kv_budget_tokens)
         print(json.dumps(asdict(row)))
         return 0
     return main_peers(args)

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,18 +317,22 @@ def _first_model(base_url: str, api_key: str | None) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
+def warm_up(base_url: str, model: str, prompt: list[int], api_key: str | None = None) -> None:
+    """One short request first (as `vllm bench serve` sends a test prompt): the
+    server's first-call costs stay out of the first rate's numbers."""
+    warmup, _ = asyncio.run(run_rate(base_url, model, [prompt], [4], float("inf"),
+                                     api_key=api_key))
+    if not warmup[0].ok:
+        raise RuntimeError(f"the warm-up request failed: {warmup[0].error}")
+
+
 def main_serve(args: argparse.Namespace) -> int:
     extras.require("aiohttp", "httpx", "matplotlib")
     workload = throughput_a(128)
     n = args.num_requests
     prompts, lens = workload.prompts[:n], workload.output_lens[:n]
     model = args.model or _first_model(args.base_url, args.api_key)
-    # Warm-up (as `vllm bench serve` sends a test prompt first): the server's
-    # first-call costs stay out of the first rate's numbers.
-    warmup, _ = asyncio.run(run_rate(args.base_url, model, [prompts[0]], [4], float("inf"),
-                                     api_key=args.api_key))
-    if not warmup[0].ok:
-        raise RuntimeError(f"the warm-up request failed: {warmup[0].error}")
+    warm_up(args.base_url, model, prompts[0], args.api_key)
     reports = []
     for rate_text in args.rates.split(","):
         rate = float(rate_text)
@@ -380,6 +386,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def running_server(cmd: list[str], base_url: str, label: str, *,
+                   env: dict[str, str] | None = None, log_path: Path | None = None,
+                   startup_timeout_s: float = 180.0, stop_timeout_s: float = 30.0
+                   ) -> Iterator[subprocess.Popen[bytes]]:
+    """A server (`cmd`) from the moment its /health answers until the block ends,
+    then stopped (terminated, killed after `stop_timeout_s`)."""
+    server = spawn_server(cmd, {**os.environ, **(env or {})}, log_path)
+    where = f"; see {log_path}" if log_path else ""
+    try:
+        wait_healthy(server, base_url, startup_timeout_s, f"{label}'s server", where)
+        yield server
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def run_against_server(
     cmd: list[str], base_url: str, label: str, args: argparse.Namespace, out: Path, *,
     model: str | None = None, env: dict[str, str] | None = None, log_path: Path | None = None,
@@ -390,19 +417,10 @@ def run_against_server(
     extras.require("aiohttp", "httpx", "matplotlib")
 
     out.mkdir(parents=True, exist_ok=True)
-    server = spawn_server(cmd, {**os.environ, **(env or {})}, log_path)
-    where = f"; see {log_path}" if log_path else ""
-    try:
-        wait_healthy(server, base_url, startup_timeout_s, f"{label}'s server", where)
+    with running_server(cmd, base_url, label, env=env, log_path=log_path,
+                        startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s):
         main_serve(argparse.Namespace(
             base_url=base_url, model=model, rates=args.rates, num_requests=args.num_requests,
             workload="serve-B", slo_ttft_ms=None, slo_tpot_ms=None, api_key=None,
             label=label, output_dir=str(out)))
         return [RateReport(**d) for d in json.loads((out / f"serve-{label}.json").read_text())]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()

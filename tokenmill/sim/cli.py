@@ -17,7 +17,7 @@ from typing import Any
 from tokenmill.bench import extras
 from tokenmill.bench import serve as serve_bench
 from tokenmill.bench import throughput as throughput_bench
-from tokenmill.bench.throughput import POLICIES, ThroughputRow, positive_ints
+from tokenmill.bench.throughput import POLICIES, ThroughputRow, baseline_policy, positive_ints
 from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 from tokenmill.sim import plan as planner
 from tokenmill.sim import report
@@ -139,21 +139,25 @@ def main_simulate(args: argparse.Namespace) -> int:
                 result = run(throughput_a_requests(cap), settings_for(args, True, policy),
                              f"throughput-A-cap{cap}-{policy}")
                 rows.append(report.throughput_row(result, policy, cap, dtype))
+        baseline = baseline_policy([r.policy for r in rows])
         for r in rows:
-            base = next((b for b in rows if b.policy == "static" and b.cap == r.cap), None)
+            base = next((b for b in rows if b.policy == baseline and b.cap == r.cap), None)
             if base is not None:
                 r.ratio_vs_static = r.generated_tok_s / base.generated_tok_s
         stem = f"{args.label}-throughput-{dtype}"
         (out / f"{stem}.json").write_text(json.dumps(
             {"rows": [asdict(r) for r in rows], "timelines": timelines}, indent=2))
         throughput_bench.plot(rows, out / f"{stem}.png")
-        print(throughput_bench.format_table(rows))
+        print(throughput_bench.format_table(rows).replace("vs static", f"vs {baseline}"))
         if args.compare:
             data = json.loads(Path(args.compare).read_text())
             if isinstance(data, dict):  # `bench study`'s JSON: its rows beside its budget
                 data = data["rows"]
             measured = [ThroughputRow(**d) for d in data]
             print("\n" + compare_throughput(rows, measured))
+            if baseline == throughput_bench.NAIVE_STATIC:
+                print("\nThe seed's decomposition, measured / predicted:\n"
+                      + compare_decomposition(rows, measured))
     else:
         reports = []
         policy = _policies(args, "continuous")[0]
@@ -187,18 +191,39 @@ def _err(predicted: float, measured: float) -> str:
 
 
 def compare_throughput(predicted: list[ThroughputRow], measured: list[ThroughputRow]) -> str:
-    """Generated tok/s, predicted beside measured, per (policy, CAP) both have."""
+    """Generated tok/s, predicted beside measured, per (policy, CAP) both have; the
+    ratios against naive static where the rows have it (`bench study`), else static."""
+    baseline = baseline_policy([r.policy for r in predicted])
     lines = ["| policy | cap | measured gen tok/s | predicted gen tok/s | error | "
-             "measured / predicted vs static |", "|---|---|---|---|---|---|"]
+             f"measured / predicted vs {baseline} |", "|---|---|---|---|---|---|"]
     for p in predicted:
         m = next((r for r in measured if r.policy == p.policy and r.cap == p.cap), None)
         if m is None:
             continue
-        m_static = next((r for r in measured if r.policy == "static" and r.cap == p.cap), None)
-        ratios = (f"{m.generated_tok_s / m_static.generated_tok_s:.2f}x / {p.ratio_vs_static:.2f}x"
-                  if m_static is not None and p.ratio_vs_static else "-")
+        m_base = next((r for r in measured if r.policy == baseline and r.cap == p.cap), None)
+        ratios = (f"{m.generated_tok_s / m_base.generated_tok_s:.2f}x / {p.ratio_vs_static:.2f}x"
+                  if m_base is not None and p.ratio_vs_static else "-")
         lines.append(f"| {p.policy} | {p.cap} | {m.generated_tok_s:.1f} | {p.generated_tok_s:.1f} | "
                      f"{_err(p.generated_tok_s, m.generated_tok_s)} | {ratios} |")
+    return "\n".join(lines)
+
+
+def compare_decomposition(predicted: list[ThroughputRow], measured: list[ThroughputRow]) -> str:
+    """`bench study`'s decomposition per CAP, each factor measured / predicted."""
+    from tokenmill.bench import study
+
+    def x(v: float | None) -> str:
+        return f"{v:.2f}x" if v is not None else "-"
+
+    keys = ("scheduling", "memory", "total")
+    lines = ["| CAP | scheduling: continuous / static (reserved) | memory: paged / reserved "
+             "(continuous) | total: continuous paged / naive static |", "|---|---|---|---|"]
+    by_cap = {d["cap"]: d for d in study.decomposition(predicted)}
+    for m in study.decomposition(measured):
+        p = by_cap.get(m["cap"])
+        if p is None:
+            continue
+        lines.append(f"| {m['cap']} | " + " | ".join(f"{x(m[k])} / {x(p[k])}" for k in keys) + " |")
     return "\n".join(lines)
 
 
