@@ -125,7 +125,7 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)  # (transformers' default, which the tiny configs keep)
+    writer.add_rope_freq_base((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     if arch == "llama":
         writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     if getattr(cfg, "head_dim", None) is not None:
