@@ -448,7 +448,7 @@ def gguf_pre_tokenizer(path: str, name: Any) -> Any:
             "were learned on; use the model's Hugging Face directory instead"
         )
     split, digits = GGUF_PRE_TOKENIZERS[name]
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split == _GPT2:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     else:

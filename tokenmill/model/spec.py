@@ -274,9 +274,11 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
                              f"{arch}.attention.head_count_kv", f"{arch}.attention.head_count", path)
     rope_dim = fields.get(f"{arch}.rope.dimension_count")
     if rope_dim is not None and rope_dim != head_dim:
+        source = (f"{arch}.attention.key_length" if f"{arch}.attention.key_length" in fields else
+                  f"{arch}.embedding_length={hidden_size} / {arch}.attention.head_count={num_heads}")
         raise ValueError(
-            f"{path}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dim!r} != "
-            f"head size {head_dim}) are not supported"
+            f"{path}: {arch}.rope.dimension_count={rope_dim!r} is not the head size {head_dim} "
+            f"({source}): partial rotary embeddings are not supported, or a size is corrupt"
         )
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None:
