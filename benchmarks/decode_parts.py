@@ -97,14 +97,14 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
             "head": median_ms(lambda: plan.compute_logits(hidden0), args.reps),
         }
     res["rest"] = res["layer_loop"] - (res["gemms"] - res["null_calls"])
-    print(f"B={batch} context {meta.seq_lens[0]} ({args.quantization or 'bf16'}): "
+    print(f"B={batch} context {meta.seq_lens[0]} ({args.quantization}): "
           + " ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default="none")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--perf", action="store_true")

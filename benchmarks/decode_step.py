@@ -17,7 +17,7 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 
 def main() -> None:
     batch, ctx, prof = int(sys.argv[1]), int(sys.argv[2]), len(sys.argv) > 3
-    llm = LLM(None, dtype="bfloat16", max_num_seqs=256, skip_tokenizer_init=True,
+    llm = LLM(None, dtype="bfloat16", quantization="none", max_num_seqs=256, skip_tokenizer_init=True,
               block_size=int(os.environ.get("BS", "16")))
     runner = llm.engine.runner
     model = runner.forward  # the forward the runner chose (the CPU plan here)

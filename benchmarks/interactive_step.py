@@ -135,7 +135,7 @@ def server(args: argparse.Namespace) -> None:
     base = f"http://127.0.0.1:{port}"
     cmd = [*args.server_prefix.split(), sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
            "--dtype", "bfloat16", "--no-enable-prefix-caching", "--served-model-name", "default",
-           *(["--quantization", args.quantization] if args.quantization else []), *args.serve_args.split()]
+           "--quantization", args.quantization, *args.serve_args.split()]
     log = Path(os.environ.get("LOG", "/tmp/interactive_server.log"))
     proc = spawn_server(cmd, dict(os.environ), log)
     try:
@@ -176,7 +176,7 @@ def main() -> None:
     p.add_argument("--serve-args", default="")
     p.add_argument("--server-prefix", default="", help="server: run it under this command")
     p.add_argument("--cpu", action="store_true", help="server: CPU time per token, by thread")
-    p.add_argument("--quantization", default=None, choices=("q8_0", "gguf"),
+    p.add_argument("--quantization", default="none", choices=("none", "q8_0", "gguf"),
                    help="the weights kept as Q8_0 blocks, or the file's own (gguf) "
                         "(engine; server: passed to serve)")
     args = p.parse_args()

@@ -26,7 +26,7 @@ def main() -> None:
     gaps[0] = 0.0
     arrivals = np.cumsum(gaps)
 
-    llm = LLM(dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=args.budget,
+    llm = LLM(dtype="bfloat16", quantization="none", max_num_seqs=128, max_num_batched_tokens=args.budget,
               enable_prefix_caching=False)
     llm.generate([{"prompt_token_ids": [7] * 128}] * 2,
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)

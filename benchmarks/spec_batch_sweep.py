@@ -42,8 +42,8 @@ def main() -> None:
     passages = load_passages()
     conversations = [[{"role": "user", "content": f"{CORRECT if p.get('typos') else COPY}\n\n"
                        f"{p['text']}"}] for p in passages]
-    plain = LLM(dtype="bfloat16", max_num_seqs=64)
-    fast = LLM(dtype="bfloat16", max_num_seqs=64, speculative_config=spec)
+    plain = LLM(dtype="bfloat16", quantization="none", max_num_seqs=64)
+    fast = LLM(dtype="bfloat16", quantization="none", max_num_seqs=64, speculative_config=spec)
     run(plain, conversations[:2], 16)  # warm-up
     run(fast, conversations[:2], 16)
     for batch in [int(b) for b in args.batches.split(",")]:

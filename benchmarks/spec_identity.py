@@ -35,7 +35,7 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     runs: list[list[list[int]]] = []
     for spec in (None, json.loads(args.spec)):
-        llm = LLM(dtype=args.dtype, speculative_config=spec)
+        llm = LLM(dtype=args.dtype, quantization="none", speculative_config=spec)
         start = time.perf_counter()
         runs.append([list(llm.chat(chat_body("m", p, args.max_tokens)["messages"], params,
                                    use_tqdm=False)[0].outputs[0].token_ids) for p in passages])

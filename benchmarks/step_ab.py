@@ -33,7 +33,7 @@ def main() -> None:
     if len(mods) not in (0, 2) or len(attr) not in (0, 3) or not (mods or attr):
         sys.exit("set MODS=a,b or ATTR=name:a:b")
 
-    llm = LLM(dtype=os.environ.get("DTYPE", "float32"), max_num_seqs=batch,
+    llm = LLM(dtype=os.environ.get("DTYPE", "float32"), quantization="none", max_num_seqs=batch,
               max_num_batched_tokens=batch * ctx + 64, enable_prefix_caching=False)
     engine = llm.engine
     if (mods or attr) and not isinstance(engine.runner.forward, plan.CpuPlan):

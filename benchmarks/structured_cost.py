@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     batch, ctx = args.batch, args.ctx
 
-    llm = LLM(None, dtype="bfloat16", max_num_seqs=256, apply_process_settings=False)
+    llm = LLM(None, dtype="bfloat16", quantization="none", max_num_seqs=256, apply_process_settings=False)
     engine = llm.engine
     runner = engine.runner
     model = runner.forward

@@ -311,6 +311,36 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
     assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
 
 
+def test_a_quantized_gguf_runs_its_own_blocks_unless_told(tmp_path: Path) -> None:
+    """Unset quantization: a GGUF file holding quantized tensors runs its own
+    blocks (llama.cpp's way) on one CPU process; a float GGUF, a HF directory,
+    `none` and tensor parallelism run the weights in dtype."""
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**COMMON))
+    quantized, floats = tmp_path / "q.gguf", tmp_path / "f.gguf"
+    _write_gguf(hf_model, quantized, {})
+    _write_gguf(hf_model, floats, dict.fromkeys(("token_embd", "output", "attn_q", "attn_k", "attn_v",
+                                                 "attn_output", "ffn_gate", "ffn_up", "ffn_down"), F16))
+    hf_dir = save_hf_model(hf_model, tmp_path / "hf")
+    assert EngineArgs(model=str(quantized)).resolve_quantization() == "gguf"
+    assert EngineArgs(model=str(quantized), quantization="none").resolve_quantization() is None
+    assert EngineArgs(model=str(quantized), quantization="q8_0").resolve_quantization() == "q8_0"
+    assert EngineArgs(model=str(quantized), tensor_parallel_size=2).resolve_quantization() is None
+    assert EngineArgs(model=str(quantized), quantization="none",
+                      tensor_parallel_size=2).create_parallel_config().tensor_parallel_size == 2
+    assert EngineArgs(model=str(floats)).resolve_quantization() is None
+    assert EngineArgs(model=hf_dir).resolve_quantization() is None
+    with pytest.raises(ValueError, match=r"quantization='q4' is not supported; use one of "
+                                         r"\('none', 'q8_0', 'gguf'\), or leave it unset"):
+        EngineArgs(model=str(quantized), quantization="q4").resolve_quantization()
+    llm = LLM(str(quantized), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    plan = llm.engine.runner.forward
+    if isinstance(plan, CpuPlan):
+        assert plan.ops.weight_formats()[plan.layers[0].o.format] == "q4_1"
+    o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj
+    assert "weight" not in o_proj._parameters and q4_1_of(o_proj) is not None
+
+
 def test_bench_interactive_has_gguf_columns(tmp_path: Path) -> None:
     """tokenmill-gguf: `tokenmill serve --quantization gguf`; llama-q4_1: llama-server
     on the default model's own file (nothing made with llama-quantize)."""

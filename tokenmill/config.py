@@ -50,9 +50,10 @@ class ModelConfig:
     # Sampling defaults: "auto" (the model's generation config), "vllm" (none) or
     # a folder with a generation_config.json (vLLM's --generation-config).
     generation_config: str = "auto"
-    # Weights kept quantized (model/quantization.py): None, or "q8_0" (GGUF's Q8_0
-    # blocks; other weights quantized to it at load), or "gguf" (a GGUF file's own
-    # Q4_1 / Q4_0 and Q8_0 blocks, other types as Q8_0). vLLM's `quantization` option.
+    # Weights kept quantized (model/quantization.py): None (the weights in dtype),
+    # "q8_0" (GGUF's Q8_0 blocks; other weights quantized to it at load), or "gguf"
+    # (a GGUF file's own blocks, other types as Q8_0). vLLM's `quantization` option;
+    # EngineArgs.resolve_quantization picks it when the user leaves it unset.
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -122,13 +122,13 @@ def run_mode(spec: ServerSpec, speculative: str | None, args: argparse.Namespace
 
 def tokenmill_modes(args: argparse.Namespace) -> list[tuple[ServerSpec | None, str | None, str]]:
     """(server, speculative config, why it cannot run) for tokenmill off and on."""
-    plain = tokenmill_spec("tokenmill", args.model, args.dtype)
+    plain = tokenmill_spec("tokenmill", args.model, args.dtype, ["--quantization", "none"])
     if not serve_has_flag("--speculative-config"):
         return [(plain, None, ""), (None, args.speculative_config,
                                     "this tokenmill's `serve` has no --speculative-config "
                                     "(issue 35's speculative decoding is not in this checkout)")]
     spec = tokenmill_spec("tokenmill", args.model, args.dtype,
-                          ["--speculative-config", args.speculative_config])
+                          ["--quantization", "none", "--speculative-config", args.speculative_config])
     return [(plain, None, ""), (spec, args.speculative_config, "")]
 
 

@@ -146,7 +146,8 @@ def format_table(runs: list[EvalRun], diff: dict[str, Any] | None) -> str:
 
 def serve_command(port: int, model: str | None, dtype: str) -> list[str]:
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME]
+           "--port", str(port), "--dtype", dtype, "--quantization", "none",
+           "--served-model-name", SERVED_NAME]
     return cmd + (["--model", model] if model else [])
 
 

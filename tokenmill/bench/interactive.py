@@ -96,7 +96,7 @@ def measure_ceilings(model: str | None, dtype: str, long_len: int) -> Ceilings:
 
     from tokenmill import LLM
     from tokenmill.bench.roofline import measure_read_bandwidth
-    llm = LLM(model, dtype=dtype, max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, quantization="none", max_num_seqs=1, enable_prefix_caching=False)
     info = llm.model_info()
     gguf_bytes = info.get("gguf_weight_bytes")
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -216,7 +216,8 @@ def server_specs(args: argparse.Namespace, names: list[str]) -> list[ServerSpec]
         ggufs["q4_1"] = source  # the file as it is (the default model's is Q4_1)
     for name in names:
         if name == "tokenmill":
-            specs.append(tokenmill_spec("tokenmill", args.model, args.dtype, shlex.split(args.tokenmill_args)))
+            specs.append(tokenmill_spec("tokenmill", args.model, args.dtype,
+                                        ["--quantization", "none", *shlex.split(args.tokenmill_args)]))
         elif name == "tokenmill-q8_0":
             specs.append(tokenmill_spec(name, args.model, args.dtype,
                                         ["--quantization", "q8_0", *shlex.split(args.tokenmill_args)]))

@@ -50,7 +50,8 @@ def run_serve_against_tokenmill(args: argparse.Namespace, out: Path) -> list[ser
     port = serve_bench.free_port()
     # Prefix caching off: serve-B sends the same prompts at every rate (see serve.py).
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", args.dtype, "--no-enable-prefix-caching"]
+           "--port", str(port), "--dtype", args.dtype, "--quantization", "none",
+           "--no-enable-prefix-caching"]
     if args.model:
         cmd += ["--model", args.model]
     return serve_bench.run_against_server(cmd, f"http://127.0.0.1:{port}", "tokenmill", args, out)

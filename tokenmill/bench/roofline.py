@@ -111,7 +111,7 @@ def main_roofline(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     max_batch = max(int(b) for b in args.batches.split(","))
     # Every prompt prefilled in one step, so all requests decode together from then on.
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max_batch,
+    llm = LLM(args.model, dtype=args.dtype, quantization="none", max_num_seqs=max_batch,
               max_num_batched_tokens=max(8192, max_batch * args.context),
               enable_prefix_caching=False)
     info = llm.model_info()

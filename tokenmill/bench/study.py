@@ -252,7 +252,7 @@ def serve_command(args: argparse.Namespace, config: str, port: int) -> list[str]
     settings: the study's KV budget, max_num_seqs and token budget."""
     opts = POLICIES[config]
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", args.dtype,
+           "--port", str(port), "--dtype", args.dtype, "--quantization", "none",
            "--scheduling-policy", opts["scheduling_policy"],
            "--kv-allocation", opts["kv_allocation"],
            "--num-kv-blocks", str(args.num_kv_blocks),

@@ -82,7 +82,7 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     from tokenmill import LLM, SamplingParams
 
     workload: Workload = throughput_a(cap)
-    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+    llm = LLM(model, dtype=dtype, quantization="none", device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
               **POLICIES[policy])
     # Warm-up: first-call costs (thread pools, allocator) stay out of the timing. Its
@@ -146,7 +146,7 @@ def profile_one(args: argparse.Namespace) -> int:
 
     cap = int(args.caps.split(",")[0])
     workload = throughput_a(cap)
-    llm = LLM(args.model, dtype=args.dtype, device=getattr(args, "device", "cpu"),
+    llm = LLM(args.model, dtype=args.dtype, quantization="none", device=getattr(args, "device", "cpu"),
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]

@@ -58,7 +58,8 @@ class EngineArgs:
     master_port: int | None = None
     nnodes: int = 1
     node_rank: int = 0
-    # Weights kept quantized: None, "q8_0" or "gguf" (config.ModelConfig.quantization).
+    # Weights kept quantized: None (auto, see resolve_quantization), "none" (the
+    # weights in dtype; a GGUF file dequantized), "q8_0" or "gguf" (config.py).
     quantization: str | None = None
     distributed_executor_backend: str = "mp"  # "ray": ranks as Ray actors (serve-ray)
 
@@ -71,7 +72,7 @@ class EngineArgs:
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                 device=self.device, max_model_len=self.max_model_len, seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
-                generation_config=self.generation_config, quantization=self.quantization,
+                generation_config=self.generation_config, quantization=self.resolve_quantization(),
             ),
             CacheConfig(
                 block_size=self.block_size,
@@ -86,6 +87,24 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
         )
+
+    def resolve_quantization(self) -> str | None:
+        """ModelConfig.quantization from --quantization: "none" is None (the weights
+        in dtype), and unset means a GGUF file holding quantized tensors runs its own
+        blocks ("gguf"), as llama.cpp runs it, wherever quantized weights run (one
+        CPU process); anything else runs its weights in dtype."""
+        if self.quantization is not None:
+            if self.quantization not in ("none", *QUANTIZATIONS):
+                raise ValueError(f"quantization={self.quantization!r} is not supported; use one "
+                                 f"of {('none', *QUANTIZATIONS)}, or leave it unset")
+            return None if self.quantization == "none" else self.quantization
+        if self.device != "cpu" or self.tensor_parallel_size > 1:
+            return None
+        from tokenmill.model.gguf_file import holds_quantized_tensors
+        from tokenmill.model.source import resolve_model_source
+
+        source = resolve_model_source(self.model)
+        return "gguf" if source.kind == "gguf" and holds_quantized_tensors(source.path) else None
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The speculative decoding config, or None (ValueError naming a bad field)."""
@@ -102,7 +121,7 @@ class EngineArgs:
         return CpuBackendOptions.from_env()
 
     def create_parallel_config(self) -> ParallelConfig:
-        if self.quantization is not None and self.tensor_parallel_size > 1:
+        if self.quantization not in (None, "none") and self.tensor_parallel_size > 1:
             raise ValueError(f"quantization={self.quantization!r} cannot be used with "
                              f"tensor_parallel_size={self.tensor_parallel_size} (one process only)")
         return ParallelConfig(
@@ -161,10 +180,12 @@ class EngineArgs:
                  '"model": PATH, "num_speculative_tokens": 4}; "disable_by_batch_size": N turns '
                  'it off above N running requests')
         parser.add_argument(
-            "--quantization", "-q", default=None, choices=QUANTIZATIONS,
-            help="keep the weights quantized: q8_0 (GGUF Q8_0 blocks, other weights quantized "
-                 "to it at load; the CPU only), gguf (a GGUF file's own Q4_1/Q4_0 and Q8_0 "
-                 "blocks, other types as Q8_0). Default: the weights in --dtype")
+            "--quantization", "-q", default=None, choices=("none", *QUANTIZATIONS),
+            help="how the weights are kept: gguf (a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/"
+                 "Q5_K/Q6_K blocks, other types as Q8_0), q8_0 (Q8_0 blocks, other weights "
+                 "quantized to it at load), none (the weights in --dtype: a GGUF file "
+                 "dequantized). Default: gguf for a GGUF file holding quantized tensors on one "
+                 "CPU process, none otherwise")
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")

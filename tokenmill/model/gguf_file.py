@@ -209,3 +209,13 @@ class GGUFFile:
             rows = quant_shape_to_byte_shape(rows, qtype)
         data = np.frombuffer(self._mv, dtype, nbytes // dtype.itemsize, begin).reshape(rows)
         return GGUFTensor(name, shape, qtype, data), nbytes
+
+
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
+
+
+def holds_quantized_tensors(path: str) -> bool:
+    """Whether any tensor of the GGUF file at `path` is stored in blocks of a
+    quantized type (not a float type)."""
+    return any(t.tensor_type not in FLOAT_TYPES for t in GGUFFile(path).tensors)
