@@ -107,11 +107,16 @@ HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
+# llama.cpp's converter permutes Q/K rows for these model types only.
+PERMUTED_QK = ("llama", "mistral")
 
 
 def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWriter:
-    """A GGUFWriter with hf_model's metadata (and a made-up tokenizer) added."""
+    """A GGUFWriter with hf_model's metadata, under `arch`'s keys as llama.cpp's
+    converter writes them (and a made-up tokenizer) added."""
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -120,8 +125,12 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)  # (transformers' default, which the tiny configs keep)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_freq_base((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    if arch == "llama":
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    if getattr(cfg, "head_dim", None) is not None:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
@@ -133,15 +142,17 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
 def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarray, torch.Tensor]]:
     """(GGUF name, part, RoPE heads or None, float32 weight in llama.cpp's row
     order, the HF parameter) for each tensor a GGUF file holds (a tied head is
-    not written)."""
+    not written). Q/K rows are permuted (RoPE heads given) for Llama-style
+    models only, as llama.cpp's converter does."""
     cfg = hf_model.config
+    permuted = cfg.model_type in PERMUTED_QK
     for name, param in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         parts = name.split(".")
         if name.startswith("model.layers."):
             part = HF_TO_GGUF[".".join(parts[3:-1])]
-            gguf_name = f"blk.{parts[2]}.{part}.weight"
+            gguf_name = f"blk.{parts[2]}.{part}.{parts[-1]}"
         else:
             part = {
                 "model.embed_tokens": "token_embd",
@@ -151,9 +162,11 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
             gguf_name = f"{part}.weight"
         weight = param.float().numpy()
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
+        if not permuted:
+            heads = None
         if heads is not None:  # llama.cpp's permutation for its RoPE layout
             weight = (
-                weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
+                weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
             )
         yield gguf_name, part, heads, weight, param
 

@@ -115,6 +115,15 @@ METADATA_CASES = [
     ("llama.feed_forward_length", "<I", 0),
     ("llama.block_count", "<I", 0),
     ("llama.context_length", "<I", 0),
+    # Absurd sizes, refused before anything is allocated for them (issue 50).
+    ("llama.block_count", "<I", 2**31),
+    ("llama.block_count", "<I", 31),  # the tensors are of 30 layers
+    ("llama.context_length", "<I", 2**32 - 1),
+    ("llama.embedding_length", "<I", 2**31),
+    ("llama.embedding_length", "<I", 576 * 2**20),  # divisible by the heads, not the tensors
+    ("llama.feed_forward_length", "<I", 2**31),
+    ("llama.attention.head_count", "<I", 2**31),
+    ("llama.vocab_size", "<I", 49153),  # the token list holds 49152
     ("tokenizer.ggml.bos_token_id", "<I", 49152),
     ("tokenizer.ggml.eos_token_id", "<I", 10**6),
     ("tokenizer.ggml.padding_token_id", "<I", 2**31),
@@ -274,6 +283,9 @@ HF_CONFIG_CASES: list[tuple[str, Any]] = [
     ("num_attention_heads", 3),  # 64 is not divisible by 3
     ("head_dim", 15),  # odd
     ("bos_token_id", 256), ("eos_token_id", -1), ("eos_token_id", [2, 1000]),
+    # Absurd sizes and shapes, refused before anything is allocated for them (issue 50).
+    ("rope_parameters", [1, 2]), ("rope_parameters", "linear"), ("rope_scaling", 2.0),
+    ("max_position_embeddings", 2**32 - 1), ("num_hidden_layers", 2**31), ("num_hidden_layers", 3),
 ]
 
 

@@ -19,7 +19,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.model.source import default_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
-from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_pre_tokenizer
 
 EOS = 2  # <|im_end|>
 DELTA = RequestOutputKind.DELTA
@@ -294,7 +294,9 @@ def test_gguf_tokenizer_is_the_one_auto_tokenizer_builds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tokenizer.load skips AutoTokenizer's slow class lookup for a llama GGUF;
-    what it builds must be what AutoTokenizer builds. A folder with its own
+    what it builds must be what AutoTokenizer builds, but for the pre-tokenizer,
+    chosen by the file's tokenizer.ggml.pre ("smollm": digits one by one, which
+    transformers' conversion leaves out). A folder with its own
     tokenizer_config.json still goes through AutoTokenizer."""
     from transformers import AutoTokenizer
 
@@ -311,6 +313,7 @@ def test_gguf_tokenizer_is_the_one_auto_tokenizer_builds(
     ours = Tokenizer.load(path).hf
     assert calls == []
     ref = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    ref.backend_tokenizer.pre_tokenizer = gguf_pre_tokenizer(path, "smollm")
     _same_hf_tokenizer(ours, ref)
     text = "Hello <|im_start|>user\nwörld  ✓ 123 🙂 日本"
     assert ours.encode(text) == ref.encode(text)

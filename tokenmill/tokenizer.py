@@ -373,19 +373,23 @@ def _check_tokenizer_files(directory: str, error: Exception) -> None:
 
 
 def _gguf_tokenizer(path: str) -> Any:
-    """transformers' tokenizer for a GGUF file. For a llama-architecture file
-    (all tokenmill serves from GGUF) it is built the way AutoTokenizer builds
-    it, minus AutoTokenizer's first step: to pick the tokenizer class that step
-    reads the file's whole metadata through the gguf package's reader (most of
-    AutoTokenizer's time: docs/perf-notes.md, start-up), and for model type
-    "llama" the class it picks is
-    TokenizersBackend. Other architectures, folders with a tokenizer_config.json
+    """transformers' tokenizer for a GGUF file, its pre-tokenizer chosen by the
+    file's `tokenizer.ggml.pre` (GGUF_PRE_TOKENIZERS). A byte-level BPE file
+    (`tokenizer.ggml.model` "gpt2", of any architecture) or a llama-architecture
+    one is built the way AutoTokenizer builds it, minus AutoTokenizer's first
+    step: to pick the tokenizer class that step reads the file's whole metadata
+    through the gguf package's reader (most of AutoTokenizer's time:
+    docs/perf-notes.md, start-up), and the class it picks for those is
+    TokenizersBackend (the vocabulary, merges and special tokens come from the
+    file whatever the class). Other files, folders with a tokenizer_config.json
     of their own (which can name another class), and transformers versions
-    without the fast metadata reader still go through AutoTokenizer."""
+    without the fast metadata reader (where the file's pre-tokenizer name is not
+    read either) still go through AutoTokenizer."""
     from transformers import AutoTokenizer
 
     directory, filename = os.path.split(os.path.abspath(path))
     builder: Any = AutoTokenizer
+    pre_tokenizer = None
     try:
         from transformers.integrations.gguf.reader import read_gguf_metadata
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -394,11 +398,63 @@ def _gguf_tokenizer(path: str) -> Any:
     else:
         metadata, _ = read_gguf_metadata(path)  # (arrays as counts: 0.02 s)
         _check_gguf_token_ids(path, metadata)
-        if metadata.get("general.architecture") == "llama" and not os.path.exists(
+        byte_level = metadata.get("tokenizer.ggml.model") == "gpt2"
+        if byte_level:
+            pre_tokenizer = gguf_pre_tokenizer(path, metadata.get("tokenizer.ggml.pre"))
+        if (byte_level or metadata.get("general.architecture") == "llama") and not os.path.exists(
             os.path.join(directory, "tokenizer_config.json")
         ):
             builder = TokenizersBackend
-    return builder.from_pretrained(directory, gguf_file=filename)
+    tokenizer = builder.from_pretrained(directory, gguf_file=filename)
+    if pre_tokenizer is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
+    return tokenizer
+
+
+# A byte-level BPE file's `tokenizer.ggml.pre` -> how llama.cpp splits text
+# before the merges (llama-vocab.cpp): a regex ("gpt2": byte-level BPE's own),
+# and whether each digit is split off first. The merges were learned on that
+# split, so another gives other tokens. A name not here is refused.
+_GPT2 = "gpt2"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
+    "gpt-2": (_GPT2, False),
+    "smollm": (_GPT2, True),  # SmolLM and SmolLM2 (the default model)
+    "refact": (_GPT2, True),
+    "llama-bpe": (_LLAMA3_SPLIT, False),  # Llama 3
+    "llama3": (_LLAMA3_SPLIT, False),
+    "llama-v3": (_LLAMA3_SPLIT, False),
+    "qwen2": (_QWEN2_SPLIT, False),  # Qwen2, Qwen2.5, Qwen3
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
+}
+
+
+def gguf_pre_tokenizer(path: str, name: Any) -> Any:
+    """The `tokenizers` pre-tokenizer for a byte-level BPE file's
+    `tokenizer.ggml.pre` (None: the file names none, byte-level BPE's own split,
+    as llama.cpp's converter writes none only for it); a ValueError naming the
+    field and the value for a name not in GGUF_PRE_TOKENIZERS."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if name is None:
+        return None
+    if name not in GGUF_PRE_TOKENIZERS:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.pre={name!r} is not a supported pre-tokenizer; supported: "
+            f"{', '.join(GGUF_PRE_TOKENIZERS)}. The text would be split other than the merges "
+            "were learned on; use the model's Hugging Face directory instead"
+        )
+    split, digits = GGUF_PRE_TOKENIZERS[name]
+    steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if split == _GPT2:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    return pre_tokenizers.Sequence(steps)
 
 
 def _check_gguf_token_ids(path: str, metadata: Mapping[str, Any]) -> None:

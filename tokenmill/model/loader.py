@@ -11,7 +11,8 @@ checkpoint tensor per shard; the only renames are the fused projections:
     model.layers.N.mlp.up_proj.W       ->  model.layers.N.mlp.gate_up_proj.W    (up)
 
 A checkpoint tensor that maps to nothing, or a parameter shard no tensor
-fills, is an error naming it. GGUF names are first renamed to HF names.
+fills, is an error naming it. GGUF names are first renamed to HF names by
+the file's row of model/gguf_families.py (one row per `general.architecture`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.model.gguf_families import GGUFFamily, gguf_family
 from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
 from tokenmill.model.quantization import (
     KQUANT_FORMATS,
@@ -54,25 +55,6 @@ FUSED_WEIGHTS: Mapping[str, tuple[str, str]] = {
     ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
     ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
 }
-
-# llama.cpp tensor names -> Hugging Face names.
-GGUF_NAMES: Mapping[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-GGUF_LAYER_NAMES: Mapping[str, str] = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -365,12 +347,6 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
     dtype = resolve_dtype(
         model_config.dtype, source, cfg.get("dtype") or cfg.get("torch_dtype"), model_config.device
     )
-    model = LlamaForCausalLM(
-        spec,
-        max_positions=model_config.max_model_len,
-        device=model_config.device,
-        dtype=dtype,
-    )
     from safetensors import safe_open
 
     with contextlib.ExitStack() as stack:
@@ -379,9 +355,27 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[name] = _thunk(handle.get_tensor, name)
+        _check_hf_layer_count(tensors, spec.num_layers, config_path)
+        model = LlamaForCausalLM(
+            spec,
+            max_positions=model_config.max_model_len,
+            device=model_config.device,
+            dtype=dtype,
+        )
         load_weights(model, tensors, ignored=_hf_ignored(spec),
                      quantization=model_config.quantization)
     return _finish(model), spec
+
+
+def _check_hf_layer_count(names: Mapping[str, Any], num_layers: int, path: str) -> None:
+    """num_hidden_layers is the number of layers the checkpoint holds, checked
+    before the model is built (an absurd count would build it first)."""
+    layers = {name.split(".")[2] for name in names if name.startswith("model.layers.")}
+    if num_layers != len(layers):
+        raise ValueError(
+            f"{path}: num_hidden_layers={num_layers} is invalid; the checkpoint's tensors are of "
+            f"{len(layers)} layers (model.layers.N)"
+        )
 
 
 def _hf_ignored(spec: ModelSpec) -> Callable[[str], bool]:
@@ -433,6 +427,10 @@ def _load_gguf(
 
     reader = GGUFFile(source.path)
     spec = spec_from_gguf(reader)
+    family = gguf_family(reader.fields.get("general.architecture"), reader.path)
+    # Every size in the metadata against the tensors, on a model that allocates
+    # nothing: an absurd size is an error naming it, not a failed allocation.
+    _check_gguf_tensors(reader, LlamaForCausalLM(spec, device="meta"), spec, family)
     dtype = resolve_dtype(model_config.dtype, source, None, model_config.device)
     model = LlamaForCausalLM(
         spec,
@@ -440,15 +438,14 @@ def _load_gguf(
         device=model_config.device,
         dtype=dtype,
     )
-    _check_gguf_tensors(reader, model, spec)
     tensors: dict[str, TensorThunk] = {}
     storage: dict[str, str] = {}
     quantization = model_config.quantization
+    # Heads of the rows llama.cpp's converter permuted for its interleaved RoPE, to undo.
+    permuted = {".q_proj.": spec.num_heads, ".k_proj.": spec.num_kv_heads} if family.permuted_qk else {}
     for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name)
-        # llama.cpp permutes Q/K rows for its interleaved RoPE; undo it.
-        num_heads = {".q_proj.": spec.num_heads, ".k_proj.": spec.num_kv_heads}
-        heads = next((n for frag, n in num_heads.items() if frag in name), None)
+        name = family.hf_name(tensor.name)
+        heads = next((n for frag, n in permuted.items() if frag in name), None)
         tensors[name] = _gguf_thunk(tensor, heads, quantization in ("q8_0", "gguf"), quantization == "gguf")
         storage[name] = tensor.tensor_type.name
     # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
@@ -460,15 +457,16 @@ def _load_gguf(
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec) -> None:
+def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec, family: GGUFFamily) -> None:
     """Each tensor's shape is what the metadata makes it, and norms are floats
     (llama.cpp never quantizes them), checked before any tensor is read so that
     a corrupt table names the tensor and the metadata rather than failing in a
     reshape."""
     params = dict(model.named_parameters())
     targets = checkpoint_targets(model)
+    arch = reader.fields.get("general.architecture")
     for tensor in reader.tensors:
-        target = targets.get(gguf_to_hf_name(tensor.name))
+        target = targets.get(family.hf_name(tensor.name))
         if target is None:
             continue  # unexpected names are reported by load_weights
         param_name, shard = target
@@ -481,10 +479,10 @@ def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec) -> None:
         if actual != shape:
             raise WeightLoadError(
                 f"{reader.path}: tensor {tensor.name} has shape {list(actual)}, but the metadata "
-                f"makes it {list(shape)} (llama.embedding_length={spec.hidden_size}, "
-                f"llama.attention.head_count={spec.num_heads}, "
-                f"llama.attention.head_count_kv={spec.num_kv_heads}, head size {spec.head_dim}, "
-                f"llama.feed_forward_length={spec.intermediate_size}, "
+                f"makes it {list(shape)} ({arch}.embedding_length={spec.hidden_size}, "
+                f"{arch}.attention.head_count={spec.num_heads}, "
+                f"{arch}.attention.head_count_kv={spec.num_kv_heads}, head size {spec.head_dim}, "
+                f"{arch}.feed_forward_length={spec.intermediate_size}, "
                 f"{spec.vocab_size} tokens)"
             )
         if "norm" in tensor.name and tensor.tensor_type.name not in _FLOAT_TYPES:
@@ -492,18 +490,6 @@ def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec) -> None:
                 f"{reader.path}: tensor {tensor.name} has type {tensor.tensor_type.name}; a norm "
                 f"weight must be one of {', '.join(_FLOAT_TYPES)}"
             )
-
-
-def gguf_to_hf_name(name: str) -> str:
-    """A llama.cpp tensor name as its Hugging Face name (unknown names unchanged)."""
-    stem, dot, suffix = name.rpartition(".")
-    if stem in GGUF_NAMES:
-        return f"{GGUF_NAMES[stem]}{dot}{suffix}"
-    match = _GGUF_LAYER_RE.match(name)
-    if match and match.group(2) in GGUF_LAYER_NAMES:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
-    return name
 
 
 def _gguf_thunk(

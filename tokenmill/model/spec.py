@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tokenmill.config import ModelSpec
+from tokenmill.model.gguf_families import gguf_family
 from tokenmill.model.rope import SUPPORTED_ROPE_TYPES
 
 if TYPE_CHECKING:
@@ -20,6 +22,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# Positions no released model reaches (Llama 4 Scout: 10M). A larger context
+# length is a corrupt file, refused before the RoPE table is allocated for it.
+MAX_CONTEXT_LENGTH = 1 << 24
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -38,15 +44,15 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
     architecture = _hf_architecture(cfg)
     num_heads = _positive_int(_require(cfg, "num_attention_heads", path), "num_attention_heads", path)
     hidden_size = _positive_int(_require(cfg, "hidden_size", path), "hidden_size", path)
-    max_position_embeddings = _positive_int(
+    max_position_embeddings = _context_length(_positive_int(
         _require(cfg, "max_position_embeddings", path), "max_position_embeddings", path
-    )
+    ), "max_position_embeddings", path)
     vocab_size = _positive_int(_require(cfg, "vocab_size", path), "vocab_size", path)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is")
     if cfg.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
-    rope_theta, rope_scaling = _hf_rope(cfg, max_position_embeddings)
+    rope_theta, rope_scaling = _hf_rope(cfg, max_position_embeddings, path)
     if architecture == "Qwen2ForCausalLM":
         attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
     elif architecture == "MistralForCausalLM":
@@ -174,10 +180,17 @@ def _hf_architecture(cfg: Mapping[str, Any]) -> str:
 
 
 def _hf_rope(
-    cfg: Mapping[str, Any], max_position_embeddings: int
+    cfg: Mapping[str, Any], max_position_embeddings: int, path: str
 ) -> tuple[Any, dict[str, Any] | None]:
     # transformers 5 writes `rope_parameters` (rope_theta inside); older configs
     # write `rope_theta` plus an optional `rope_scaling` (with "type" or "rope_type").
+    for field in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(field)
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(
+                f"{path}: {field}={value!r} is invalid; it must be an object "
+                '(like {"rope_type": "linear", "factor": 2.0}) or null'
+            )
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
@@ -225,38 +238,47 @@ def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str, path: str) -> 
 
 
 def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
-    """A ModelSpec from a GGUF file's metadata (Llama architecture only). A value
-    out of its range is a ValueError naming the file and the key."""
+    """A ModelSpec from a GGUF file's metadata, for any architecture of
+    gguf_families.GGUF_FAMILIES (its keys are `{arch}.<key>`). A value out of its
+    range is a ValueError naming the file and the key, before anything is
+    allocated: sizes that the tensors must bear out (the layer count here, the
+    others by the loader's shape check on a model built on the meta device),
+    the context length below MAX_CONTEXT_LENGTH, the vocabulary's size equal to
+    the token list's."""
     fields = reader.fields
     path = reader.path
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files "
-            "(Llama, SmolLM2, Mistral-style) are; use a Hugging Face directory instead"
-        )
+    family = gguf_family(arch, path)
 
     def require(key: str) -> Any:
-        value = fields.get(f"llama.{key}")
+        value = fields.get(f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"{path}: GGUF file has no 'llama.{key}' metadata")
+            raise ValueError(f"{path}: GGUF file has no '{arch}.{key}' metadata")
         return value
 
     def positive_int(key: str) -> int:
-        return _positive_int(require(key), f"llama.{key}", path)
+        return _positive_int(require(key), f"{arch}.{key}", path)
 
     hidden_size = positive_int("embedding_length")
     num_heads = positive_int("attention.head_count")
-    head_dim = _head_dim(fields.get("llama.attention.key_length"), hidden_size, num_heads,
-                         "llama.attention.key_length", "llama.embedding_length",
-                         "llama.attention.head_count", path)
-    num_kv_heads = _kv_heads(fields.get("llama.attention.head_count_kv"), num_heads,
-                             "llama.attention.head_count_kv", "llama.attention.head_count", path)
-    rope_dim = fields.get("llama.rope.dimension_count")
-    if rope_dim is not None and rope_dim != head_dim:
+    head_dim = _head_dim(fields.get(f"{arch}.attention.key_length"), hidden_size, num_heads,
+                         f"{arch}.attention.key_length", f"{arch}.embedding_length",
+                         f"{arch}.attention.head_count", path)
+    value_length = fields.get(f"{arch}.attention.value_length")
+    if value_length is not None and value_length != head_dim:
         raise ValueError(
-            f"partial rotary embeddings (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
-            "are not supported"
+            f"{path}: {arch}.attention.value_length={value_length!r} is not supported; values "
+            f"must have the keys' head size ({head_dim})"
+        )
+    num_kv_heads = _kv_heads(fields.get(f"{arch}.attention.head_count_kv"), num_heads,
+                             f"{arch}.attention.head_count_kv", f"{arch}.attention.head_count", path)
+    rope_dim = fields.get(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and rope_dim != head_dim:
+        source = (f"{arch}.attention.key_length" if f"{arch}.attention.key_length" in fields else
+                  f"{arch}.embedding_length={hidden_size} / {arch}.attention.head_count={num_heads}")
+        raise ValueError(
+            f"{path}: {arch}.rope.dimension_count={rope_dim!r} is not the head size {head_dim} "
+            f"({source}): partial rotary embeddings are not supported, or a size is corrupt"
         )
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None:
@@ -264,6 +286,12 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
     if not isinstance(tokens, list) or not tokens:
         raise ValueError(f"{path}: tokenizer.ggml.tokens must be a non-empty list of strings")
     vocab_size = len(tokens)
+    stated_vocab = fields.get(f"{arch}.vocab_size")
+    if stated_vocab is not None and stated_vocab != vocab_size:
+        raise ValueError(
+            f"{path}: {arch}.vocab_size={stated_vocab!r} is invalid; it must be the number of "
+            f"tokens in tokenizer.ggml.tokens ({vocab_size})"
+        )
     # Every special token id (bos, eos, eot, unknown, padding, ...) must be a token.
     for key, value in fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
@@ -276,29 +304,52 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     bos = fields.get("tokenizer.ggml.bos_token_id")
-    rope_theta = fields.get("llama.rope.freq_base")
+    rope_theta = fields.get(f"{arch}.rope.freq_base")
     return ModelSpec(
-        architecture="LlamaForCausalLM",
+        architecture=family.architecture,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=positive_int("feed_forward_length"),
-        num_layers=positive_int("block_count"),
+        num_layers=_gguf_block_count(reader, positive_int("block_count"), f"{arch}.block_count"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=_positive_float(require("attention.layer_norm_rms_epsilon"),
-                                     "llama.attention.layer_norm_rms_epsilon", path),
+                                     f"{arch}.attention.layer_norm_rms_epsilon", path),
         rope_theta=10000.0 if rope_theta is None else _positive_float(
-            rope_theta, "llama.rope.freq_base", path),
-        max_position_embeddings=positive_int("context_length"),
+            rope_theta, f"{arch}.rope.freq_base", path),
+        max_position_embeddings=_context_length(positive_int("context_length"),
+                                                f"{arch}.context_length", path),
         tie_word_embeddings="output.weight" not in tensor_names,
-        rope_scaling=_gguf_rope_scaling(reader),
+        attention_bias=family.attention_bias,
+        qk_norm=family.qk_norm,
+        rope_scaling=_gguf_rope_scaling(reader, str(arch)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
     )
 
 
-def _gguf_rope_scaling(reader: GGUFFile) -> dict[str, Any] | None:
+def _gguf_block_count(reader: GGUFFile, block_count: int, field: str) -> int:
+    """The layer count, which must be the number of layers (blk.N) the tensors hold."""
+    layers = {int(m.group(1)) for t in reader.tensors if (m := _GGUF_LAYER_RE.match(t.name))}
+    if block_count != len(layers):
+        raise ValueError(
+            f"{reader.path}: {field}={block_count} is invalid; the file's tensors are of "
+            f"{len(layers)} layers (blk.N)"
+        )
+    return block_count
+
+
+def _context_length(value: int, field: str, path: str) -> int:
+    if value > MAX_CONTEXT_LENGTH:
+        raise ValueError(
+            f"{path}: {field}={value} is invalid; it must be at most {MAX_CONTEXT_LENGTH} "
+            "(2**24 positions, beyond any released model's context): the file is corrupt"
+        )
+    return value
+
+
+def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     fields = reader.fields
     # Llama 3.x GGUFs carry their rope scaling as per-frequency divisors.
     for tensor in reader.tensors:
@@ -311,13 +362,15 @@ def _gguf_rope_scaling(reader: GGUFFile) -> dict[str, Any] | None:
                 raise ValueError(f"{reader.path}: tensor rope_freqs.weight holds values that are "
                                  "not finite numbers > 0")
             return {"rope_type": "freq_factors", "freq_factors": tuple(float(f) for f in factors)}
-    rope_type = fields.get("llama.rope.scaling.type")
+    rope_type = fields.get(f"{arch}.rope.scaling.type")
     if rope_type in (None, "none"):
         return None
     if rope_type == "linear":
-        factor = fields.get("llama.rope.scaling.factor")
+        factor = fields.get(f"{arch}.rope.scaling.factor")
         if factor is None:
-            raise ValueError("GGUF file has linear rope scaling but no 'llama.rope.scaling.factor'")
+            raise ValueError(f"{reader.path}: GGUF file has linear rope scaling but no "
+                             f"'{arch}.rope.scaling.factor'")
         return {"rope_type": "linear",
-                "factor": _positive_float(factor, "llama.rope.scaling.factor", reader.path)}
-    raise ValueError(f"GGUF rope scaling type {rope_type!r} is not supported")
+                "factor": _positive_float(factor, f"{arch}.rope.scaling.factor", reader.path)}
+    raise ValueError(f"{reader.path}: GGUF rope scaling type {arch}.rope.scaling.type="
+                     f"{rope_type!r} is not supported")

@@ -1,0 +1,236 @@
+"""GGUF files of every family tokenmill runs, dispatched on `general.architecture`
+(model/gguf_families.py), and the tokenizer's pre-tokenizer by `tokenizer.ggml.pre`.
+
+A tiny random Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorms, head_dim
+32 != hidden / heads) are written as llama.cpp's converter writes them (its
+tensor names and `{arch}.` keys; no Q/K row permutation, which it does for
+llama only) and must give the Hugging Face model's greedy tokens, logprobs
+within 1e-4 in float32, on the C++ plan and the reference path, under chunked
+prefill and preemption; with Q8_0 matrices and quantization="gguf", those of
+transformers on the dequantized values.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import pre_tokenizers
+
+from tests.hf_models import (
+    TEST_DEVICE,
+    build_hf_model,
+    finish_gguf,
+    gguf_tensors,
+    gguf_writer,
+    hf_greedy,
+)
+from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
+from tests.test_correctness import PROMPTS as ALL_PROMPTS
+from tests.test_quantization import SCENARIOS
+from tokenmill import LLM, SamplingParams
+from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.plan import CpuPlan
+from tokenmill.config import ModelConfig
+from tokenmill.model.gguf_families import GGUF_FAMILIES
+from tokenmill.model.loader import load_model
+from tokenmill.model.source import resolve_model_source
+from tokenmill.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, gguf_pre_tokenizer
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the plan and quantization run on the CPU")
+
+PROMPTS, MAX_TOKENS = ALL_PROMPTS[:12], ALL_MAX_TOKENS[:12]
+FAMILIES = ["qwen2", "qwen3"]
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _write_gguf(hf_model: Any, path: Path, arch: str, quantized: bool = False) -> None:
+    """hf_model as llama.cpp writes an `arch` file: float32 tensors, or (quantized)
+    every matrix as Q8_0, hf_model's matrices then set to the dequantized values
+    so that it stays the exact oracle."""
+    writer = gguf_writer(hf_model, path, arch)
+    writer.add_tokenizer_pre("qwen2")
+    with torch.no_grad():
+        for gguf_name, _, heads, weight, param in gguf_tensors(hf_model):
+            assert heads is None  # (no permutation outside llama)
+            if not quantized or weight.ndim != 2:
+                writer.add_tensor(gguf_name, weight)
+                continue
+            data = gguf.quants.quantize(weight, Q8_0)
+            writer.add_tensor(gguf_name, data, raw_dtype=Q8_0)
+            values = np.asarray(gguf.quants.dequantize(data, Q8_0), dtype=np.float32)
+            param.copy_(torch.from_numpy(values.reshape(weight.shape)))
+    finish_gguf(writer)
+
+
+@pytest.fixture(scope="module", params=[(f, q) for f in FAMILIES for q in (False, True)],
+                ids=[f"{f}-{'q8_0' if q else 'f32'}" for f in FAMILIES for q in (False, True)])
+def family_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    arch, quantized = request.param
+    hf_model = build_hf_model(arch)
+    path = tmp_path_factory.mktemp(arch) / "tiny.gguf"
+    _write_gguf(hf_model, path, arch, quantized)
+    refs = [hf_greedy(hf_model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    return {"arch": arch, "quantized": quantized, "path": str(path), "refs": refs, "hf_model": hf_model}
+
+
+def test_the_file_loads_as_its_family(family_case: dict[str, Any]) -> None:
+    arch, hf_model = family_case["arch"], family_case["hf_model"]
+    _, spec = load_model(ModelConfig(dtype="float32"), resolve_model_source(family_case["path"]))
+    cfg = hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert spec.architecture == GGUF_FAMILIES[arch].architecture == type(hf_model).__name__
+    assert (spec.attention_bias, spec.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+    assert (spec.hidden_size, spec.intermediate_size, spec.vocab_size) == (
+        cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["plan", "reference"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_transformers(family_case: dict[str, Any], scenario: str, cpp: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: transformers' greedy tokens and logprobs within 1e-4, on the plan
+    and the reference, under chunked prefill (budget8) and preemption; Q8_0
+    matrices served as the file's own blocks (quantization="gguf")."""
+    if cpp and kernels.load() is None:
+        pytest.skip("no C++ kernels on this machine")
+    if cpp and family_case["arch"] == "qwen3":
+        pytest.skip("the plan has no q/k norms yet: a Qwen3 runs the reference path")
+    if not cpp:
+        monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    quantization = "gguf" if family_case["quantized"] else None
+    llm = LLM(family_case["path"], dtype="float32", quantization=quantization, device="cpu",
+              skip_tokenizer_init=True, check_integrity=True, **SCENARIOS[scenario])
+    forward = llm.engine.runner.forward
+    assert isinstance(forward, CpuPlan) == cpp
+    if isinstance(forward, CpuPlan) and quantization:
+        formats_here = forward.ops.weight_formats()
+        assert all(formats_here[layer.down.format] == "q8_0" for layer in forward.layers)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, family_case["refs"], strict=True)):
+        completion = out.outputs[0]
+        assert completion.token_ids == ref_tokens, f"prompt {i}"
+        assert completion.logprobs is not None
+        ours = [entry[tok].logprob for entry, tok in zip(completion.logprobs, ref_tokens, strict=True)]
+        np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
+    if scenario == "preempt":
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def test_q_and_k_rows_are_as_the_file_has_them(tmp_path: Path) -> None:
+    """The un-permute is the llama row's alone: llama.cpp's converter leaves a
+    Qwen2's Q/K rows (and biases) in Hugging Face's order, and so does the loader."""
+    hf_model = build_hf_model("qwen2")
+    path = tmp_path / "q.gguf"
+    _write_gguf(hf_model, path, "qwen2")
+    model, _ = load_model(ModelConfig(dtype="float32"), resolve_model_source(str(path)))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    hf_attn = hf_model.model.layers[0].self_attn
+    assert torch.equal(qkv.weight[qkv.shard_slice("k")], hf_attn.k_proj.weight)
+    assert torch.equal(qkv.bias[qkv.shard_slice("q")], hf_attn.q_proj.bias)
+
+
+# --- the tokenizer's pre-tokenizer, by tokenizer.ggml.pre ------------------------------
+
+# How llama.cpp splits "(hi 12345" (llama-vocab.cpp's regexes), per name: the gpt2
+# regex; digits one by one, then gpt2's; llama3's (digits in threes, punctuation
+# joined to a word); qwen2's (as llama3 but digits one by one).
+SPLITS = {
+    "gpt-2": ["(", "hi", "Ġ12345"],
+    "smollm": ["(", "hi", "Ġ", "1", "2", "3", "4", "5"],
+    "llama-bpe": ["(hi", "Ġ", "123", "45"],
+    "qwen2": ["(hi", "Ġ", "1", "2", "3", "4", "5"],
+}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_pre_tokenizer_by_name(name: str) -> None:
+    pre = gguf_pre_tokenizer("m.gguf", name)
+    assert [piece for piece, _ in pre.pre_tokenize_str("(hi 12345")] == SPLITS[name]
+    assert set(SPLITS) <= set(GGUF_PRE_TOKENIZERS)
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    writer = gguf_writer(build_hf_model("qwen2"), path, "qwen2")
+    writer.add_tokenizer_pre("mystery-bpe")
+    finish_gguf(writer)
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.pre='mystery-bpe' is not a supported") as info:
+        Tokenizer.load(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_default_model_splits_digits_as_smollm_does() -> None:
+    """The default file's tokenizer.ggml.pre is "smollm": every digit is its own
+    token, as in SmolLM2's own tokenizer.json (Digits(individual_digits) first)."""
+    tokenizer = Tokenizer.load(resolve_model_source(None).path)
+    ids = tokenizer.encode("In 2024, 1234567 people", add_special_tokens=False)
+    pieces = [tokenizer.hf.convert_ids_to_tokens(i) for i in ids]
+    digits = [p.lstrip("Ġ") for p in pieces if any(c.isdigit() for c in p)]
+    assert "".join(digits) == "20241234567" and all(len(d) == 1 for d in digits)
+    assert tokenizer.decode(ids) == "In 2024, 1234567 people"
+
+
+def _byte_level_vocab() -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary (the 256 byte symbols, then merged tokens) and
+    its merges, learned greedily on a little text."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    tokens = ["<|endoftext|>", *symbols]
+    merges: list[str] = []
+    text = ["the", "then", "there", "123", "1234", "(hi", "hi's", "I'M", "hello", "world", "2024", "(the"]
+    words = [[bytes_to_unicode()[b] for b in w.encode()] for w in text]
+    words += [["Ġ", *w] for w in words]
+    for _ in range(40):
+        pairs: dict[tuple[str, str], int] = {}
+        for w in words:
+            for a, b in itertools.pairwise(w):
+                pairs[a, b] = pairs.get((a, b), 0) + 1
+        if not pairs:
+            break
+        a, b = max(pairs, key=lambda p: (pairs[p], p))
+        merges.append(f"{a} {b}")
+        if a + b not in tokens:
+            tokens.append(a + b)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == (a, b):
+                    w[i:i + 2] = [a + b]
+                i += 1
+    return tokens, merges
+
+
+def test_qwen2_file_tokenizes_as_transformers_qwen2_tokenizer(tmp_path: Path) -> None:
+    """A byte-level BPE file with tokenizer.ggml.pre "qwen2" encodes as transformers'
+    Qwen2Tokenizer on the same vocabulary and merges (ASCII text: Qwen2's NFC
+    normalizer changes nothing)."""
+    tokens, merges = _byte_level_vocab()
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(tokens) - 1))
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    finish_gguf(writer)
+    ours = Tokenizer.load(str(path))
+    oracle = transformers.Qwen2Tokenizer(vocab={t: i for i, t in enumerate(tokens)},
+                                         merges=[tuple(m.split(" ")) for m in merges])
+    texts = ["the then there", "(hi 12345 (the", "I'M hi's there's", "  hello\n\n world  ",
+             "2024-01-02: 1234567", "x=(a+b)*c; // the end", "\ttabs\tand  spaces ", ""]
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False) == oracle.encode(text, add_special_tokens=False), text
+    assert isinstance(ours.hf.backend_tokenizer.pre_tokenizer, pre_tokenizers.Sequence)

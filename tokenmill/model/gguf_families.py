@@ -1,0 +1,84 @@
+"""GGUF architectures: one row per `general.architecture` tokenmill loads.
+
+A row says how a family's llama.cpp file maps onto tokenmill: the ModelSpec
+architecture it builds, its llama.cpp tensor names as Hugging Face names, and
+what its converter did to the weights. Every family's metadata keys are
+llama.cpp's `{arch}.<key>` (`{arch}.block_count`, `{arch}.embedding_length`,
+`{arch}.attention.head_count_kv`, `{arch}.rope.freq_base`, ...), read by
+spec.spec_from_gguf with the row's key as the prefix. Adding a family whose
+model tokenmill already runs is one more row (docs/ARCHITECTURE.md §5).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# llama.cpp's names outside the layers -> Hugging Face names (every family's).
+_GLOBAL_NAMES: Mapping[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# llama.cpp's names in layer N (blk.N.<name>) -> the HF module under model.layers.N.
+_LLAMA_LAYER: Mapping[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QK_NORM_LAYER: Mapping[str, str] = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    architecture: str  # the ModelSpec architecture (Hugging Face class name) it builds
+    layer_names: Mapping[str, str]  # blk.N.<llama.cpp name> -> model.layers.N.<HF module>
+    # llama.cpp's converter permutes Q/K rows for its interleaved RoPE (llama only):
+    # the loader undoes it.
+    permuted_qk: bool
+    attention_bias: bool = False  # q/k/v carry biases (blk.N.attn_q.bias, ...)
+    qk_norm: bool = False  # per-head RMSNorms on q and k before RoPE
+
+    def hf_name(self, name: str) -> str:
+        """A llama.cpp tensor name as its Hugging Face name (unknown names unchanged,
+        so that the loader reports them as unexpected)."""
+        stem, dot, suffix = name.rpartition(".")
+        if stem in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[stem]}{dot}{suffix}"
+        match = _LAYER_RE.match(name)
+        if match and match.group(2) in self.layer_names:
+            layer, part, kind = match.groups()
+            return f"model.layers.{layer}.{self.layer_names[part]}.{kind}"
+        return name
+
+
+GGUF_FAMILIES: Mapping[str, GGUFFamily] = {
+    # Llama, SmolLM2, Mistral (llama.cpp converts Mistral as llama).
+    "llama": GGUFFamily("LlamaForCausalLM", _LLAMA_LAYER, permuted_qk=True),
+    "qwen2": GGUFFamily("Qwen2ForCausalLM", _LLAMA_LAYER, permuted_qk=False, attention_bias=True),
+    "qwen3": GGUFFamily("Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
+                        qk_norm=True),
+}
+
+
+def gguf_family(arch: object, path: str) -> GGUFFamily:
+    """The row for a file's `general.architecture`; a ValueError naming it otherwise."""
+    family = GGUF_FAMILIES.get(arch) if isinstance(arch, str) else None
+    if family is None:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (general.architecture); "
+            f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Qwen2, Qwen3); "
+            "use a Hugging Face directory of a supported model instead"
+        )
+    return family
