@@ -387,7 +387,8 @@ def test_reference_model_dequantizes_on_the_fly(q8_case: dict[str, Any], monkeyp
 
 
 def test_bad_quantization_values_are_refused(q8_case: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \(None, 'q8_0', 'gguf'\)"):
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use one of \('none', 'q8_0', 'gguf'\), "
+                                         r"or leave it unset"):
         LLM(q8_case["path"], quantization="int4", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization='q8_0' runs on the CPU only"):
         ModelConfig(quantization="q8_0", device="cuda")

@@ -71,7 +71,8 @@ class Tokenizer:
     def max_token_bytes(self) -> int | None:
         """The most bytes of text one token can stand for, where that is proven:
         a byte-level BPE (no normalizer, a ByteLevel pre-tokenizer: each token is
-        a vocabulary entry covering exactly its own bytes) whose added tokens strip
+        a vocabulary entry covering exactly its own bytes; Split and Digits steps
+        only cut the text) whose added tokens strip
         no whitespace around them. Then text of N UTF-8 bytes encodes to at least
         N / this many tokens (fewer only where the vocabulary lacks a byte, e.g. a
         control character, which the tokenizer drops), so the server refuses text
@@ -89,7 +90,7 @@ class Tokenizer:
             return None
         steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         if (not any(p.get("type") == "ByteLevel" for p in steps)
-                or any(p.get("type") not in ("ByteLevel", "Split") for p in steps)
+                or any(p.get("type") not in ("ByteLevel", "Split", "Digits") for p in steps)
                 or any(a.lstrip or a.rstrip for a in added)):
             return None
         return max([len(t) for t in vocab] + [len(a.content.encode()) for a in added])
