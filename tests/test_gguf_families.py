@@ -31,9 +31,7 @@ from tests.hf_models import (
     gguf_writer,
     hf_greedy,
 )
-from tests.test_correctness import MAX_TOKENS as ALL_MAX_TOKENS
-from tests.test_correctness import PROMPTS as ALL_PROMPTS
-from tests.test_quantization import SCENARIOS
+from tests.test_quantization import MAX_TOKENS, PROMPTS, SCENARIOS
 from tokenmill import LLM, SamplingParams
 from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.plan import CpuPlan
@@ -45,7 +43,6 @@ from tokenmill.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, gguf_pre_tokeniz
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the plan and quantization run on the CPU")
 
-PROMPTS, MAX_TOKENS = ALL_PROMPTS[:12], ALL_MAX_TOKENS[:12]
 FAMILIES = ["qwen2", "qwen3"]
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 

@@ -350,6 +350,17 @@ def main_serve(args: argparse.Namespace) -> int:
     return 0 if all(r.num_ok == r.num_requests for r in reports) else 1
 
 
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Terminate a process still running; kill it if it has not exited in `timeout_s`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def spawn_server(cmd: list[str], env: dict[str, str], log_path: Path | None) -> subprocess.Popen[bytes]:
     """Start a server process, its output to `log_path` (or nowhere)."""
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -399,12 +410,7 @@ def running_server(cmd: list[str], base_url: str, label: str, *,
         wait_healthy(server, base_url, startup_timeout_s, f"{label}'s server", where)
         yield server
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server, stop_timeout_s)
 
 
 def run_against_server(

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench import extras
-from tokenmill.bench.serve import free_port, spawn_server, wait_healthy
+from tokenmill.bench.serve import free_port, spawn_server, stop, wait_healthy
 
 HOST = "127.0.0.1"
 MAX_TOKENS = 300
@@ -142,14 +142,6 @@ def start_busy(num: int) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(num)]
 
 
-def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def rss_mib(pid: int) -> float:
