@@ -54,6 +54,19 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # A window of 8 (shorter than most prompts) on the first layer, the second
+    # global; Gemma 3's layers with their own RoPE bases and q/k norms; Gemma 2's
+    # soft-caps low enough to bend the scores and logits.
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    }),
+    "gemma2": ("Gemma2Config", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,
+    }),
 }
 
 
@@ -63,6 +76,11 @@ def build_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch.startswith("gemma"):  # (1 + w) norms start at w = 0: spread them, so a lost offset shows
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     # Generation runs to max_new_tokens: no EOS, like ignore_eos on our side.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
