@@ -221,7 +221,7 @@ ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"
 
 def _plan_layer(spec: ModelSpec) -> bool:
     """Whether the CPU plan serves this model's layer (the plain Llama layer)."""
-    return not (spec.qk_norm or spec.sandwich_norms)
+    return not spec.sandwich_norms  # (Gemma's four norms and the rest: the reference serves)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -544,9 +544,9 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
     tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str,
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """At load the runner takes the CPU plan for a plain Llama model in bf16 or
-    float32 on the CPU, and the reference model where the kernels are switched
-    off or the layers have q/k norms; one log line says which and why."""
+    """At load the runner takes the CPU plan for the model in bf16 or float32 on
+    the CPU (Qwen3's q/k norms included), and the reference model where the
+    kernels are switched off or the layer is Gemma's; one log line says which and why."""
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     torch_dtype = getattr(torch, dtype)
@@ -571,7 +571,7 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
         if kernels_run:
-            assert "q/k norms" in line or "(1 + w) norms" in line
+            assert "(1 + w) norms" in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model
