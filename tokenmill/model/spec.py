@@ -13,7 +13,12 @@ from tokenmill.model.gguf_families import gguf_family
 from tokenmill.model.rope import SUPPORTED_ROPE_TYPES
 from tokenmill.model.spec_checks import positive_float as _positive_float
 from tokenmill.model.spec_checks import positive_int as _positive_int
-from tokenmill.model.spec_gemma import GEMMA_ARCHITECTURES, gemma_config, gemma_fields
+from tokenmill.model.spec_gemma import (
+    GEMMA_ARCHITECTURES,
+    gemma_config,
+    gemma_fields,
+    gemma_gguf_fields,
+)
 
 if TYPE_CHECKING:
     from tokenmill.model.gguf_file import GGUFFile
@@ -302,12 +307,17 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
             eos_ids.append(int(value))
     bos = fields.get("tokenizer.ggml.bos_token_id")
     rope_theta = fields.get(f"{arch}.rope.freq_base")
+    num_layers = _gguf_block_count(reader, positive_int("block_count"), f"{arch}.block_count")
+    gemma: dict[str, Any] = {}
+    if family.architecture in GEMMA_ARCHITECTURES:
+        gemma = gemma_gguf_fields(fields, str(arch), family.architecture, num_layers, hidden_size, num_heads,
+                                  head_dim, path)
     return ModelSpec(
         architecture=family.architecture,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=positive_int("feed_forward_length"),
-        num_layers=_gguf_block_count(reader, positive_int("block_count"), f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -323,6 +333,7 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         rope_scaling=_gguf_rope_scaling(reader, str(arch)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        **gemma,
     )
 
 

@@ -1,10 +1,14 @@
-"""Gemma 2 and Gemma 3 (text): their ModelSpec fields from a config.json.
+"""Gemma 2 and Gemma 3 (text): their ModelSpec fields from a config.json or
+from a GGUF file's metadata.
 
 A Gemma layer is the Llama layer with the ModelSpec's Gemma fields set
 (model/llama.py). A field a config.json leaves out takes transformers' default
 for its class (Gemma2Config, Gemma3TextConfig), so an older config (rope_theta,
 rope_local_base_freq, sliding_window_pattern) and transformers 5's
-(rope_parameters per layer type, layer_types) give the same spec.
+(rope_parameters per layer type, layer_types) give the same spec. A GGUF file
+is read as llama.cpp reads it (src/models/gemma2.cpp, gemma3.cpp): what its
+converter does not write takes llama.cpp's value (the window pattern, the
+sliding layers' RoPE base, the query scale).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def gemma_config(cfg: Mapping[str, Any], architecture: str, path: str) -> dict[s
     return out
 
 
+_LAYER = {"hidden_act": GELU_TANH, "norm_unit_offset": True, "sandwich_norms": True, "scale_embeddings": True}
+
+
 def gemma_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int,
                  path: str) -> dict[str, Any]:
     """The ModelSpec fields of a Gemma config (`cfg` from gemma_config)."""
@@ -67,10 +74,7 @@ def gemma_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int,
         raise ValueError(f"{path}: hidden_activation={act!r} is not supported; Gemma's is {GELU_TANH!r}")
     window = cfg.get("sliding_window")
     return {
-        "hidden_act": GELU_TANH,
-        "norm_unit_offset": True,
-        "sandwich_norms": True,
-        "scale_embeddings": True,
+        **_LAYER,
         "qk_norm": architecture == "Gemma3ForCausalLM",
         "query_pre_attn_scalar": positive_float(cfg.get("query_pre_attn_scalar"), "query_pre_attn_scalar",
                                                 path),
@@ -99,3 +103,43 @@ def _layer_types(cfg: Mapping[str, Any], architecture: str, num_layers: int, pat
 def _cap(cfg: Mapping[str, Any], field: str, path: str) -> float | None:
     value = cfg.get(field)
     return None if value is None else positive_float(value, field, path)
+
+
+# llama.cpp's layer counts of the 27B models, whose query scale is hidden / heads.
+_27B_LAYERS = {"Gemma2ForCausalLM": 46, "Gemma3ForCausalLM": 62}
+
+
+def gemma_gguf_fields(fields: Mapping[str, Any], arch: str, architecture: str, num_layers: int,
+                      hidden_size: int, num_heads: int, head_dim: int, path: str) -> dict[str, Any]:
+    """The ModelSpec fields of a Gemma GGUF file (`fields`: its metadata, keys `{arch}.*`)."""
+    gemma2 = architecture == "Gemma2ForCausalLM"
+
+    def number(key: str, default: float | None) -> float | None:
+        value = fields.get(f"{arch}.{key}", default)
+        return None if value is None else positive_float(value, f"{arch}.{key}", path)
+
+    window = fields.get(f"{arch}.attention.sliding_window", 4096 if gemma2 else None)
+    if window == 0:  # (llama.cpp: no sliding window)
+        window = None
+    if window is not None:
+        window = positive_int(window, f"{arch}.attention.sliding_window", path)
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern", 2 if gemma2 else 6)
+    field = f"{arch}.attention.sliding_window_pattern"
+    if isinstance(pattern, list):  # a flag a layer
+        if len(pattern) != num_layers or any(not isinstance(p, bool) for p in pattern):
+            raise ValueError(f"{path}: {field} must hold {num_layers} booleans ({arch}.block_count)")
+        sliding = list(pattern)
+    else:  # every n-th layer global (0: none)
+        n = 0 if pattern == 0 else positive_int(pattern, field, path)
+        sliding = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+    types = tuple(SLIDING if s and window is not None else FULL for s in sliding)
+    scalar = hidden_size // num_heads if num_layers == _27B_LAYERS[architecture] else head_dim
+    return {
+        **_LAYER,
+        "sliding_window": window,
+        "layer_types": types,
+        "local_rope_theta": None if gemma2 else number("rope.freq_base_swa", 10000.0),
+        "query_pre_attn_scalar": float(scalar),
+        "attn_logit_softcapping": number("attn_logit_softcapping", 50.0) if gemma2 else None,
+        "final_logit_softcapping": number("final_logit_softcapping", 30.0 if gemma2 else None),
+    }
