@@ -6,7 +6,7 @@ It loads as a Gemma 3 (18 layers, a window of 512 on five layers in six, the
 global layers' RoPE base 1e6 and the sliding layers' llama.cpp default 1e4,
 norms stored as 1 + w); in float32 with its weights dequantized
 (quantization="none") its greedy tokens equal transformers' on the same file
-(transformers' own GGUF loader) for 8 prompts of 24 tokens, logprobs close;
+(transformers' own GGUF loader) for 8 prompts of 24 tokens, logprobs within 1e-4;
 with the file's own blocks (quantization="gguf": Q5_0, Q4_K, Q6_K and Q8_0
 kept as they are, its q/k/v, whose Q5_0 q and k sit beside a Q8_0 v,
 requantized to Q8_0) the tokens stay the same and the logprobs within
@@ -47,7 +47,8 @@ MAX_TOKENS = 24
 # quantization="gguf" against the dequantized weights, float32: every kept block
 # computes on its exact values, but q/k/v mix Q5_0 with Q8_0 and are requantized
 # to Q8_0 (a weight moves by at most half its block's step, max|w| / 254).
-# Measured on these prompts: at most 0.006; the bound leaves room.
+# Measured on these prompts: at most 0.020 (and 4.5e-5 between the dequantized
+# run and transformers); the bound leaves 2.5x room.
 LOGPROB_BOUND = 0.05
 
 
@@ -112,7 +113,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(
 ) -> None:
     for i, (ours, (ref_tokens, ref_logprobs)) in enumerate(zip(dequantized, reference["refs"], strict=True)):
         assert ours.token_ids == ref_tokens, f"prompt {i}: {PROMPTS[i]!r}"
-        np.testing.assert_allclose(_logprobs(ours), ref_logprobs, atol=1e-3, err_msg=f"prompt {i}")
+        np.testing.assert_allclose(_logprobs(ours), ref_logprobs, atol=1e-4, err_msg=f"prompt {i}")
     # The continuation transformers gives on this file (the issue's sanity check).
     text = reference["tokenizer"].decode(dequantized[0].token_ids)
     assert text.startswith(" the capital of the country of France"), text
