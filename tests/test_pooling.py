@@ -18,9 +18,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from tests.hf_models import TEST_DEVICE, VOCAB_SIZE, build_hf_model, hf_greedy, save_hf_model
+from tests.hf_models import (
+    TEST_DEVICE,
+    VOCAB_SIZE,
+    build_hf_model,
+    hf_embedding,
+    hf_greedy,
+    save_hf_model,
+)
 from tokenmill import LLM, PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
 from tokenmill.sampling_params import ParamError
 
@@ -55,16 +61,6 @@ def write_sentence_transformers(path: str, pooling: str, normalize: bool = True)
              "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": pooling == "last"}
     Path(path, "1_Pooling", "config.json").write_text(
         json.dumps({"word_embedding_dimension": 64, **modes, "include_prompt": True}))
-
-
-@torch.inference_mode()
-def hf_embedding(model: Any, prompt: list[int], pooling: str, normalize: bool) -> np.ndarray:
-    """transformers' last hidden state (after the final norm) for one prompt, pooled."""
-    hidden = model.model(torch.tensor([prompt])).last_hidden_state[0]  # [len, hidden]
-    vector = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling]
-    if normalize:
-        vector = torch.nn.functional.normalize(vector, dim=0)
-    return vector.numpy()
 
 
 CASES = {  # name: (arch, sentence-transformers pooling or None, normalize)
@@ -145,8 +141,13 @@ def test_mixed_with_generation(case: dict[str, Any], scenario: str) -> None:
                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         engine.add_request(f"e{i}", {"prompt_token_ids": PROMPTS[i]}, PoolingParams())
     done: dict[str, Any] = {}
+    num_shared_steps = 0  # steps where a decode and a pooling chunk ran together
     while engine.has_unfinished_requests():
-        for out in engine.step().outputs:
+        step = engine.schedule()
+        scheduled = step.scheduler_output.scheduled
+        num_shared_steps += (any(r.pooling_params is not None for r in scheduled)
+                             and any(r.num_tokens == 1 and r.do_sample for r in scheduled))
+        for out in engine.execute(step).outputs:
             if out.finished:
                 done[out.request_id] = out
     for i in range(NUM_PROMPTS):
@@ -157,6 +158,7 @@ def test_mixed_with_generation(case: dict[str, Any], scenario: str) -> None:
         out = done[request_id]
         assert isinstance(out, RequestOutput) and out.outputs[0].token_ids == tokens
     assert_pool_empty(llm)
+    assert num_shared_steps > 0  # neither kind waits for the other to drain
     if scenario == "preempt":
         assert any(o.metrics is not None and o.metrics.num_preemptions for o in done.values()
                    if isinstance(o, PoolingRequestOutput))
