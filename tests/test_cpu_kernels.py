@@ -178,26 +178,40 @@ def test_argmax_rows_matches_torch(rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: int, qk_norm: bool) -> None:
+    """RoPE on q and k and the K/V write, after Qwen3's per-head q/k norms where
+    given (values whose squares add up exactly: every bit agrees, as in
+    test_fused_norms_match_torch)."""
     gen = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads = 29, 6, 2
     rope = RotaryEmbedding(head_dim, 10000.0, None, 4096)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randint(-16, 17, (tokens, width), generator=gen) / 8 if qk_norm
+           else torch.randn(tokens, width, generator=gen)).to(dtype)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     slots = torch.randperm(8 * 16, generator=gen)[:tokens]
     ops: Any = _fused_or_skip(qkv)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6, None, dtype), RMSNorm(head_dim, 1e-6, None, dtype)
+    for norm in (q_norm, k_norm):
+        norm.weight.data.copy_(torch.rand(head_dim, generator=gen) + 0.5)
 
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    if qk_norm:
+        q, k = _torch_rms(q_norm, q), _torch_rms(k_norm, k)
     cos, sin = rope.cos_sin(positions, dtype)
-    ref_q = apply_rotary_emb(q.reshape(tokens, heads, head_dim), cos, sin)
-    ref_k = apply_rotary_emb(k.reshape(tokens, kv_heads, head_dim), cos, sin)
+    ref_q = apply_rotary_emb(q, cos, sin)
+    ref_k = apply_rotary_emb(k, cos, sin)
     ref_cache = torch.zeros(2, 8, 16, kv_heads, head_dim, dtype=dtype)
     write_kv_cache(ref_k, v.reshape(tokens, kv_heads, head_dim), ref_cache, slots)
 
     ours = qkv.clone()
     cache = torch.zeros_like(ref_cache)
-    ops.rope_qkv_cache(ours, heads, kv_heads, head_dim, positions, rope.cos_cache,
-                       rope.sin_cache, cache, slots)
+    none = torch.empty(0, dtype=dtype)
+    ops.rope_qkv_cache(ours, heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, cache, slots,
+                       q_norm.weight.detach() if qk_norm else none, k_norm.weight.detach() if qk_norm else none,
+                       1e-6)
     _same(ours[:, : heads * head_dim].reshape(tokens, heads, head_dim), ref_q)
     _same(cache, ref_cache)
 

@@ -99,8 +99,6 @@ def test_greedy_matches_transformers(family_case: dict[str, Any], scenario: str,
     matrices served as the file's own blocks (quantization="gguf")."""
     if cpp and kernels.load() is None:
         pytest.skip("no C++ kernels on this machine")
-    if cpp and family_case["arch"] == "qwen3":
-        pytest.skip("the plan has no q/k norms yet: a Qwen3 runs the reference path")
     if not cpp:
         monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     quantization = "gguf" if family_case["quantized"] else None

@@ -325,7 +325,7 @@ def test_cpu_plan_matches_the_reference(
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
-    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == (_kernels_run(dtype) and not spec.qk_norm)
+    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == _kernels_run(dtype)
     picked = CpuPlan.build(model, getattr(torch, dtype), CpuBackendOptions())
     if not isinstance(picked, CpuPlan):
         pytest.skip("the CPU plan does not serve this model here (the reference does)")
@@ -359,7 +359,7 @@ def test_the_runners_plan_holds_the_only_copy_of_each_weight(
     released, _ = load_model(ModelConfig(model=str(path), dtype=dtype), source)
     params = sum(p.numel() for p in released.parameters())
     reference = CpuPlan.build(kept, getattr(torch, dtype), CpuBackendOptions())
-    if reference is None or spec.qk_norm:
+    if reference is None:
         pytest.skip("the CPU plan does not serve this model here")
     picked = pick_forward(released, getattr(torch, dtype), torch.device("cpu"), CpuBackendOptions())[0]
     assert isinstance(picked, CpuPlan)
@@ -385,7 +385,7 @@ def test_split_layer_stack_gives_the_same_bits(
     return exactly what the one-thread-team layer loop returns; steps with
     prefills keep the layer loop (see dispatch.split_bounds)."""
     _, _, spec, path = tiny_pair
-    if not _kernels_run(dtype) or spec.qk_norm:
+    if not _kernels_run(dtype):
         pytest.skip("the C++ kernels' layer loop does not apply")
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
@@ -471,8 +471,6 @@ def test_output_rows_give_the_same_bits_and_cache(
     model, spec = load_model(ModelConfig(model=str(tiny_path), dtype=dtype), source)
     forward: ModelForward = model
     if path != "reference":
-        if spec.qk_norm:
-            pytest.skip("the CPU plan runs the plain Llama layer only")
         forward = _plan_or_skip(model, dtype)
     seqs = _seqs(spec.vocab_size)
     full, part = PagedRunner(model, spec, one_call=one_call, forward=forward), PagedRunner(
@@ -520,9 +518,9 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
     tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec, Path], dtype: str,
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """At load the runner takes the CPU plan for a plain Llama model in bf16 or
-    float32 on the CPU, and the reference model where the kernels are switched
-    off or the layers have q/k norms; one log line says which and why."""
+    """At load the runner takes the CPU plan for the model in bf16 or float32 on
+    the CPU (Qwen3's q/k norms included), and the reference model where the
+    kernels are switched off; one log line says which and why."""
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     torch_dtype = getattr(torch, dtype)
@@ -540,14 +538,12 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
     kernels_run = _kernels_run(dtype)
     picked = runner()
     line = caplog.messages[-1]
-    if kernels_run and not spec.qk_norm:
+    if kernels_run:
         assert isinstance(picked.forward, CpuPlan)
         assert line == f"forward: CPU backend (C++ kernels, {dtype})"
     else:
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
-        if kernels_run:
-            assert "q/k norms" in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model

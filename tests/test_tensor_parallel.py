@@ -1,7 +1,7 @@
 """Tensor parallelism over gloo: TP=2 gives TP=1's greedy tokens and logprobs
 (32 mixed prompts, chunked prefill and preemption forced) on a tiny Llama split
-unevenly (3 KV heads, an odd vocabulary: the CPU plan's path) and a tiny Qwen3
-(q/k norms: the reference model's path); a rank that dies stops the group with
+unevenly (3 KV heads, an odd vocabulary) and a tiny Qwen3 (q/k norms), both on
+the CPU plan; a rank that dies stops the group with
 an error naming it, never a hang."""
 
 from __future__ import annotations

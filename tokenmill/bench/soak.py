@@ -17,7 +17,11 @@ checks what a user would call a failure:
   choice and `[DONE]`;
 - the KV cache back to 0 and no request left running once the traffic stops
   (from /metrics);
-- the server's RSS at start, middle and end (from /proc).
+- the server's RSS at start, middle and end (from /proc);
+- with `--check-greedy N`: N greedy prompts are sent one at a time while the
+  server is idle, then again and again by one more client during the traffic;
+  every answer must be the idle text (batch invariance: the same tokens
+  whatever else runs, preemption and chunking included).
 
 One summary line, the JSON with `--output`; the exit status is 1 when a check
 failed. Everything is bounded: requests stop being sent at `--minutes`, and
@@ -54,6 +58,18 @@ WORDS = (
     "letter", "mountain", "simple", "reason", "between", "water", "thousand", "orange",
 )
 STOPS = ([" the"], ["\n"], [".", "!"], ["and", "or", "but"])
+# --check-greedy's prompts (the first N; more than these are refused).
+GREEDY_PROMPTS = (
+    "Once upon a time, in a village by the sea,", "The three most important rules of cooking are",
+    "Here is a short story about a robot who learns to paint:", "The history of the bicycle begins",
+    "A letter to my younger self:", "The best way to learn a new language is",
+    "In the year 2100, cities will", "Write a poem about the winter morning light.",
+    "The main causes of the French Revolution were", "How do bees make honey? First,",
+    "My favourite place in the world is", "The recipe for a simple bread needs",
+    "Explain to a child why the sky is blue.", "The old lighthouse keeper opened the door and",
+    "Ten tips for a good night's sleep:", "The difference between weather and climate is",
+)
+MAX_MISMATCHES_KEPT = 20
 
 
 @dataclass
@@ -101,12 +117,17 @@ class SoakReport:
     duration_s: float = 0.0
     timeline: list[dict[str, float]] = field(default_factory=list)
     problems: list[dict[str, Any]] = field(default_factory=list)
+    # --check-greedy: answers compared with the idle text, those that differed (the first ones kept).
+    num_greedy_checked: int = 0
+    num_greedy_mismatches: int = 0
+    greedy_mismatches: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return (self.num_5xx == 0 and self.num_4xx == 0 and self.num_transport_errors == 0
                 and self.num_stalled == 0 and self.num_cut_streams == 0
-                and self.num_unfinished == 0 and self.kv_back_to_zero)
+                and self.num_unfinished == 0 and self.kv_back_to_zero
+                and self.num_greedy_mismatches == 0)
 
     def summary(self) -> str:
         rss = "/".join(f"{self.rss_mib.get(k, float('nan')):.0f}" for k in ("start", "mid", "end"))
@@ -121,7 +142,9 @@ class SoakReport:
             f"of {self.num_streams - self.num_dropped_streams} (dropped {self.num_dropped_streams}), "
             f"unfinished {self.num_unfinished}, preemptions {self.num_preemptions or 0:.0f}, "
             f"KV back to 0: {'yes' if self.kv_back_to_zero else 'NO'}, "
-            f"RSS start/mid/end {rss} MiB -> {'ok' if self.ok else 'FAILED'}"
+            + (f"greedy answers unlike the idle text {self.num_greedy_mismatches} of {self.num_greedy_checked}, "
+               if self.config.get("check_greedy") else "")
+            + f"RSS start/mid/end {rss} MiB -> {'ok' if self.ok else 'FAILED'}"
         )
 
 
@@ -265,6 +288,31 @@ async def send(client: Any, path: str, body: dict[str, Any], record: RequestReco
         record.duration_s = now - start
 
 
+async def greedy_text(client: Any, model: str, prompt: str, max_tokens: int) -> str:
+    """One greedy completion's text (an error raises: the check needs every answer)."""
+    response = await client.post("/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0})
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["text"])
+
+
+async def check_greedy(client: Any, model: str, prompts: list[str], idle: list[str], max_tokens: int,
+                       report: SoakReport, stop_at: float) -> None:
+    """The greedy prompts in turn until stop_at, each answer compared with its idle text."""
+    i = 0
+    while time.monotonic() < stop_at:
+        k = i % len(prompts)
+        got = await greedy_text(client, model, prompts[k], max_tokens)
+        report.num_greedy_checked += 1
+        if got != idle[k]:
+            report.num_greedy_mismatches += 1
+            if len(report.greedy_mismatches) < MAX_MISMATCHES_KEPT:
+                at = next((j for j, (a, b) in enumerate(zip(got, idle[k], strict=False)) if a != b),
+                          min(len(got), len(idle[k])))  # (the first character that differs)
+                report.greedy_mismatches.append({"prompt": k, "differs_at_char": at, "idle": idle[k], "got": got})
+        i += 1
+
+
 async def monitor(client: Any, pid: int, t0: float, report: SoakReport, stop_at: float,
                   period_s: float = 5.0) -> None:
     """Every period_s: the server's RSS and its scheduler gauges; the RSS at mid-time."""
@@ -299,6 +347,8 @@ async def run_traffic(args: argparse.Namespace, base_url: str, pid: int) -> Soak
         models = (await client.get("/v1/models")).json()["data"][0]
         max_model_len = int(models.get("max_model_len") or 2048)
         report.rss_mib["start"] = rss_mib(pid)
+        prompts = list(GREEDY_PROMPTS[:args.check_greedy])
+        idle = [await greedy_text(client, models["id"], p, args.greedy_max_tokens) for p in prompts]
         records: list[RequestRecord] = []
         t0 = time.monotonic()
         stop_at = t0 + args.minutes * 60
@@ -313,6 +363,9 @@ async def run_traffic(args: argparse.Namespace, base_url: str, pid: int) -> Soak
 
         workers = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
         watcher = asyncio.create_task(monitor(client, pid, t0, report, stop_at))
+        if prompts:
+            workers.append(asyncio.create_task(check_greedy(
+                client, models["id"], prompts, idle, args.greedy_max_tokens, report, stop_at)))
         _, pending = await asyncio.wait(workers, timeout=args.minutes * 60 + args.drain_s)
         for task in pending:  # bounded: what still runs past the drain time is unfinished
             task.cancel()
@@ -420,6 +473,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="each request's max_tokens is drawn from 1 to this")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many")
     p.add_argument("--seed", type=int, default=0, help="the traffic's random seed")
+    p.add_argument("--check-greedy", type=int, default=0, metavar="N",
+                   help=f"N greedy prompts (at most {len(GREEDY_PROMPTS)}) answered idle first, then again "
+                        "during the traffic: any answer unlike the idle text fails the soak")
+    p.add_argument("--greedy-max-tokens", type=int, default=200, help="max_tokens of --check-greedy's prompts")
     p.add_argument("--serve-args", default="",
                    help="more `tokenmill serve` options, as one string (e.g. '--dtype float32')")
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
@@ -432,6 +489,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main_soak(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.concurrency < 1 or args.busy_cores < 0:
         raise ValueError("--minutes must be > 0, --concurrency >= 1 and --busy-cores >= 0")
+    if not 0 <= args.check_greedy <= len(GREEDY_PROMPTS) or args.greedy_max_tokens < 1:
+        raise ValueError(f"--check-greedy takes 0 to {len(GREEDY_PROMPTS)} prompts, "
+                         "and --greedy-max-tokens at least 1")
     report = run_soak(args)
     print(report.summary())
     if args.output:

@@ -136,6 +136,38 @@ class PrefixIndex:
         return within + beyond
 
 
+class InFlight:
+    """Requests this router has in flight per replica, keyed by (internal request
+    id, replica): calls made within one ingress request share the id (the /metrics
+    fan-out calls each replica in turn), so the id alone could credit one call's
+    completion to another replica and leave a load counted forever."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = {}
+        self.loads: dict[str, int] = {}
+
+    def set_replicas(self, replicas: Sequence[str]) -> None:
+        self.loads = {r: self.loads.get(r, 0) for r in replicas}
+
+    def forget(self, replica: str) -> None:
+        self.loads.pop(replica, None)
+        self.calls = {k: n for k, n in self.calls.items() if k[1] != replica}
+
+    def routed(self, request_id: str, replica: str) -> None:
+        self.calls[(request_id, replica)] = self.calls.get((request_id, replica), 0) + 1
+        self.loads[replica] = self.loads.get(replica, 0) + 1
+
+    def completed(self, request_id: str, replica: str) -> None:
+        key = (request_id, replica)
+        n = self.calls.pop(key, 0)
+        if n == 0:
+            return  # (not counted: not an HTTP call, or its replica was forgotten)
+        if n > 1:
+            self.calls[key] = n - 1
+        if replica in self.loads:
+            self.loads[replica] = max(0, self.loads[replica] - 1)
+
+
 class PrefixAwareRouter(RequestRouter):
     """The Ray Serve side of PrefixIndex (see the module docstring).
     `policy="round_robin"` routes in turn instead (the benchmark's baseline)."""
@@ -150,8 +182,7 @@ class PrefixAwareRouter(RequestRouter):
         self.index = PrefixIndex(int(kwargs.pop("max_blocks_per_replica", MAX_BLOCKS_PER_REPLICA)))
         if kwargs:
             raise ValueError(f"unknown request_router_kwargs: {sorted(kwargs)}")
-        self.in_flight: dict[str, int] = {}
-        self.counted: dict[str, str] = {}  # internal request id -> replica, for load
+        self.in_flight = InFlight()
         # Chosen but not yet routed (internal request id -> (replica, when)): counted
         # as load, so a burst of requests ranked before any is routed spreads out.
         self.tentative: dict[str, tuple[str, float]] = {}
@@ -161,14 +192,14 @@ class PrefixAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = [r.replica_id.to_full_id_str() for r in replicas]
         self.index.set_replicas(ids)
-        self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
+        self.in_flight.set_replicas(ids)
         live.REGISTRY.record(self._deployment_id.name, ids)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         dead = replica_id.to_full_id_str()
         self.index.blocks.pop(dead, None)
-        self.in_flight.pop(dead, None)
+        self.in_flight.forget(dead)
         live.REGISTRY.forget(self._deployment_id.name, dead)
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
@@ -198,7 +229,7 @@ class PrefixAwareRouter(RequestRouter):
         self.tentative = {k: v for k, v in self.tentative.items() if now - v[1] < TENTATIVE_S}
         counts = pending_request is not None and pending_request.metadata.call_method == HTTP_METHOD
         request_id = pending_request.metadata.internal_request_id if pending_request else ""
-        loads = {r: self.in_flight.get(r, 0) for r in by_id}
+        loads = {r: self.in_flight.loads.get(r, 0) for r in by_id}
         for other, (replica, _) in self.tentative.items():
             if replica in loads and other != request_id:  # (chosen again: the last choice is void)
                 loads[replica] += 1
@@ -217,13 +248,10 @@ class PrefixAwareRouter(RequestRouter):
             return
         replica = replica_id.to_full_id_str()
         self.tentative.pop(pending_request.metadata.internal_request_id, None)
-        self.counted[pending_request.metadata.internal_request_id] = replica
-        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        self.in_flight.routed(pending_request.metadata.internal_request_id, replica)
         hashes = self._hashes(pending_request)
         if hashes:
             self.index.insert(replica, hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        replica = self.counted.pop(internal_request_id, None)
-        if replica is not None and replica in self.in_flight:
-            self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+        self.in_flight.completed(internal_request_id, replica_id.to_full_id_str())

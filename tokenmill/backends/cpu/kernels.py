@@ -51,6 +51,8 @@ class CppLayerWeights(Protocol):
     norm2: torch.Tensor
     gate_up: CppPackedWeight  # [gate; up], no bias
     down: CppPackedWeight
+    q_norm: torch.Tensor  # per-head RMSNorm weight [head_dim] before RoPE (Qwen3); empty: none
+    k_norm: torch.Tensor
     sliding_window: int  # 0: none
     scale: float
 
@@ -88,7 +90,8 @@ class CpuOps(Protocol):
 
     def rope_qkv_cache(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor,
+                       k_norm: torch.Tensor, eps: float) -> None: ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
@@ -114,7 +117,8 @@ class CpuOps(Protocol):
 
     def LayerWeights(self, *, norm1: torch.Tensor, qkv: CppPackedWeight, o: CppPackedWeight,
                      norm2: torch.Tensor, gate_up: CppPackedWeight, down: CppPackedWeight,
-                     sliding_window: int, scale: float) -> CppLayerWeights: ...
+                     q_norm: torch.Tensor, k_norm: torch.Tensor, sliding_window: int,
+                     scale: float) -> CppLayerWeights: ...
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,

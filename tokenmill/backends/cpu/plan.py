@@ -1,7 +1,7 @@
 """The CPU plan: a loaded model's forward and logits on the C++ kernels, with
 every per-call check done once, when the runner builds it.
 
-It serves the plain Llama layer (no q/k norm) in bf16 or float32 on the CPU
+It serves the Llama layer (with Qwen3's per-head q/k norms) in bf16 or float32 on the CPU
 and runs the reference model's operations in its order on fused kernels
 (tests/test_model_numerics.py compares the two on the same inputs). Each
 forward takes one of the paths that dispatch.choose_path names (the split
@@ -52,6 +52,7 @@ from tokenmill.model.quantization import KQUANT_FORMATS, is_kquant_part, q8_0_of
 logger = logging.getLogger("tokenmill")
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
+_NO_NORM = torch.empty(0)  # a layer without q/k norms (the C++ takes an empty tensor for none)
 
 
 class _Layer(NamedTuple):
@@ -61,6 +62,8 @@ class _Layer(NamedTuple):
     norm2: torch.Tensor
     gate_up: CppPackedWeight
     down: CppPackedWeight
+    q_norm: torch.Tensor  # [head_dim], or empty: no q/k norms
+    k_norm: torch.Tensor
     scale: float
     sliding_window: int | None
 
@@ -109,8 +112,6 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
         return "the weights are not all on the CPU in that dtype"
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
-        if layer.self_attn.q_norm is not None:
-            return "q/k norms (the plan runs the plain Llama layer)"
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj):
             if dtype == torch.bfloat16 and lin.in_features % 2:
@@ -176,10 +177,12 @@ class CpuPlan:
             a, mlp = layer.self_attn, layer.mlp
             if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
                 self.all_reduce = a.o_proj.all_reduce
+            q_norm, k_norm = (_NO_NORM, _NO_NORM) if a.q_norm is None or a.k_norm is None else (
+                a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous())
             self.layers.append(_Layer(
                 layer.input_layernorm.weight.detach(), packed(a.qkv_proj), packed(a.o_proj),
                 layer.post_attention_layernorm.weight.detach(), packed(mlp.gate_up_proj),
-                packed(mlp.down_proj), float(a.scale), a.sliding_window,
+                packed(mlp.down_proj), q_norm, k_norm, float(a.scale), a.sliding_window,
             ))
         # A Q8_0 embedding's rows come from q8_embed (the same bits as embed_rows).
         self.embed_q8 = q8_0_of(embed)
@@ -198,7 +201,8 @@ class CpuPlan:
         self.weights = self.ops.ModelWeights(
             layers=[self.ops.LayerWeights(
                 norm1=lay.norm1, qkv=lay.qkv, o=lay.o, norm2=lay.norm2, gate_up=lay.gate_up,
-                down=lay.down, sliding_window=lay.sliding_window or 0, scale=lay.scale,
+                down=lay.down, q_norm=lay.q_norm, k_norm=lay.k_norm, sliding_window=lay.sliding_window or 0,
+                scale=lay.scale,
             ) for lay in self.layers],
             final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -327,7 +331,7 @@ class CpuPlan:
                 x = hidden
             qkv = gemm(x, layer.qkv)
             ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
-                               kv_cache, meta.slot_mapping)
+                               kv_cache, meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             if i == 0:
                 call = self.attention.kernel_call(q, kv_cache, meta)

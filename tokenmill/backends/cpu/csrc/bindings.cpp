@@ -39,17 +39,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("parts", &PackedWeight::parts);
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2, PackedWeight gate_up,
-                       PackedWeight down, int64_t sliding_window, double scale) {
-             return LayerWeights{norm1, qkv, o, norm2, gate_up, down, sliding_window, scale};
+                       PackedWeight down, at::Tensor q_norm, at::Tensor k_norm, int64_t sliding_window, double scale) {
+             return LayerWeights{norm1, qkv, o, norm2, gate_up, down, q_norm, k_norm, sliding_window, scale};
            }),
            py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("gate_up"),
-           py::arg("down"), py::arg("sliding_window"), py::arg("scale"))
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("sliding_window"), py::arg("scale"))
       .def_readonly("norm1", &LayerWeights::norm1)
       .def_readonly("qkv", &LayerWeights::qkv)
       .def_readonly("o", &LayerWeights::o)
       .def_readonly("norm2", &LayerWeights::norm2)
       .def_readonly("gate_up", &LayerWeights::gate_up)
       .def_readonly("down", &LayerWeights::down)
+      .def_readonly("q_norm", &LayerWeights::q_norm)
+      .def_readonly("k_norm", &LayerWeights::k_norm)
       .def_readonly("sliding_window", &LayerWeights::sliding_window)
       .def_readonly("scale", &LayerWeights::scale);
   py::class_<ModelWeights>(m, "ModelWeights")
@@ -80,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
                 py::arg("head_dim"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
-                py::arg("slot_mapping"));
+                py::arg("slot_mapping"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"));
   TOKENMILL_DEF(silu_and_mul, py::arg("gate_up"));
   TOKENMILL_DEF(q8_embed, py::arg("qweight"), py::arg("qscale"), py::arg("ids"), py::arg("float32_out"));
   TOKENMILL_DEF(argmax_rows, py::arg("logits"));

@@ -8,7 +8,9 @@
 //
 //   rms_norm(x, w, eps)                    -> w * bf16(x * rsqrt(mean(x^2) + eps))
 //   fused_add_rms_norm(x, residual, w, eps)   residual = x + residual; x = rms_norm(residual)
-//   rope_qkv_cache(qkv, ...)                  rotate q and k inside qkv in place (rotate_half
+//   rope_qkv_cache(qkv, ..., q_norm, k_norm, eps)   rms_norm each head of q and k in place
+//                                             where q_norm / k_norm are given (Qwen3; empty: none),
+//                                             rotate q and k inside qkv in place (rotate_half
 //                                             RoPE), then store k, v at their cache slots
 //   silu_and_mul(gate_up)                  -> silu(gate) * up
 //   q8_embed(qweight, qscale, ids, f32)    -> the Q8_0 table's rows for ids, dequantized
@@ -89,10 +91,22 @@ void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, floa
   }
 }
 
+// rms_norm_rows on one head in place (q/k norms: the same rounding, one row).
+template <typename T>
+inline void norm_head(T* x, const T* w, int64_t dim, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) x[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv));
+}
+
 template <typename T>
 void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos,
-                         const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slots) {
+                         const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slots,
+                         const at::Tensor& q_norm, const at::Tensor& k_norm, float eps) {
   const int64_t tokens = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
   const int64_t kv_stride = kv_cache.numel() / 2;  // K -> V
   const int64_t slot_size = num_kv_heads * head_dim;
@@ -102,9 +116,15 @@ void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_head
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* cos_t = cos.data_ptr<float>();
   const float* sin_t = sin.data_ptr<float>();
+  const T* qn = q_norm.numel() ? q_norm.data_ptr<T>() : nullptr;
+  const T* kn = k_norm.numel() ? k_norm.data_ptr<T>() : nullptr;
 #pragma omp parallel for if (worth_threads(tokens * width))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = base + t * width;
+    if (qn)  // (per head, before RoPE, as Qwen3's attention)
+      for (int64_t h = 0; h < num_heads; ++h) norm_head(row + h * head_dim, qn, head_dim, eps);
+    if (kn)
+      for (int64_t h = num_heads; h < num_heads + num_kv_heads; ++h) norm_head(row + h * head_dim, kn, head_dim, eps);
     // HF casts cos/sin to the model dtype first, then x' = x*cos + rotate_half(x)*sin,
     // each product and the sum rounded.
     const float* c = cos_t + pos[t] * half;
@@ -241,7 +261,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
-                    at::Tensor slot_mapping) {
+                    at::Tensor slot_mapping, at::Tensor q_norm, at::Tensor k_norm, double eps) {
   NoGil no_gil;
   check(qkv, "qkv");
   check(kv_cache, "kv_cache");
@@ -256,12 +276,17 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
   slot_mapping = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
               "one position and one slot per token");
+  for (const at::Tensor* norm : {&q_norm, &k_norm})
+    TORCH_CHECK(norm->numel() == 0 || (norm->numel() == head_dim && norm->is_contiguous() &&
+                                       norm->scalar_type() == qkv.scalar_type()),
+                "q_norm / k_norm: empty, or [head_dim] contiguous in qkv's dtype");
+  const float e = static_cast<float>(eps);
   if (qkv.scalar_type() == at::kFloat)
     rope_qkv_cache_impl<float>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
-                               kv_cache, slot_mapping);
+                               kv_cache, slot_mapping, q_norm, k_norm, e);
   else
     rope_qkv_cache_impl<at::BFloat16>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
-                                      kv_cache, slot_mapping);
+                                      kv_cache, slot_mapping, q_norm, k_norm, e);
 }
 
 at::Tensor argmax_rows(at::Tensor logits) {

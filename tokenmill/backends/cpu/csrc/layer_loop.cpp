@@ -29,7 +29,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
-                    at::Tensor slot_mapping);
+                    at::Tensor slot_mapping, at::Tensor q_norm, at::Tensor k_norm, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
@@ -106,7 +106,8 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       x = h;
     }
     at::Tensor qkv = packed_gemm(x, w.qkv, false, KvStreams{});  // (streams are filled after attention)
-    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots);
+    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots, w.q_norm,
+                   w.k_norm, s.eps);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
       q = q.index_select(0, *out_rows);

@@ -17,6 +17,7 @@ struct LayerWeights {
   at::Tensor norm2;      // post_attention_layernorm weight [hidden]
   PackedWeight gate_up;  // gate_up_proj ([gate; up] rows, no bias)
   PackedWeight down;     // down_proj
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3); empty: none
   int64_t sliding_window = 0;  // 0: none
   double scale = 1.0;          // the attention scale
 };
