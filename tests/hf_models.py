@@ -93,6 +93,18 @@ def save_hf_model(model: torch.nn.Module, directory: Path) -> str:
 
 
 @torch.inference_mode()
+def hf_embedding(model: Any, prompt: list[int], pooling: str, normalize: bool) -> np.ndarray:
+    """transformers' last hidden state (after the final norm) of a causal LM's base
+    model for one prompt alone, pooled ("last", "mean" or "cls") as
+    sentence-transformers pools it."""
+    hidden = model.model(torch.tensor([prompt])).last_hidden_state[0]  # [len, hidden]
+    vector = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling]
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    return np.asarray(vector.numpy())
+
+
+@torch.inference_mode()
 def hf_greedy(
     model: torch.nn.Module, prompt: list[int], max_new_tokens: int
 ) -> tuple[list[int], list[float]]:

@@ -2,8 +2,22 @@
 
 from typing import TYPE_CHECKING
 
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenmill.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenmill.sampling_params import (
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
@@ -12,9 +26,16 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "default_model_path",
 ]

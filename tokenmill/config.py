@@ -16,6 +16,10 @@ from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("q8_0", "gguf")  # ModelConfig.quantization's values besides None
+# ModelConfig.runner (vLLM's --runner): "auto" serves generation and pooling
+# requests alike (one forward serves both); "generate" or "pooling" only one kind.
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # PoolerConfig.pooling_type (vLLM's names)
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # How a request gets KV memory: block by block ("paged"), or its whole prompt +
 # max_tokens at admission ("reserved", the systems before paging; CacheConfig).
@@ -55,8 +59,11 @@ class ModelConfig:
     # (a GGUF file's own blocks, other types as Q8_0). vLLM's `quantization` option;
     # EngineArgs.resolve_quantization picks it when the user leaves it unset.
     quantization: str | None = None
+    runner: str = "auto"  # RUNNERS: which kinds of request the engine serves
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} is not supported; use one of {RUNNERS}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{(None, *QUANTIZATIONS)} (None: the weights in the model's dtype)")
@@ -72,6 +79,30 @@ class ModelConfig:
                              "'float32' or 'auto' (a float16 checkpoint then runs in bfloat16)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling request turns the last hidden states (after the final norm)
+    into one vector: read at load from sentence-transformers' modules.json and
+    1_Pooling/config.json where the model has them, else a decoder's default
+    (the last token, normalised: Qwen3-Embedding's recipe, vLLM's for a decoder).
+    Matryoshka: the HF config's is_matryoshka / matryoshka_dimensions, as vLLM."""
+
+    pooling_type: str = "LAST"  # POOLING_TYPES: the last token, the mean of all, the first
+    normalize: bool = True  # the default where a request leaves PoolingParams.normalize unset
+    is_matryoshka: bool = False  # a request may ask for fewer dimensions
+    matryoshka_dimensions: tuple[int, ...] | None = None  # only these, where given
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type={self.pooling_type!r} is not supported; use one of "
+                             f"{POOLING_TYPES}")
+
+    @property
+    def needs_every_row(self) -> bool:
+        """MEAN and CLS read rows before the last: such requests take no prefix hits."""
+        return self.pooling_type != "LAST"
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,73 @@ class GenerateStats:
         """The pool's fraction held by running requests (used or reserved), on average."""
         steps = self.num_steps * self.num_kv_blocks
         return self.kv_blocks_held / steps if steps else 0.0
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result, as vLLM's PoolingOutput (`data`: a list of
+    floats here, not a tensor: outputs.py holds no torch)."""
+
+    data: list[float]
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding, as vLLM's EmbeddingOutput."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's result, as vLLM's PoolingRequestOutput: one output,
+    when the prompt has run (nothing streams). An aborted request's
+    `outputs.data` is empty."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt, as vLLM's EmbeddingRequestOutput."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(list(out.outputs.data)), out.prompt_token_ids,
+                   out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's similarity, as vLLM's ScoringOutput."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result per pair, as vLLM's ScoringRequestOutput."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+
+# What an engine step hands out: a generation request's output or a pooling one's.
+EngineOutput = RequestOutput | PoolingRequestOutput

@@ -258,3 +258,28 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass
+class PoolingParams:
+    """Options of a pooling request (an embedding), named as vLLM's PoolingParams.
+
+    A pooling request runs its prompt through the model (prefill only, chunked
+    as any prefill) and returns the pooled last hidden state instead of tokens.
+    dimensions: Matryoshka truncation, the first this many values, renormalised
+    where the vector is normalised; only for models trained for it (the engine
+    checks). normalize: L2-normalise the vector; None: the model's default (its
+    sentence-transformers Normalize module, or True for a decoder without one)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None:
+            if not is_integer(self.dimensions) or self.dimensions < 1:
+                raise ParamError(f"dimensions must be an integer >= 1, got {self.dimensions!r}",
+                                 "dimensions")
+            self.dimensions = int(self.dimensions)
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ParamError(f"normalize must be true, false or null, got {self.normalize!r}",
+                             "normalize")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 # A draft token the runner's drafter (a draft model) fills in before the forward.
 DRAFT_PLACEHOLDER = -1
@@ -44,6 +44,11 @@ class ScheduledRequest:
     # Speculative decoding: the last num_draft_tokens of token_ids are drafts to
     # verify (do_sample is then True: every one of their rows is sampled).
     num_draft_tokens: int = 0
+    # A pooling request (prefill only, do_sample always False): its options, and
+    # do_pool True in the step that computes its last prompt token, whose output
+    # is its pooled hidden state.
+    pooling_params: PoolingParams | None = None
+    do_pool: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +87,8 @@ class ModelRunnerOutput:
     # The prompt logprobs of each request that asked for them and whose prefill
     # ends this step: one entry per prompt token after the first.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Each pooling request whose prompt ended this step: its pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +103,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    pooled: list[float] | None = None  # a pooling request's result (it is then finished)
 
     @property
     def finished(self) -> bool:

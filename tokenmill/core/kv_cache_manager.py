@@ -69,8 +69,10 @@ class KVCacheManager:
         the number of tokens it covers. At least one token is always left to
         compute, since the last position's logits are needed to sample. A request
         that asked for prompt_logprobs gets no hits: every prompt position's
-        logits must be computed (as in vLLM)."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        logits must be computed (as in vLLM), nor does a pooling request whose
+        pooler reads every row (mean, CLS)."""
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or request.pool_every_row):
             return [], 0
         update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +45,11 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention)
+    # A pooling request: prefill only, then finished with its pooled hidden state
+    # (its sampling_params hold max_tokens=1, as vLLM's, and are not used to sample).
+    pooling_params: PoolingParams | None = None
+    # Its pooler reads rows before the last (MEAN, CLS): it takes no prefix hits.
+    pool_every_row: bool = False
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)

@@ -208,6 +208,7 @@ class Scheduler:
             drafts = drafts_by_req.get(request.request_id, [])
             start = request.num_computed_tokens
             num_real = num_new - len(drafts)
+            ends = start + num_real == request.num_tokens  # (its last known token runs)
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -217,7 +218,9 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     bad_words_token_ids=request.bad_words_token_ids,
                     num_draft_tokens=len(drafts),
-                    do_sample=start + num_real == request.num_tokens,
+                    do_sample=ends and request.pooling_params is None,
+                    pooling_params=request.pooling_params,
+                    do_pool=ends and request.pooling_params is not None,
                     prompt_token_ids=(
                         request.prompt_token_ids if request.request_id in admitted else None
                     ),
@@ -239,7 +242,8 @@ class Scheduler:
         many as the budget leaves room for beside its own token, and none that
         could only run past max_tokens or the context (a run ends there anyway)."""
         drafts = self.drafts.get(request.request_id)
-        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+        if (not drafts or request.num_tokens - request.num_computed_tokens != 1
+                or request.pooling_params is not None):
             return []
         room = min(budget, self.max_model_len - request.num_tokens) - 1
         max_tokens = request.sampling_params.max_tokens
@@ -315,6 +319,10 @@ class Scheduler:
         num_drafts_by_req = {
             r.request_id: r.num_draft_tokens for r in scheduler_output.scheduled if r.num_draft_tokens
         }
+        for request_id, vector in runner_output.pooled.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                outputs.append(self._pooled(request, vector))
         for k, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -327,6 +335,17 @@ class Scheduler:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _pooled(self, request: Request, vector: list[float]) -> EngineCoreOutput:
+        """A pooling request's prompt has run: it is done, and its blocks go back
+        to the pool now (full ones stay cached for later prefix hits)."""
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], new_logprobs=[], new_top_logprobs=[],
+            finish_reason=RequestStatus.FINISHED_STOPPED.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions, pooled=vector,
+        )
 
     def _roll_back(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Drafts past the accepted ones were computed for nothing: their slots

@@ -18,6 +18,7 @@ from tokenmill.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_ALLOCATIONS,
     QUANTIZATIONS,
+    RUNNERS,
     SCHEDULING_POLICIES,
     SUPPORTED_DTYPES,
     CacheConfig,
@@ -62,6 +63,9 @@ class EngineArgs:
     # weights in dtype; a GGUF file dequantized), "q8_0" or "gguf" (config.py).
     quantization: str | None = None
     distributed_executor_backend: str = "mp"  # "ray": ranks as Ray actors (serve-ray)
+    # vLLM's --runner: "auto" serves generation and pooling (embedding) requests,
+    # "generate" or "pooling" only that kind (config.RUNNERS).
+    runner: str = "auto"
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -73,6 +77,7 @@ class EngineArgs:
                 device=self.device, max_model_len=self.max_model_len, seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 generation_config=self.generation_config, quantization=self.resolve_quantization(),
+                runner=self.runner,
             ),
             CacheConfig(
                 block_size=self.block_size,
@@ -186,6 +191,10 @@ class EngineArgs:
                  "quantized to it at load), none (the weights in --dtype: a GGUF file "
                  "dequantized). Default: gguf for a GGUF file holding quantized tensors on one "
                  "CPU process, none otherwise")
+        parser.add_argument(
+            "--runner", default="auto", choices=RUNNERS,
+            help="which requests the engine serves: auto (generation and pooling: embeddings "
+                 "from the same forward), generate, or pooling (embeddings only)")
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.core.contracts import SchedulerOutput
 from tokenmill.core.scheduler import SchedulerStats
@@ -40,13 +40,14 @@ from tokenmill.engine.client import EngineFacts, PromptType
 from tokenmill.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenmill.engine.live_view import LiveView, take_snapshot
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from tokenmill.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill")
 
 StatLogger = Callable[[IterationStats], None]
+T = TypeVar("T", RequestOutput, PoolingRequestOutput)
 
 
 class EngineError(RuntimeError):
@@ -59,7 +60,7 @@ class EngineDeadError(RuntimeError):
 
 
 _ACCEPTED = object()  # first item on a stream once engine.add_request() accepted the request
-_Item = object  # a RequestOutput, an exception to raise, or _ACCEPTED
+_Item = object  # a RequestOutput (PoolingRequestOutput), an exception to raise, or _ACCEPTED
 
 
 class _Stream:
@@ -120,7 +121,7 @@ def _deliver(items: list[tuple[_Stream, _Item]]) -> None:  # engine thread
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     arrival_time: float
     stream: _Stream
@@ -284,9 +285,23 @@ class AsyncEngine:
         iterated must be aborted with abort(request_id) (an async generator that
         has not started runs nothing when closed). Its blocks are freed at the
         next step boundary."""
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        stream = await self._submit(request_id, prompt, params, priority)
+        return self._iterate(stream, RequestOutput)
+
+    async def add_pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request (an embedding): as add_request, but its stream
+        yields one PoolingRequestOutput, when its prompt has run."""
+        stream = await self._submit(request_id, prompt, params, priority)
+        return self._iterate(stream, PoolingRequestOutput)
+
+    async def _submit(self, request_id: str, prompt: PromptType,
+                      params: SamplingParams | PoolingParams, priority: int) -> _Stream:
+        """Hand a request to the engine thread; its stream once it is accepted."""
         if not self.is_running:
             raise EngineDeadError(self._dead_reason or "the engine loop is not running")
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             self._num_pending += 1
@@ -299,9 +314,9 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             raise first
         assert first is _ACCEPTED, first
-        return self._iterate(stream)
+        return stream
 
-    async def _iterate(self, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
+    async def _iterate(self, stream: _Stream, kind: type[T]) -> AsyncGenerator[T, None]:
         finished = False
         try:
             while True:
@@ -309,7 +324,12 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                assert isinstance(item, RequestOutput)
+                assert isinstance(item, RequestOutput | PoolingRequestOutput)
+                # An aborted pooling request has no vector to give (shutdown): it ends so.
+                if not isinstance(item, kind) or (
+                        isinstance(item, PoolingRequestOutput) and not item.outputs.data):
+                    finished = True
+                    raise EngineDeadError("the request was aborted")
                 finished = item.finished
                 yield item
                 if finished:
@@ -412,9 +432,10 @@ class AsyncEngine:
         prompt = command.prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             num_prompt = len(prompt["prompt_token_ids"])
-        state.trackers[command.request_id] = _Tracker(
-            command.arrival_time, num_prompt, n=command.params.n, max_tokens=command.params.max_tokens
-        )
+        params = command.params
+        state.trackers[command.request_id] = _Tracker(command.arrival_time, num_prompt) if isinstance(
+            params, PoolingParams) else _Tracker(command.arrival_time, num_prompt, n=params.n,
+                                                 max_tokens=params.max_tokens)
         command.stream.put(_ACCEPTED)
 
     def _abort(self, request_id: str, stats: IterationStats) -> None:
@@ -459,6 +480,10 @@ class AsyncEngine:
             tracker = state.trackers.get(out.request_id)
             if stream is None or tracker is None:
                 continue
+            if isinstance(out, PoolingRequestOutput):
+                self._pooled(out, tracker, stats, now)
+                deliveries.append((stream, out))
+                continue
             num_new = sum(len(c.token_ids) for c in out.outputs)
             if num_new:
                 if tracker.last_token_time is None:
@@ -485,6 +510,16 @@ class AsyncEngine:
                 scheduled.scheduler_output, now - start, len(stats.finished),
                 stats.time_to_first_tokens_s, stats.inter_token_latencies_s,
             )
+
+    def _pooled(self, out: PoolingRequestOutput, tracker: _Tracker, stats: IterationStats,
+                now: float) -> None:
+        """A pooling request is done: its prompt counts, it generated nothing."""
+        stats.num_prompt_tokens += len(out.prompt_token_ids)
+        stats.num_cached_prompt_tokens += out.num_cached_tokens
+        tracker.num_prompt_tokens = len(out.prompt_token_ids)
+        tracker.num_cached_tokens = out.num_cached_tokens
+        stats.finished.append(_finished(tracker, "stop", now))
+        del self._state.streams[out.request_id], self._state.trackers[out.request_id]
 
     def _watch(self, scheduler_output: SchedulerOutput | None) -> None:
         """Feed the live view (only called while someone watches): preemptions

@@ -11,8 +11,8 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -50,6 +50,10 @@ class EngineFacts:
     cache: CacheFacts
     # Tensor parallelism's other ranks started through Ray: (rank, pid, node IP).
     tensor_parallel_ranks: tuple[tuple[int, int, str], ...] = ()
+    # Which requests it serves (config.RUNNERS: "auto" both kinds, "generate",
+    # "pooling"), and the width of its pooled vectors (embeddings).
+    runner: str = "auto"
+    hidden_size: int = 0
 
 
 class EngineClient(Protocol):
@@ -100,6 +104,13 @@ class EngineClient(Protocol):
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def add_pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request (an embedding): its stream yields one output, when
+        its prompt has run. As add_request otherwise (vLLM's `encode`)."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -13,8 +14,16 @@ from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.process_settings import apply_process_settings as apply_settings
 from tokenmill.model.gguf_file import GGUFFile
-from tokenmill.outputs import GenerateStats, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.outputs import (
+    EmbeddingRequestOutput,
+    EngineOutput,
+    GenerateStats,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenmill.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import ChatMessage, Tokenizer
 
 
@@ -111,6 +120,77 @@ class LLM:
             dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             for p in self._params_per_prompt(sampling_params, len(prompts))
         ]
+        outputs = self._run(self._add_all(prompts, params_list, priority), use_tqdm)
+        return [out for out in outputs if isinstance(out, RequestOutput)]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's last hidden states (the model's pooler: see
+        model/pooler_config.py); the prompts run as any prefill does (batched by
+        the scheduler, a long one in chunks); results in input order (vLLM's
+        LLM.encode)."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
+        outputs = self._run(self._add_all(prompts, params_list, priority), use_tqdm)
+        return [out for out in outputs if isinstance(out, PoolingRequestOutput)]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (vLLM's LLM.embed): `.outputs.embedding`."""
+        return [EmbeddingRequestOutput.from_base(out)
+                for out in self.encode(prompts, pooling_params, use_tqdm, priority)]
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of text_1's and text_2's embeddings, pair by pair
+        (vLLM's LLM.score with an embedding model): one text_1 against every
+        text_2, or text_1[i] against text_2[i]. A text may be a prompt of
+        token ids, as `generate` takes."""
+        firsts = [text_1] if isinstance(text_1, str | dict) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str | dict) else list(text_2)
+        if not firsts or not seconds:
+            raise ValueError("text_1 and text_2 must each hold at least one text")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}; give one "
+                             "text_1, or as many as text_2")
+        embedded = self.embed([*firsts, *seconds], pooling_params, use_tqdm)
+        n = len(firsts)
+        return [
+            ScoringRequestOutput(
+                request_id=f"{a.request_id}-{b.request_id}",
+                outputs=ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)),
+                prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids, finished=True)
+            for a, b in zip(embedded[:n], embedded[n:], strict=True)
+        ]
+
+    def _add_all(self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams],
+                 priority: Sequence[int] | None) -> list[str]:
+        """Queue every prompt, checked before any is queued, so a bad one raises
+        ValueError and nothing runs; their request ids."""
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         engine = self.engine
@@ -134,7 +214,7 @@ class LLM:
             # A later request was refused (its options, say): none of this call runs.
             engine.abort_request(request_ids)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -174,10 +254,10 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[EngineOutput]:
         engine = self.engine
         pending = set(request_ids)
-        final: dict[str, RequestOutput] = {}
+        final: dict[str, EngineOutput] = {}
         bar: Any = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                         dynamic_ncols=True)
         start = time.monotonic()
@@ -200,7 +280,8 @@ class LLM:
                         pending.discard(out.request_id)
                         final[out.request_id] = out
                         num_in += len(out.prompt_token_ids)
-                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            num_out += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = max(time.monotonic() - start, 1e-9)
                         bar.set_postfix_str(
                             f"input: {num_in / elapsed:.1f} toks/s, output: {num_out / elapsed:.1f} toks/s"
@@ -214,4 +295,11 @@ class LLM:
         return [final[i] for i in request_ids]
 
 
-__all__ = ["LLM", "RequestOutputKind", "SamplingParams"]
+def cosine_similarity(a: list[float], b: list[float]) -> float:
+    """As torch's cosine_similarity (vLLM's score for embedding models)."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / max(norm, 1e-8)
+
+
+__all__ = ["LLM", "PoolingParams", "RequestOutputKind", "SamplingParams"]

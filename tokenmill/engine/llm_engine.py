@@ -23,6 +23,7 @@ from tokenmill.config import (
     ModelConfig,
     ModelSpec,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -38,9 +39,10 @@ from tokenmill.engine.parallel_sampling import fan_out
 from tokenmill.engine.structured import GrammarCompiler
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
+from tokenmill.model.pooler_config import read_pooler_config
 from tokenmill.model.source import ModelSource, resolve_model_source
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import ParamError, SamplingParams, is_integer
+from tokenmill.outputs import EngineOutput
+from tokenmill.sampling_params import ParamError, PoolingParams, SamplingParams, is_integer
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
@@ -74,7 +76,7 @@ class StepStats:
 
 @dataclass
 class StepResult:
-    outputs: list[RequestOutput]
+    outputs: list[EngineOutput]
     stats: StepStats
 
 
@@ -174,10 +176,14 @@ class LLMEngine:
             drafter = DraftModelProposer(
                 speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
                 self.device, self.cpu_options)
+        # How pooling requests pool (model/pooler_config.py); none are served with
+        # runner="generate", whose model directory is then not read for it.
+        self.pooler_config = (read_pooler_config(self.source.path)
+                              if model_config.runner != "generate" else PoolerConfig())
         self.runner = ModelRunner(
             model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device, self.cpu_options,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
-            drafter=drafter,
+            drafter=drafter, pooler_config=self.pooler_config,
         )
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
@@ -216,6 +222,8 @@ class LLMEngine:
                 cache_dtype=dtype,
             ),
             tensor_parallel_ranks=self.tp.rank_locations() if self.tp is not None else (),
+            runner=self.model_config.runner,
+            hidden_size=self.spec.hidden_size,
         )
 
     # ---- requests ---------------------------------------------------------------
@@ -261,21 +269,22 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
         """Queue a request; raises ValueError (with what to do) if it can never run.
-        With params.n > 1 it runs as n child requests (see parallel_sampling.py)."""
-        if not is_integer(priority):
-            raise ParamError(f"priority must be an integer, got {priority!r}", "priority")
+        With params.n > 1 it runs as n child requests (see parallel_sampling.py).
+        With PoolingParams it is a pooling request: its prompt runs, and its one
+        output is a PoolingRequestOutput with the pooled hidden state."""
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
+            return
+        if self.model_config.runner == "pooling":
+            raise ValueError("this engine runs with runner='pooling' (embeddings only) and "
+                             "generates nothing; start it with runner 'auto' or 'generate'")
+        self._check_priority(priority)
         priority = int(priority)
-        if priority != 0 and self.scheduler.config.policy != "priority":
-            raise ParamError(
-                f"priority {priority} needs scheduling_policy='priority' (this engine's is "
-                f"{self.scheduler.config.policy!r}); start the engine with it, or leave priority at 0",
-                "priority",
-            )
         text, prompt_ids = self.tokenize_prompt(prompt)
         params, bad_words_token_ids = self.resolve_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -314,6 +323,58 @@ class LLMEngine:
         self.output_processor.add_parent_request(
             request_id, text, prompt_ids, params, arrival, children
         )
+
+    def _check_priority(self, priority: int) -> None:
+        if not is_integer(priority):
+            raise ParamError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise ParamError(
+                f"priority {priority} needs scheduling_policy='priority' (this engine's is "
+                f"{self.scheduler.config.policy!r}); start the engine with it, or leave priority at 0",
+                "priority",
+            )
+
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                             arrival_time: float | None, priority: int) -> None:
+        """A pooling request: prefill only, through the same scheduler; finished
+        (its blocks freed) in the step its last prompt token runs."""
+        if self.model_config.runner == "generate":
+            raise ValueError("this engine runs with runner='generate'; pooling (embedding) "
+                             "requests need runner 'auto' or 'pooling'")
+        self._check_priority(priority)
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        params = self.resolve_pooling_params(params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add_request(Request(
+            request_id=request_id, prompt_token_ids=prompt_ids,
+            sampling_params=SamplingParams(max_tokens=1), arrival_time=arrival,
+            priority=int(priority), pooling_params=params,
+            pool_every_row=self.pooler_config.needs_every_row,
+        ))
+        self.output_processor.add_pooling_request(request_id, text, prompt_ids, arrival)
+
+    def resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """Our own copy, checked against the model: `dimensions` only where it was
+        trained for Matryoshka truncation (vLLM's rule), and at most its width."""
+        params = dataclasses.replace(params)
+        dims, config = params.dimensions, self.pooler_config
+        if dims is None:
+            return params
+        if not config.is_matryoshka:
+            raise ParamError(
+                f"model {self.source.name!r} does not support Matryoshka representation "
+                "(its config.json has no is_matryoshka or matryoshka_dimensions); changing the "
+                "output dimensions would give poor embeddings: leave dimensions unset",
+                "dimensions")
+        if config.matryoshka_dimensions and dims not in config.matryoshka_dimensions:
+            raise ParamError(f"model {self.source.name!r} supports only dimensions in "
+                             f"{list(config.matryoshka_dimensions)}, got {dims}", "dimensions")
+        if dims > self.spec.hidden_size:
+            raise ParamError(f"dimensions must be at most the model's embedding size "
+                             f"{self.spec.hidden_size}, got {dims}", "dimensions")
+        return params
 
     def resolve_params(self, params: SamplingParams) -> tuple[SamplingParams, list[list[int]]]:
         """Our own copy of the request's options, checked against the model's
@@ -372,7 +433,7 @@ class LLMEngine:
                 self.runner.add_grammar(core_id, future.result(), constraint.reasoning_end_token_id)
                 request.grammar_ready = True
 
-    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: Sequence[str]) -> list[EngineOutput]:
         """Abort requests (between steps); their blocks are freed at once."""
         core_ids = [c for r in request_ids for c in self.output_processor.core_request_ids(r)]
         self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
@@ -432,7 +493,7 @@ class LLMEngine:
         for request in running:
             params = request.sampling_params
             if (request.num_tokens - request.num_computed_tokens != 1 or params.has_penalties
-                    or params.structured_outputs is not None):
+                    or params.structured_outputs is not None or request.pooling_params is not None):
                 continue
             drafts = (self.ngram.propose(request.all_token_ids, k) if self.ngram is not None
                       else [DRAFT_PLACEHOLDER] * k)

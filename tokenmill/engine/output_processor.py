@@ -28,7 +28,10 @@ from tokenmill.core.contracts import EngineCoreOutput, TokenLogprobs
 from tokenmill.engine.parallel_sampling import ParentRequest
 from tokenmill.outputs import (
     CompletionOutput,
+    EngineOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -36,6 +39,16 @@ from tokenmill.outputs import (
 )
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class PoolingState:
+    """A pooling request's: nothing to detokenize, one output at the end."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
 
 
 @dataclass
@@ -80,6 +93,25 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.pooling: dict[str, PoolingState] = {}
+
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int], arrival_time: float) -> None:
+        self.pooling[request_id] = PoolingState(request_id, prompt, prompt_token_ids,
+                                                RequestMetrics(arrival_time=arrival_time))
+
+    def _pooled(self, core: EngineCoreOutput, now: float) -> PoolingRequestOutput | None:
+        """A pooling request's one output: its vector (empty when aborted)."""
+        state = self.pooling.pop(core.request_id, None)
+        if state is None:
+            return None
+        state.metrics.finished_time = now
+        state.metrics.num_preemptions = core.num_preemptions
+        return PoolingRequestOutput(
+            request_id=state.request_id, outputs=PoolingOutput(list(core.pooled or [])),
+            prompt_token_ids=state.prompt_token_ids, finished=True,
+            num_cached_tokens=core.num_cached_tokens, prompt=state.prompt, metrics=state.metrics,
+        )
 
     def add_request(
         self,
@@ -130,18 +162,20 @@ class OutputProcessor:
         self.parents[request_id] = parent
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.states or request_id in self.parents
+        return request_id in self.states or request_id in self.parents or request_id in self.pooling
 
     def mark_scheduled(self, core_request_id: str, now: float) -> str | None:
         """The request (a child: and its parent) ran at `now`. Returns the caller's id
         when this is its first time (for queue-time metrics), else None."""
-        state = self.states.get(core_request_id)
+        state: RequestState | PoolingState | None = self.states.get(core_request_id)
         if state is None:
-            return None
+            state = self.pooling.get(core_request_id)
+            if state is None:
+                return None
         first = state.metrics.first_scheduled_time is None
         if first:
             state.metrics.first_scheduled_time = now
-        parent = state.parent
+        parent = state.parent if isinstance(state, RequestState) else None
         if parent is None:
             return state.request_id if first else None
         if parent.metrics.first_scheduled_time is None:
@@ -156,14 +190,19 @@ class OutputProcessor:
 
     def process(
         self, core_outputs: list[EngineCoreOutput], now: float | None = None
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[EngineOutput], list[str]]:
         """Returns the outputs to hand out and the ids of requests a stop string
         finished (the scheduler must be told)."""
         now = time.monotonic() if now is None else now
-        results: list[RequestOutput] = []
+        results: list[EngineOutput] = []
         stopped_by_string: list[str] = []
         touched_parents: dict[str, ParentRequest] = {}
         for core in core_outputs:
+            if core.pooled is not None:
+                pooled = self._pooled(core, now)
+                if pooled is not None:
+                    results.append(pooled)
+                continue
             state = self.states.get(core.request_id)
             if state is None:
                 continue
@@ -317,8 +356,11 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> EngineOutput | None:
         """Finish a request (or all of a parent's samples) as aborted."""
+        if request_id in self.pooling:
+            aborted = EngineCoreOutput(request_id, [], [], [], finish_reason="abort", pooled=[])
+            return self._pooled(aborted, time.monotonic())
         parent = self.parents.pop(request_id, None)
         if parent is None:
             state = self.states.pop(request_id, None)

@@ -16,6 +16,7 @@ from tokenmill.engine.client import EngineClient
 from tokenmill.server.chat import chat_prompt, create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.dashboard import build_dashboard_router
+from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
 from tokenmill.server.errors import (
     APIError,
     describe_validation_error,
@@ -120,6 +121,10 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
         if stored is None:
             raise not_found(response_id, None)
         return JSONResponse(stored[0])
+
+    @v1.post("/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embedding(serving, request, raw)
 
     @v1.post("/messages")
     async def messages(request: MessagesRequest, raw: Request) -> Response:

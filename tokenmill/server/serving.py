@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,14 +23,15 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import EngineDeadError, EngineError
 from tokenmill.engine.client import EngineClient
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.sampling_params import ParamError, PoolingParams, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
 from tokenmill.server.protocol import now_s
 from tokenmill.server.reasoning import THINK_END, ReasoningParser, prompt_closes_reasoning
 from tokenmill.server.templates import TemplateRenderer
 
 T = TypeVar("T")
+S = TypeVar("S")  # a request's stream
 
 logger = logging.getLogger("tokenmill")
 
@@ -38,6 +40,13 @@ logger = logging.getLogger("tokenmill")
 class Prompt:
     text: str | None  # None when given as token ids
     token_ids: list[int]
+
+
+def engine_prompt(prompt: Prompt) -> dict[str, Any]:
+    """The engine's form of a prompt: its token ids, and its text where it has one."""
+    if prompt.text is None:
+        return {"prompt_token_ids": prompt.token_ids}
+    return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
 
 class ClientDisconnected(Exception):
@@ -233,15 +242,28 @@ class Serving:
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """Queue every prompt; if one is refused, abort the ones already queued."""
         self.check_queue(sum(p.n for p in params))  # each sample waits as a request
-        streams: list[AsyncGenerator[RequestOutput, None]] = []
+        return await self._start_all(request_id, [
+            functools.partial(self.engine.add_request, f"{request_id}-{i}", engine_prompt(prompt), p,
+                              priority)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))])
+
+    async def start_pooling(
+        self, request_id: str, prompts: Sequence[Prompt], params: PoolingParams, priority: int
+    ) -> list[AsyncGenerator[PoolingRequestOutput, None]]:
+        """Queue every prompt as a pooling request (start's rules)."""
+        self.check_queue(len(prompts))
+        return await self._start_all(request_id, [
+            functools.partial(self.engine.add_pooling_request, f"{request_id}-{i}",
+                              engine_prompt(prompt), params, priority)
+            for i, prompt in enumerate(prompts)])
+
+    async def _start_all(self, request_id: str, adds: list[Callable[[], Awaitable[S]]]) -> list[S]:
+        """Run each add (request `{request_id}-{i}`); if one is refused, abort the
+        ones already queued and raise the refusal as an APIError."""
+        streams: list[S] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
-                if prompt.text is None:
-                    del engine_prompt["prompt"]
-                streams.append(
-                    await self.engine.add_request(f"{request_id}-{i}", engine_prompt, p, priority)
-                )
+            for add in adds:
+                streams.append(await add())
         except BaseException as e:
             # A stream never iterated does not abort when closed (its generator
             # has not started): abort the queued requests by id.

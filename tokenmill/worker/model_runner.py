@@ -4,7 +4,9 @@ It owns the KV cache tensors and each request's sampling state (history,
 generator: see request_state.py), builds the ragged batch (decodes first,
 then prefill chunks; no padding), runs the model, computes logits only for
 the rows that sample (and the prompt rows of requests that asked for
-prompt_logprobs), and samples.
+prompt_logprobs), and samples. A pooling request's rows go to the pooler
+(worker/pooler.py) instead: no logits, no sampling; its vector comes back in
+ModelRunnerOutput.pooled in the step its prompt ends.
 
 Speculative decoding: a request with drafts schedules its new token and the
 drafts (k + 1 rows); each row is sampled, and the drafts are accepted while they
@@ -31,7 +33,7 @@ from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.memory import mapped_zeros
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.backends.cpu.plan import CpuPlan, unsupported
-from tokenmill.config import ModelSpec
+from tokenmill.config import ModelSpec, PoolerConfig
 from tokenmill.core.contracts import (
     DRAFT_PLACEHOLDER,
     ModelRunnerOutput,
@@ -43,6 +45,7 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
 from tokenmill.worker.grammar import GrammarMask, RequestGrammar
+from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.step_timer import StepPhase, StepTimer
@@ -116,11 +119,13 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         forward: ModelForward | None = None,
         drafter: Drafter | None = None,
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
         once). `forward`: what runs the model (default: pick_forward's choice for
         `model`); the engine passes its own where it wraps that choice (tensor
-        parallelism). `drafter`: speculative decoding with a draft model."""
+        parallelism). `drafter`: speculative decoding with a draft model.
+        `pooler_config`: how pooling requests pool (default: the last token)."""
         self.model = model
         self.drafter = drafter
         self.cpu_options = cpu_options
@@ -143,6 +148,7 @@ class ModelRunner:
         # first step (it stays unscheduled until then), and the batched mask.
         self.pending_grammars: dict[str, RequestGrammar] = {}
         self.grammar_mask = GrammarMask(spec.vocab_size, ops=ops)
+        self.pooler = Pooler(pooler_config or PoolerConfig())
 
     def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar,
                     reasoning_end_token_id: int | None = None) -> None:
@@ -158,19 +164,22 @@ class ModelRunner:
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
             self.pending_grammars.pop(request_id, None)
+            self.pooler.forget(request_id)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], runs=[])
         # Decodes first (a request verifying drafts is decodes too, one a row):
         # the attention backend handles them as one batch.
         reqs = sorted(scheduler_output.scheduled, key=lambda r: r.num_tokens != 1 + r.num_draft_tokens)
-        states = [self._state(r) for r in reqs]
+        # Each generation request's sampling state, by its place in reqs (pooling
+        # requests have none: the pooler keeps theirs).
+        states = {j: self._state(r) for j, r in enumerate(reqs) if r.pooling_params is None}
         if self.drafter is not None:
             for request_id in scheduler_output.preempted_req_ids:
                 self.drafter.forget(request_id)
             for request_id in scheduler_output.finished_req_ids:
                 self.drafter.forget(request_id)
-            to_draft = [(r, s) for r, s in zip(reqs, states, strict=True)
-                        if r.num_draft_tokens and r.token_ids[-1] == DRAFT_PLACEHOLDER]
+            to_draft = [(reqs[j], s) for j, s in states.items()
+                        if reqs[j].num_draft_tokens and reqs[j].token_ids[-1] == DRAFT_PLACEHOLDER]
             if to_draft:
                 with self.timer.phase(StepPhase.FORWARD):
                     self.drafter.propose([r for r, _ in to_draft],
@@ -179,14 +188,26 @@ class ModelRunner:
         with self.timer.phase(StepPhase.PREPARE_INPUTS):
             input_ids, positions, meta, starts = self._prepare_inputs(reqs)
         sample = [j for j, r in enumerate(reqs) if r.do_sample]
-        # A request's sampled rows: its last, and one before each of its drafts.
-        row_list = [row for j in sample for row in range(
-            starts[j + 1] - 1 - reqs[j].num_draft_tokens, starts[j + 1])]
-        # Only the sampled rows' last hidden states are used, unless a request
-        # wants its prompt's logprobs (every row of its chunk): then all rows.
+        # The rows whose last hidden states are read, ascending: each sampled
+        # request's sampled rows (its last, and one before each of its drafts),
+        # each pooling request's pooled rows (worker/pooler.py); where each is in it.
+        row_list: list[int] = []
+        sample_at: list[int] = []
+        pool_at: dict[int, tuple[int, int]] = {}  # j -> its rows' slice of row_list
+        for j, r in enumerate(reqs):
+            if r.do_sample:
+                rows_j = list(range(starts[j + 1] - 1 - r.num_draft_tokens, starts[j + 1]))
+                sample_at.extend(range(len(row_list), len(row_list) + len(rows_j)))
+            elif r.pooling_params is not None:
+                rows_j = self.pooler.rows(r, starts[j])
+                pool_at[j] = (len(row_list), len(row_list) + len(rows_j))
+            else:
+                continue
+            row_list.extend(rows_j)
+        # A request that wants its prompt's logprobs reads every row of its chunk.
         wants_prompt_logprobs = [
-            j for j, (r, state) in enumerate(zip(reqs, states, strict=True))
-            if r.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
+            j for j, state in states.items()
+            if reqs[j].sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent
         ]
         all_rows = bool(wants_prompt_logprobs) or len(row_list) == input_ids.shape[0]  # (decodes)
         # (Made only where used: each small torch op costs a cold-cache step ~10 us.)
@@ -198,14 +219,19 @@ class ModelRunner:
 
         for j in wants_prompt_logprobs:
             self._gather_prompt_logprobs(reqs[j], states[j], hidden, starts[j])
-
-        if not sample:
-            return ModelRunnerOutput(req_ids=[], runs=[])
         if wants_prompt_logprobs:
             assert rows is not None
             hidden = hidden[rows]
-        # (Else with all rows, every row is sampled: rows is 0..n-1, and the hidden
-        # states are already the sampled ones, in order.)
+        # (Else with all rows, row_list is 0..n-1: the hidden states are its rows, in order.)
+        pooled: dict[str, list[float]] = {}
+        for j, (lo, hi) in pool_at.items():
+            vector = self.pooler.add(reqs[j], hidden[lo:hi])
+            if vector is not None:
+                pooled[reqs[j].request_id] = vector
+        if not sample:
+            return ModelRunnerOutput(req_ids=[], runs=[], pooled=pooled)
+        if len(sample_at) != hidden.shape[0]:  # (pooled rows among them)
+            hidden = hidden[torch.tensor(sample_at, dtype=torch.int64, device=self.device)]
         with self.timer.phase(StepPhase.HEAD, label=False):  # (compute_logits labels itself)
             logits = self.forward.compute_logits(hidden)  # [num_sampled, vocab] float32
         sample_states = [states[j] for j in sample]
@@ -246,7 +272,7 @@ class ModelRunner:
                 state.prompt_logprobs = []
         return ModelRunnerOutput(
             req_ids=[s.request_id for s in sample_states], runs=runs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, pooled=pooled,
         )
 
     def _state(self, r: ScheduledRequest) -> CachedRequestState:

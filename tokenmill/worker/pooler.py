@@ -1,0 +1,83 @@
+"""Pooling: one vector per pooling request from the last hidden states (after
+the final norm), as sentence-transformers pools them.
+
+A pooling request's prompt may run in several chunks (chunked prefill), so the
+pooler reads its rows a chunk at a time and keeps what it needs between steps:
+
+    LAST  the last prompt row, in the chunk that ends the prompt
+    CLS   the row at position 0, in the first chunk
+    MEAN  every row: a float32 sum and a count, divided at the end
+
+The state is reset when the request is (re)admitted: a preempted request runs
+its prompt again from the start (MEAN and CLS take no prefix hits, so every row
+is computed; LAST reads only the last). Then the vector is cut to the request's
+`dimensions` (Matryoshka) and L2-normalised where asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import PoolerConfig
+from tokenmill.core.contracts import ScheduledRequest
+
+
+@dataclass
+class _Partial:
+    total: torch.Tensor | None = None  # MEAN: the rows' float32 sum [hidden]; CLS: the first row
+    num_rows: int = 0
+
+
+class Pooler:
+    def __init__(self, config: PoolerConfig) -> None:
+        self.config = config
+        self.partial: dict[str, _Partial] = {}
+
+    def rows(self, r: ScheduledRequest, first_row: int) -> list[int]:
+        """The rows of this step's batch the pooling of `r` reads (ascending):
+        `first_row` is its chunk's first row in the batch."""
+        kind = self.config.pooling_type
+        if kind == "MEAN":
+            return list(range(first_row, first_row + r.num_tokens))
+        if kind == "CLS":
+            return [first_row] if r.num_computed_tokens == 0 else []
+        return [first_row + r.num_tokens - 1] if r.do_pool else []
+
+    def add(self, r: ScheduledRequest, hidden: torch.Tensor) -> list[float] | None:
+        """Take in `hidden` ([len(rows(r)), hidden_size]); the pooled vector once
+        the chunk that ends the prompt is in, else None."""
+        if r.prompt_token_ids is not None or r.request_id not in self.partial:  # (re)admitted
+            self.partial[r.request_id] = _Partial()
+        part = self.partial[r.request_id]
+        kind = self.config.pooling_type
+        if kind == "MEAN":
+            chunk_sum = hidden.float().sum(dim=0)
+            part.total = chunk_sum if part.total is None else part.total + chunk_sum
+            part.num_rows += hidden.shape[0]
+        elif kind == "CLS" and hidden.shape[0]:
+            part.total = hidden[0].float()
+        if not r.do_pool:
+            return None
+        del self.partial[r.request_id]
+        if kind == "LAST":
+            vector = hidden[-1].float()
+        else:
+            assert part.total is not None, f"{r.request_id}: pooled before its rows ran"
+            vector = part.total / part.num_rows if kind == "MEAN" else part.total
+        return self.finish(vector, r)
+
+    def finish(self, vector: torch.Tensor, r: ScheduledRequest) -> list[float]:
+        """Matryoshka truncation, then normalisation (the request's, else the model's)."""
+        params = r.pooling_params
+        assert params is not None
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        normalize = self.config.normalize if params.normalize is None else params.normalize
+        if normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
+
+    def forget(self, request_id: str) -> None:
+        self.partial.pop(request_id, None)
