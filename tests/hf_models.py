@@ -54,15 +54,33 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # A window of 8 (shorter than most prompts) on the first layer, the second
+    # global; Gemma 3's layers with their own RoPE bases and q/k norms; Gemma 2's
+    # soft-caps low enough to bend the scores and logits.
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    }),
+    "gemma2": ("Gemma2Config", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,
+    }),
 }
 
 
-def build_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
+def build_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     config_cls, extra = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch.startswith("gemma"):  # (1 + w) norms start at w = 0: spread them, so a lost offset shows
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     # Generation runs to max_new_tokens: no EOS, like ignore_eos on our side.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -122,6 +140,13 @@ HF_TO_GGUF = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# Gemma's four norms under llama.cpp's names (its ffn_norm is the MLP's input norm).
+GEMMA_TO_GGUF = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 # llama.cpp's converter permutes Q/K rows for these model types only.
 PERMUTED_QK = ("llama", "mistral")
 
@@ -137,13 +162,20 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))
     if arch == "llama":
         writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     if getattr(cfg, "head_dim", None) is not None:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.model_type in GEMMA_TYPES:  # (Gemma 2 adds its soft-caps; the window pattern: gguf_tensors' caller)
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if cfg.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_bos_token_id(1)
@@ -155,15 +187,18 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
     """(GGUF name, part, RoPE heads or None, float32 weight in llama.cpp's row
     order, the HF parameter) for each tensor a GGUF file holds (a tied head is
     not written). Q/K rows are permuted (RoPE heads given) for Llama-style
-    models only, as llama.cpp's converter does."""
+    models only, and Gemma's norm weights stored as 1 + w, as llama.cpp's
+    converter does."""
     cfg = hf_model.config
     permuted = cfg.model_type in PERMUTED_QK
+    gemma = cfg.model_type in GEMMA_TYPES
     for name, param in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         parts = name.split(".")
         if name.startswith("model.layers."):
-            part = HF_TO_GGUF[".".join(parts[3:-1])]
+            module = ".".join(parts[3:-1])
+            part = GEMMA_TO_GGUF[module] if gemma and module in GEMMA_TO_GGUF else HF_TO_GGUF[module]
             gguf_name = f"blk.{parts[2]}.{part}.{parts[-1]}"
         else:
             part = {
@@ -173,6 +208,8 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
             }[".".join(parts[:-1])]
             gguf_name = f"{part}.weight"
         weight = param.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            weight = weight + np.float32(1.0)
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
         if not permuted:
             heads = None

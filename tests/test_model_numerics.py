@@ -1,6 +1,6 @@
 """Our model vs transformers (the oracle), through the paged KV cache.
 
-Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints are built from
+Tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 checkpoints are built from
 transformers configs and saved to a temp dir; our logits must equal HF's
 whether a prompt runs in one prefill or as chunks and decodes mixed with
 other requests in ragged batches. The default GGUF model is checked too.
@@ -202,12 +202,26 @@ def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
         save["max_shard_size"] = "60KB"
     elif arch == "qwen3":  # q/k norms, head_dim * heads != hidden
         cfg = transformers.Qwen3Config(**common, head_dim=32)
+    elif arch == "gemma3":  # a window of 4, then a global layer with linear RoPE scaling
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            rope_parameters=rope)
+    elif arch == "gemma2":  # soft-capped scores and logits
+        cfg = transformers.Gemma2Config(**common, head_dim=32, sliding_window=4, attn_logit_softcapping=2.0,
+                                        final_logit_softcapping=3.0)
     else:
         raise AssertionError(arch)
     return cfg, save
 
 
-ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"]
+
+
+def _plan_layer(spec: ModelSpec) -> bool:
+    """Whether the CPU plan serves this model's layer (the plain Llama layer)."""
+    return not spec.sandwich_norms  # (Gemma's four norms and the rest: the reference serves)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -240,6 +254,16 @@ def test_tiny_checkpoint_shape(tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec
         assert spec.attention_bias and spec.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     if arch == "qwen3":
         assert spec.qk_norm and spec.head_dim == 32
+    if arch == "gemma":  # (gemma3, gemma2: the directory's name less its digits)
+        assert spec.sandwich_norms and spec.norm_unit_offset and spec.hidden_act == "gelu_pytorch_tanh"
+        assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == 4
+        assert [layer.self_attn.sliding_window for layer in model.model.layers] == [4, None]
+        assert spec.qk_norm == (spec.architecture == "Gemma3ForCausalLM") and spec.tie_word_embeddings
+    if spec.architecture == "Gemma3ForCausalLM":
+        assert (spec.rope_theta, spec.local_rope_theta, spec.query_pre_attn_scalar) == (1e6, 1e4, 24)
+        assert [layer.local_rope for layer in model.model.layers] == [True, False]
+    if spec.architecture == "Gemma2ForCausalLM":
+        assert (spec.attn_logit_softcapping, spec.final_logit_softcapping) == (2.0, 3.0)
     if arch == "mistral":
         assert spec.sliding_window == 4
     if arch == "llama3_tied":
@@ -325,7 +349,7 @@ def test_cpu_plan_matches_the_reference(
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
-    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == _kernels_run(dtype)
+    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == (_kernels_run(dtype) and _plan_layer(spec))
     picked = CpuPlan.build(model, getattr(torch, dtype), CpuBackendOptions())
     if not isinstance(picked, CpuPlan):
         pytest.skip("the CPU plan does not serve this model here (the reference does)")
@@ -359,7 +383,7 @@ def test_the_runners_plan_holds_the_only_copy_of_each_weight(
     released, _ = load_model(ModelConfig(model=str(path), dtype=dtype), source)
     params = sum(p.numel() for p in released.parameters())
     reference = CpuPlan.build(kept, getattr(torch, dtype), CpuBackendOptions())
-    if reference is None:
+    if reference is None or not _plan_layer(spec):
         pytest.skip("the CPU plan does not serve this model here")
     picked = pick_forward(released, getattr(torch, dtype), torch.device("cpu"), CpuBackendOptions())[0]
     assert isinstance(picked, CpuPlan)
@@ -385,7 +409,7 @@ def test_split_layer_stack_gives_the_same_bits(
     return exactly what the one-thread-team layer loop returns; steps with
     prefills keep the layer loop (see dispatch.split_bounds)."""
     _, _, spec, path = tiny_pair
-    if not _kernels_run(dtype):
+    if not _kernels_run(dtype) or not _plan_layer(spec):
         pytest.skip("the C++ kernels' layer loop does not apply")
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
@@ -471,6 +495,8 @@ def test_output_rows_give_the_same_bits_and_cache(
     model, spec = load_model(ModelConfig(model=str(tiny_path), dtype=dtype), source)
     forward: ModelForward = model
     if path != "reference":
+        if not _plan_layer(spec):
+            pytest.skip("the CPU plan runs the plain Llama layer only")
         forward = _plan_or_skip(model, dtype)
     seqs = _seqs(spec.vocab_size)
     full, part = PagedRunner(model, spec, one_call=one_call, forward=forward), PagedRunner(
@@ -520,7 +546,7 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
 ) -> None:
     """At load the runner takes the CPU plan for the model in bf16 or float32 on
     the CPU (Qwen3's q/k norms included), and the reference model where the
-    kernels are switched off; one log line says which and why."""
+    kernels are switched off or the layer is Gemma's; one log line says which and why."""
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     torch_dtype = getattr(torch, dtype)
@@ -538,12 +564,14 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
     kernels_run = _kernels_run(dtype)
     picked = runner()
     line = caplog.messages[-1]
-    if kernels_run:
+    if kernels_run and _plan_layer(spec):
         assert isinstance(picked.forward, CpuPlan)
         assert line == f"forward: CPU backend (C++ kernels, {dtype})"
     else:
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
+        if kernels_run:
+            assert "(1 + w) norms" in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model

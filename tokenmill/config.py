@@ -125,12 +125,35 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
-    sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # the window of every layer, or of the sliding layers
     # HF rope_scaling / rope_parameters without rope_theta, e.g. {"rope_type": "llama3", ...}
     rope_scaling: Mapping[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / 3 (spec_gemma.py); the defaults are the Llama layer.
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    norm_unit_offset: bool = False  # RMSNorms scale by (1 + w), in float32 before the cast
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (4 a layer)
+    scale_embeddings: bool = False  # the embedding's rows times sqrt(hidden_size), in the dtype
+    query_pre_attn_scalar: float | None = None  # attention scale = its ** -0.5 (None: head_dim's)
+    # Per layer "sliding_attention" or "full_attention" (None: every layer slides
+    # where sliding_window is set, as Mistral's).
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta's RoPE)
+    attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) before the softmax
+    final_logit_softcapping: float | None = None  # the same on the logits
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with the sliding layers' base (local_rope_theta)."""
+        return self.local_rope_theta is not None and self.layer_types is not None and (
+            self.layer_types[layer] == "sliding_attention")
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -13,6 +13,9 @@ and a request's context lives in the blocks its block table lists, in order:
 Each step first writes the new tokens' K/V at their slots, then every query
 attends to its request's whole context read back from the cache (earlier
 chunks and prefix-cache hits included), so both paths see the same data.
+A sliding window W lets a query at position p see keys p - W + 1 .. p (HF's);
+a logit soft-cap c (Gemma 2) maps each scaled score s to c * tanh(s / c)
+before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's k, v [num_tokens, num_kv_heads, head_dim] at their
         slots, then attend q [num_tokens, num_heads, head_dim] -> the same shape."""
@@ -50,6 +54,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Attend q to a cache that already holds this step's K/V."""
         ...
@@ -79,9 +84,10 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, scale, sliding_window)
+        return self.attend(q, kv_cache, meta, scale, sliding_window, logit_softcap)
 
     def attend(
         self,
@@ -90,13 +96,15 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # decodes only: no copy
-            return self._decode(q, kv_cache, meta, scale, sliding_window)
+            return self._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap)
         if num_decodes > 0:
-            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, scale, sliding_window)
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, scale, sliding_window,
+                                             logit_softcap)
         for i in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(
@@ -106,6 +114,7 @@ class TorchAttentionBackend:
                 meta.seq_lens[i],
                 scale,
                 sliding_window,
+                logit_softcap,
             )
         return out
 
@@ -116,6 +125,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
@@ -131,6 +141,8 @@ class TorchAttentionBackend:
         # are one small matrix. Query head h reads KV head h // group, as in HF.
         q = q.reshape(num_decodes, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, L]
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
 
         key_pos = torch.arange(ctx_len, device=q.device)  # [L]
         seq_lens = meta.decode_seq_lens[:, None]  # [B, 1]; the query sits at seq_len - 1
@@ -150,6 +162,7 @@ class TorchAttentionBackend:
         seq_len: int,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
         q_len = q.shape[0]
         num_blocks = -(-seq_len // kv_cache.shape[2])
@@ -166,6 +179,17 @@ class TorchAttentionBackend:
             mask = key_pos <= query_pos  # [q_len, seq_len], True = attend
             if sliding_window is not None:
                 mask &= key_pos > query_pos - sliding_window
+        if logit_softcap is not None:  # (SDPA has no soft-cap) the decode's arithmetic
+            group = q.shape[1] // key.shape[0]
+            qg = q.transpose(0, 1).reshape(key.shape[0], group, q_len, -1)  # [kv_heads, group, q_len, hd]
+            scores = torch.matmul(qg, key[:, None].transpose(-1, -2)).float() * scale
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            if mask is None:
+                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril()
+            scores.masked_fill_(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(value.dtype)
+            out_g = torch.matmul(probs, value[:, None])  # [kv_heads, group, q_len, hd]
+            return out_g.reshape(q.shape[1], q_len, -1).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
             key[None],  # [1, kv_heads, seq_len, head_dim]

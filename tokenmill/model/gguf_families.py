@@ -37,6 +37,14 @@ _QK_NORM_LAYER: Mapping[str, str] = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the MLP's input norm (HF's
+# pre_feedforward_layernorm), and HF's post_attention_layernorm the attention output's.
+_GEMMA_LAYER: Mapping[str, str] = {
+    **_LLAMA_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -49,6 +57,9 @@ class GGUFFamily:
     permuted_qk: bool
     attention_bias: bool = False  # q/k/v carry biases (blk.N.attn_q.bias, ...)
     qk_norm: bool = False  # per-head RMSNorms on q and k before RoPE
+    # What llama.cpp's converter added to every norm weight (Gemma: the 1 of its
+    # (1 + w) RMSNorm); the loader takes it off again, as transformers' GGUF loader.
+    norm_shift: float = 0.0
 
     def hf_name(self, name: str) -> str:
         """A llama.cpp tensor name as its Hugging Face name (unknown names unchanged,
@@ -69,6 +80,9 @@ GGUF_FAMILIES: Mapping[str, GGUFFamily] = {
     "qwen2": GGUFFamily("Qwen2ForCausalLM", _LLAMA_LAYER, permuted_qk=False, attention_bias=True),
     "qwen3": GGUFFamily("Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
                         qk_norm=True),
+    "gemma2": GGUFFamily("Gemma2ForCausalLM", _GEMMA_LAYER, permuted_qk=False, norm_shift=1.0),
+    "gemma3": GGUFFamily("Gemma3ForCausalLM", {**_GEMMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
+                         qk_norm=True, norm_shift=1.0),
 }
 
 
@@ -78,7 +92,8 @@ def gguf_family(arch: object, path: str) -> GGUFFamily:
     if family is None:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported (general.architecture); "
-            f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Qwen2, Qwen3); "
+            f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2, "
+            "Gemma 3); "
             "use a Hugging Face directory of a supported model instead"
         )
     return family

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) as one nn.Module.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and Gemma 2 / 3 as one nn.Module.
 
 Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn...`)
 except two fused projections, one matmul each instead of three and two:
@@ -8,6 +8,12 @@ except two fused projections, one matmul each instead of three and two:
 
 The loader fills each shard through `MergedLinear.shard_slice`. The numerics
 follow transformers' order of operations, so fp32 results match it closely.
+
+Gemma is the same layer with the ModelSpec's Gemma fields, each a branch taken
+once when the module is built: (1 + w) RMSNorms, norms on the attention's and
+the MLP's outputs (HF's names: post_attention_layernorm is the attention's,
+pre_/post_feedforward_layernorm the MLP's), GeGLU, the embedding scaled by
+sqrt(hidden), the query scale, per-layer windows and RoPE bases, soft-capping.
 
 This is the reference forward: plain torch, on any device (CUDA included).
 The CPU fast path (tokenmill/backends/cpu) builds its plan from these modules'
@@ -95,17 +101,22 @@ class MergedLinear(Linear):
 
 class RMSNorm(nn.Module):
     def __init__(
-        self, hidden_size: int, eps: float, device: torch.device | str | None, dtype: torch.dtype
+        self, hidden_size: int, eps: float, device: torch.device | str | None, dtype: torch.dtype,
+        unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps = eps
+        self.unit_offset = unit_offset  # Gemma: scale by (1 + w), in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, then scale in the input dtype, exactly as HF.
+        # Normalise in float32, then scale in the input dtype, exactly as HF
+        # (Gemma scales in float32 and casts after: HF's Gemma RMSNorm).
         input_dtype = x.dtype
         x_fp32 = x.float()
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x_fp32 * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x_fp32.to(input_dtype)
 
     def add_forward(
@@ -140,6 +151,7 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         device: torch.device | str | None,
         dtype: torch.dtype,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -147,8 +159,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
-        self.sliding_window = spec.sliding_window
+        scalar = spec.head_dim if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar
+        self.scale = scalar**-0.5
+        self.sliding_window = spec.layer_window(layer)
+        self.logit_softcap = spec.attn_logit_softcapping
         self.backend = backend
         self.qkv_proj = MergedLinear(
             spec.hidden_size,
@@ -163,8 +177,8 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
 
     def forward(
         self,
@@ -180,13 +194,14 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: per head, before RoPE
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rotary_emb(q, cos, sin)
         k = apply_rotary_emb(k, cos, sin)
         with record_function("tokenmill::attention"):
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                                       self.logit_softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -196,6 +211,7 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
+        self.geglu = spec.hidden_act == "gelu_pytorch_tanh"  # Gemma (else SwiGLU)
         self.gate_up_proj = MergedLinear(
             spec.hidden_size,
             {"gate": spec.intermediate_size, "up": spec.intermediate_size},
@@ -213,6 +229,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        if self.geglu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -223,12 +241,22 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         device: torch.device | str | None,
         dtype: torch.dtype,
+        layer: int = 0,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(spec, backend, device, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(spec, backend, device, dtype, layer)
+        self.post_attention_layernorm = norm()  # Llama: before the MLP; Gemma: after the attention
         self.mlp = LlamaMLP(spec, device, dtype)
+        self.local_rope = spec.layer_local_rope(layer)  # Gemma 3's sliding layers: their own base
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:  # Gemma: a norm before the MLP and one after it
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -246,8 +274,12 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
         hidden = self.self_attn(hidden, rope, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.mlp(hidden), residual
+        if not self.sandwich:
+            hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm.add_forward(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class LlamaModel(nn.Module):
@@ -262,12 +294,20 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, backend, device, dtype) for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, backend, device, dtype, i) for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device
         )
+        # Gemma 3's sliding layers rotate with their own base (unscaled, as HF's).
+        self.local_rotary_emb: RotaryEmbedding | None = None
+        if spec.local_rope_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(
+                spec.head_dim, spec.local_rope_theta, None, max_positions, device
+            )
+        # Gemma: the rows times sqrt(hidden), that scalar rounded to the dtype as HF's.
+        self.embed_scale = spec.hidden_size**0.5 if spec.scale_embeddings else None
 
     def forward(
         self,
@@ -278,10 +318,15 @@ class LlamaModel(nn.Module):
         output_rows: torch.Tensor | None = None,  # see LlamaForCausalLM.forward
     ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden]
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
         rope = RopeBatch(self.rotary_emb, positions, hidden.dtype)
+        local = rope
+        if self.local_rotary_emb is not None:
+            local = RopeBatch(self.local_rotary_emb, positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, local if layer.local_rope else rope, kv_cache, meta)
         if output_rows is not None:  # (the CPU plan skips the other rows' last layer)
             hidden = hidden[output_rows]
             residual = None if residual is None else residual[output_rows]
@@ -346,4 +391,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32
         (the sampler's dtype, whatever the model's)."""
         with record_function("tokenmill::head"):
-            return linear(hidden, dense_weight(self.lm_head, hidden.dtype)).float()
+            logits = linear(hidden, dense_weight(self.lm_head, hidden.dtype))
+            cap = self.spec.final_logit_softcapping
+            if cap is not None:  # Gemma 2: in the model's dtype, as HF
+                logits = torch.tanh(logits / cap) * cap
+            return logits.float()

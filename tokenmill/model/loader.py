@@ -447,6 +447,8 @@ def _load_gguf(
         name = family.hf_name(tensor.name)
         heads = next((n for frag, n in permuted.items() if frag in name), None)
         tensors[name] = _gguf_thunk(tensor, heads, quantization in ("q8_0", "gguf"), quantization == "gguf")
+        if family.norm_shift and name.endswith("norm.weight"):
+            tensors[name] = _shifted(tensors[name], family.norm_shift)
         storage[name] = tensor.tensor_type.name
     # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
     load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight",
@@ -509,6 +511,18 @@ def _gguf_thunk(
         return weight if rope_heads is None else unpermute_rope_rows(weight, rope_heads)
 
     return load
+
+
+def _shifted(load: TensorThunk, shift: float) -> TensorThunk:
+    """A norm weight less what llama.cpp's converter added to it (float32, as
+    transformers' GGUF loader subtracts it)."""
+
+    def shifted() -> torch.Tensor:
+        weight = load()
+        assert isinstance(weight, torch.Tensor), "norm weights are float tensors (_check_gguf_tensors)"
+        return weight - shift
+
+    return shifted
 
 
 def q8_0_gguf_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,6 +147,7 @@ def shard_model(model: LlamaForCausalLM, layout: ShardLayout,
     shard.lm_head = Linear(spec.hidden_size, v1 - v0, bias=False, device="meta")
     shard.load_state_dict(state, strict=True, assign=True)
     shard.model.rotary_emb = model.model.rotary_emb  # (its tables: buffers the meta build lacks)
+    shard.model.local_rotary_emb = model.model.local_rotary_emb
     shard.eval()
     shard.requires_grad_(False)
     return shard

