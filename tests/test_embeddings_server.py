@@ -188,6 +188,10 @@ def test_bad_inputs_are_4xx_and_the_server_keeps_serving(served: Served) -> None
     assert too_big.status_code == 413, too_big.text
     assert "bytes" in too_big.json()["error"]["message"]
     assert_error(post(served, {"input": "x", "model": "other"}), 404, "model", "does not exist")
+    for text in ("\ud800", ["ok", "a\udfffb"]):  # lone surrogates: JSON allows them, UTF-8 does not
+        odd = httpx.post(served.url + "/v1/embeddings", content=json.dumps({"input": text}).encode(),
+                         headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+        assert odd.status_code in (200, 400), odd.text
     # ... and it still serves, with every block back in the pool.
     ok = post(served, {"input": TEXTS[0]})
     assert ok.status_code == 200
