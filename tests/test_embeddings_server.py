@@ -188,6 +188,10 @@ def test_bad_inputs_are_4xx_and_the_server_keeps_serving(served: Served) -> None
     assert too_big.status_code == 413, too_big.text
     assert "bytes" in too_big.json()["error"]["message"]
     assert_error(post(served, {"input": "x", "model": "other"}), 404, "model", "does not exist")
+    for text in ("\ud800", ["ok", "a\udfffb"]):  # lone surrogates: JSON allows them, UTF-8 does not
+        odd = httpx.post(served.url + "/v1/embeddings", content=json.dumps({"input": text}).encode(),
+                         headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+        assert odd.status_code in (200, 400), odd.text
     # ... and it still serves, with every block back in the pool.
     ok = post(served, {"input": TEXTS[0]})
     assert ok.status_code == 200
@@ -209,3 +213,75 @@ def test_generate_only_server_refuses_embeddings(tmp_path: Path) -> None:
     finally:
         server.stop()
         engine.shutdown()
+
+
+QUERY = "Which fox is red?"
+DOCUMENTS = TEXTS[:6]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_score_is_the_cosine_of_embeddings(served: Served) -> None:
+    one = httpx.post(served.url + "/score", json={"text_1": QUERY, "text_2": DOCUMENTS},
+                     timeout=TIMEOUT_S).json()
+    query = served.expected(QUERY)
+    assert [d["index"] for d in one["data"]] == list(range(len(DOCUMENTS)))
+    for d, doc in zip(one["data"], DOCUMENTS, strict=True):
+        assert d["object"] == "score"
+        assert d["score"] == pytest.approx(cosine(query, served.expected(doc)), abs=ATOL)
+    pairwise = httpx.post(served.url + "/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:4]},
+                          timeout=TIMEOUT_S).json()
+    for d, (a, b) in zip(pairwise["data"], [(0, 2), (1, 3)], strict=True):
+        assert d["score"] == pytest.approx(
+            cosine(served.expected(TEXTS[a]), served.expected(TEXTS[b])), abs=ATOL)
+    assert one["usage"]["prompt_tokens"] == sum(len(served.ids(t)) for t in [QUERY, *DOCUMENTS])
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_in_jina_and_cohere_shape(served: Served, path: str) -> None:
+    expected = [cosine(served.expected(QUERY), served.expected(d)) for d in DOCUMENTS]
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
+    body = {"model": MODEL, "query": QUERY, "documents": DOCUMENTS, "top_n": 3}
+    out = httpx.post(served.url + path, json=body, timeout=TIMEOUT_S).json()
+    assert [r["index"] for r in out["results"]] == order[:3]
+    for r in out["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=ATOL)
+        assert r["document"] == {"text": DOCUMENTS[r["index"]]}
+    bare = httpx.post(served.url + path, json={**body, "top_n": 0, "return_documents": False},
+                      timeout=TIMEOUT_S).json()
+    assert [r["index"] for r in bare["results"]] == order
+    assert all("document" not in r for r in bare["results"])
+
+
+def test_bad_score_and_rerank_requests(served: Served) -> None:
+    def post_to(path: str, body: Any) -> httpx.Response:
+        return httpx.post(served.url + path, json=body, timeout=TIMEOUT_S)
+
+    assert_error(post_to("/v1/rerank", {"query": "q", "documents": []}), 400, "documents", "empty")
+    assert_error(post_to("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}), 400, "top_n")
+    assert_error(post_to("/v1/rerank", {"query": "q", "documents": ["a", " word" * 400]}), 400,
+                 "documents", "maximum context length")
+    assert_error(post_to("/v1/rerank", {"query": "", "documents": ["a"]}), 400, "query", "empty")
+    assert_error(post_to("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}), 400, "text_1")
+    assert_error(post_to("/score", {"text_1": [], "text_2": "c"}), 400, "text_1")
+    assert_error(post_to("/rerank", {"query": "q", "documents": ["a"], "model": "other"}), 404, "model")
+    assert_error(post_to("/v2/rerank", {"query": "q"}), 400, "documents")
+    stats = served.engine.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+def test_the_key_guards_scoring_routes(served: Served) -> None:
+    keyed = ServerThread(build_app(served.engine, ServerConfig(api_key="k"))).start()
+    try:
+        for path, body in [("/v1/embeddings", {"input": "a"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                           ("/rerank", {"query": "a", "documents": ["b"]}),
+                           ("/v2/rerank", {"query": "a", "documents": ["b"]})]:
+            refused = httpx.post(keyed.url + path, json=body, timeout=TIMEOUT_S)
+            assert refused.status_code == 401, path
+            ok = httpx.post(keyed.url + path, json=body, headers={"Authorization": "Bearer k"},
+                            timeout=TIMEOUT_S)
+            assert ok.status_code == 200, (path, ok.text)
+    finally:
+        keyed.stop()

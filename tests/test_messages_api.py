@@ -251,6 +251,11 @@ def echo_cases() -> list[tuple[str, str, dict[str, Any] | None]]:
         ("POST", "/v1/messages", {**message, "messages": [{"role": "user", "content": [{"type": BAD}]}]}),
         ("POST", "/v1/messages/count_tokens", {"messages": HELLO, "model": BAD}),
         ("POST", "/v1/messages/count_tokens", {"messages": stray}),
+        ("POST", "/v1/embeddings", {"input": "hi", "model": BAD}),
+        ("POST", "/v1/embeddings", {"input": "hi", "encoding_format": BAD}),
+        ("POST", "/score", {"text_1": "a", "text_2": "b", "model": BAD}),
+        ("POST", "/v1/rerank", {"query": "a", "documents": ["b"], "model": BAD}),
+        ("POST", "/v2/rerank", {"query": "a", "documents": ["b"], BAD: 1, "top_n": BAD}),
     ]
 
 

@@ -41,16 +41,21 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
 )
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response, not_found
+from tokenmill.server.scores import RerankRequest, ScoreRequest, create_rerank, create_score
 from tokenmill.server.serving import Serving
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
+# Scoring routes outside /v1 (vLLM's and Jina's / Cohere's): they run the model,
+# so the key guards them as it guards /v1.
+SCORE_PATHS = ("/score", "/rerank", "/v2/rerank")
 
 
 class APIKeyCheck:
     """401 for a /v1 request without the key, before its body is read or
     validated (as vLLM: a caller without the key learns nothing about the API);
     also for /tokenize and /detokenize unless `open_tokenize` (vLLM leaves them
-    open; here they are bounded but still cost the server work)."""
+    open; here they are bounded but still cost the server work), and for the
+    scoring routes outside /v1 (SCORE_PATHS)."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_tokenize: bool = False) -> None:
         self.app = app
@@ -58,7 +63,7 @@ class APIKeyCheck:
         self.open_tokenize = open_tokenize
 
     def covers(self, path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or (
+        return path == "/v1" or path.startswith("/v1/") or path in SCORE_PATHS or (
             not self.open_tokenize and path in TOKENIZE_PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -140,6 +145,18 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
                                          max_model_len=engine.facts.max_model_len)])
 
     app.include_router(v1)
+
+    # vLLM's /score and /v1/score; Jina's /v1/rerank, Cohere's /v2/rerank, vLLM's /rerank.
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest, raw: Request) -> Response:
+        return await create_score(serving, request, raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: RerankRequest, raw: Request) -> Response:
+        return await create_rerank(serving, request, raw)
     if server_config.dashboard:  # `serve --dashboard`: /dashboard and its event feed
         app.include_router(build_dashboard_router(engine, model_name))
 

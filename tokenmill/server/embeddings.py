@@ -108,16 +108,31 @@ async def create_embedding(serving: Serving, request: EmbeddingRequest, raw: Req
 async def _answer(serving: Serving, request: EmbeddingRequest, request_id: str,
                   prompts: list[Prompt],
                   streams: list[AsyncGenerator[PoolingRequestOutput, None]]) -> str:
-    """The response's JSON text once every input is pooled; the streams closed
-    (aborting what still runs) however it ends."""
-    async def first(stream: AsyncGenerator[PoolingRequestOutput, None]) -> PoolingRequestOutput:
+    """The response's JSON text once every input is pooled."""
+    vectors = await pooled_vectors(serving, request_id, streams)
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    data = ",".join(
+        f'{{"index":{i},"object":"embedding","embedding":'
+        f'{encode_vector(vector, request.encoding_format)}}}'
+        for i, vector in enumerate(vectors))
+    return (f'{{"id":{json.dumps(request_id)},"object":"list","created":{now_s()},'
+            f'"model":{json.dumps(serving.model_name, ensure_ascii=True)},"data":[{data}],'
+            f'"usage":{{"prompt_tokens":{num_tokens},"total_tokens":{num_tokens},'
+            f'"completion_tokens":0}}}}')
+
+
+async def pooled_vectors(serving: Serving, request_id: str,
+                         streams: list[AsyncGenerator[PoolingRequestOutput, None]]) -> list[list[float]]:
+    """Each stream's vector (Serving.start_pooling's streams of `request_id`), in
+    order; the streams closed, and what still runs aborted, however it ends."""
+    async def first(stream: AsyncGenerator[PoolingRequestOutput, None]) -> list[float]:
         async for out in stream:
-            return out
+            return out.outputs.data
         raise RuntimeError("a pooling request ended without its output")
 
     tasks = [asyncio.ensure_future(first(s)) for s in streams]
     try:
-        outputs = await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     except RuntimeError as e:  # the engine's faults and aborts (EngineError, EngineDeadError)
         raise engine_error_to_api(e) from e
     finally:
@@ -128,12 +143,3 @@ async def _answer(serving: Serving, request: EmbeddingRequest, request_id: str,
             await stream.aclose()
             if not tasks[i].done() or tasks[i].cancelled():  # (never iterated: abort by id)
                 serving.engine.abort(f"{request_id}-{i}")
-    num_tokens = sum(len(p.token_ids) for p in prompts)
-    data = ",".join(
-        f'{{"index":{i},"object":"embedding","embedding":'
-        f'{encode_vector(out.outputs.data, request.encoding_format)}}}'
-        for i, out in enumerate(outputs))
-    return (f'{{"id":{json.dumps(request_id)},"object":"list","created":{now_s()},'
-            f'"model":{json.dumps(serving.model_name, ensure_ascii=True)},"data":[{data}],'
-            f'"usage":{{"prompt_tokens":{num_tokens},"total_tokens":{num_tokens},'
-            f'"completion_tokens":0}}}}')
