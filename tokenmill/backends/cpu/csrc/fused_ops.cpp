@@ -57,19 +57,21 @@ template <typename T> inline float rnd(float x) { return to_f(from_f<T>(x)); }
 // Parallel over rows only when there is enough work to pay for the threads.
 inline bool worth_threads(int64_t elements) { return elements >= 16384; }
 
+// One row x -> o (o may be x: the q/k norms run in place).
+template <typename T>
+inline void norm_row(const T* x, T* o, const T* w, int64_t dim, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, T* out, const T* w, int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (worth_threads(rows * dim))
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * dim;
-    T* o = out + r * dim;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(xr[i]) * inv));
-  }
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * dim, out + r * dim, w, dim, eps);
 }
 
 template <typename T>
@@ -91,17 +93,6 @@ void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, floa
   }
 }
 
-// rms_norm_rows on one head in place (q/k norms: the same rounding, one row).
-template <typename T>
-inline void norm_head(T* x, const T* w, int64_t dim, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < dim; ++i) ss += to_f(x[i]) * to_f(x[i]);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) x[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv));
-}
-
 template <typename T>
 void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos,
@@ -121,10 +112,10 @@ void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_head
 #pragma omp parallel for if (worth_threads(tokens * width))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = base + t * width;
-    if (qn)  // (per head, before RoPE, as Qwen3's attention)
-      for (int64_t h = 0; h < num_heads; ++h) norm_head(row + h * head_dim, qn, head_dim, eps);
-    if (kn)
-      for (int64_t h = num_heads; h < num_heads + num_kv_heads; ++h) norm_head(row + h * head_dim, kn, head_dim, eps);
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {  // (per head, before RoPE, as Qwen3's attention)
+      const T* w = h < num_heads ? qn : kn;
+      if (w) norm_row(row + h * head_dim, row + h * head_dim, w, head_dim, eps);
+    }
     // HF casts cos/sin to the model dtype first, then x' = x*cos + rotate_half(x)*sin,
     // each product and the sum rounded.
     const float* c = cos_t + pos[t] * half;
