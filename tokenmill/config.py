@@ -60,8 +60,11 @@ class ModelConfig:
     # EngineArgs.resolve_quantization picks it when the user leaves it unset.
     quantization: str | None = None
     runner: str = "auto"  # RUNNERS: which kinds of request the engine serves
+    # vLLM's hf_overrides, of which tokenmill reads a yes/no reranker's (HF_OVERRIDE_KEYS).
+    hf_overrides: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        check_hf_overrides(self.hf_overrides)
         if self.runner not in RUNNERS:
             raise ValueError(f"runner={self.runner!r} is not supported; use one of {RUNNERS}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -81,6 +84,25 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+# The hf_overrides that make a causal LM a yes/no reranker, as vLLM loads
+# Qwen3-Reranker: its score is sigmoid(logit[yes] - logit[no]) at the last token.
+HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+
+
+def check_hf_overrides(overrides: Mapping[str, Any] | None) -> None:
+    """ValueError naming what tokenmill does not read in vLLM's hf_overrides."""
+    if overrides is None:
+        return
+    unknown = sorted(set(overrides) - set(HF_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"hf_overrides keys {unknown} are not supported; tokenmill reads "
+                         f"{list(HF_OVERRIDE_KEYS)} (a yes/no reranker, as vLLM loads Qwen3-Reranker)")
+    tokens = overrides.get("classifier_from_token")
+    if not (isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
+        raise ValueError('hf_overrides needs "classifier_from_token": ["no", "yes"] (the two '
+                         f"tokens whose logits score, the positive last), got {tokens!r}")
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     """How a pooling request turns the last hidden states (after the final norm)
@@ -93,6 +115,13 @@ class PoolerConfig:
     normalize: bool = True  # the default where a request leaves PoolingParams.normalize unset
     is_matryoshka: bool = False  # a request may ask for fewer dimensions
     matryoshka_dimensions: tuple[int, ...] | None = None  # only these, where given
+    # A yes/no reranker (hf_overrides' classifier_from_token): the (negative,
+    # positive) token ids; a request's one value is sigmoid(logit[pos] - logit[neg])
+    # at its last token, read from those two rows of the head.
+    classifier_token_ids: tuple[int, int] | None = None
+    # Its prompt for a (query, document) pair: "qwen3_reranker" (hf_overrides'
+    # is_original_qwen3_reranker: server/scores.py's template), or None (the two concatenated).
+    score_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:

@@ -66,6 +66,10 @@ class EngineArgs:
     # vLLM's --runner: "auto" serves generation and pooling (embedding) requests,
     # "generate" or "pooling" only that kind (config.RUNNERS).
     runner: str = "auto"
+    # vLLM's hf_overrides; tokenmill reads a yes/no reranker's (config.HF_OVERRIDE_KEYS):
+    # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
+    # ["no", "yes"], "is_original_qwen3_reranker": true} serves Qwen3-Reranker.
+    hf_overrides: dict[str, Any] | None = None
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -77,7 +81,7 @@ class EngineArgs:
                 device=self.device, max_model_len=self.max_model_len, seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 generation_config=self.generation_config, quantization=self.resolve_quantization(),
-                runner=self.runner,
+                runner=self.runner, hf_overrides=self.hf_overrides,
             ),
             CacheConfig(
                 block_size=self.block_size,
@@ -195,6 +199,11 @@ class EngineArgs:
             "--runner", default="auto", choices=RUNNERS,
             help="which requests the engine serves: auto (generation and pooling: embeddings "
                  "from the same forward), generate, or pooling (embeddings only)")
+        parser.add_argument(
+            "--hf-overrides", type=_json_object, default=None,
+            help='vLLM\'s: a JSON object; a causal LM scoring with a yes/no token pair (a reranker '
+                 'for /score and /rerank): \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                 '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")

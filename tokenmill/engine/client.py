@@ -8,9 +8,10 @@ checks that by name: see docs/ARCHITECTURE.md §2)."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
+from tokenmill.config import PoolerConfig
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
@@ -54,6 +55,7 @@ class EngineFacts:
     # "pooling"), and the width of its pooled vectors (embeddings).
     runner: str = "auto"
     hidden_size: int = 0
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)  # how pooling requests pool
 
 
 class EngineClient(Protocol):

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.process_settings import apply_process_settings as apply_settings
+from tokenmill.engine.score_template import score_prompt
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.outputs import (
     EmbeddingRequestOutput,
@@ -154,6 +155,10 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """An embedding per prompt (vLLM's LLM.embed): `.outputs.embedding`."""
+        if self.engine.pooler_config.classifier_token_ids is not None:
+            raise ValueError("this model is loaded as a yes/no reranker (hf_overrides' "
+                             "classifier_from_token): it scores pairs with LLM.score, it does "
+                             "not embed")
         return [EmbeddingRequestOutput.from_base(out)
                 for out in self.encode(prompts, pooling_params, use_tqdm, priority)]
 
@@ -167,7 +172,9 @@ class LLM:
         """The cosine similarity of text_1's and text_2's embeddings, pair by pair
         (vLLM's LLM.score with an embedding model): one text_1 against every
         text_2, or text_1[i] against text_2[i]. A text may be a prompt of
-        token ids, as `generate` takes."""
+        token ids, as `generate` takes. With a yes/no reranker (hf_overrides)
+        each pair runs as one prompt (engine/score_template.py; token ids
+        concatenated) and scores sigmoid(logit[yes] - logit[no]) at its end."""
         firsts = [text_1] if isinstance(text_1, str | dict) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str | dict) else list(text_2)
         if not firsts or not seconds:
@@ -177,6 +184,8 @@ class LLM:
         if len(firsts) != len(seconds):
             raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}; give one "
                              "text_1, or as many as text_2")
+        if self.engine.pooler_config.classifier_token_ids is not None:
+            return self._classify_pairs(firsts, seconds, pooling_params, use_tqdm)
         embedded = self.embed([*firsts, *seconds], pooling_params, use_tqdm)
         n = len(firsts)
         return [
@@ -185,6 +194,22 @@ class LLM:
                 outputs=ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)),
                 prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids, finished=True)
             for a, b in zip(embedded[:n], embedded[n:], strict=True)
+        ]
+
+    def _classify_pairs(self, firsts: list[PromptType], seconds: list[PromptType],
+                        pooling_params: PoolingParams | None, use_tqdm: bool) -> list[ScoringRequestOutput]:
+        template = self.engine.pooler_config.score_template
+        prompts: list[PromptType] = []
+        for first, second in zip(firsts, seconds, strict=True):
+            if isinstance(first, str) and isinstance(second, str):
+                prompts.append(score_prompt(first, second, template))
+            else:
+                ids = [self.engine.tokenize_prompt(p)[1] for p in (first, second)]
+                prompts.append({"prompt_token_ids": ids[0] + ids[1]})
+        return [
+            ScoringRequestOutput(request_id=out.request_id, outputs=ScoringOutput(out.outputs.data[0]),
+                                 prompt_token_ids=out.prompt_token_ids, finished=True)
+            for out in self.encode(prompts, pooling_params, use_tqdm)
         ]
 
     def _add_all(self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams],

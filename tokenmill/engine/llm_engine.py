@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -166,6 +166,15 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
         if self.tp is not None:
             self.tp.start(num_blocks, cache_config.block_size)
+        # How pooling requests pool (model/pooler_config.py); none are served with
+        # runner="generate", whose model directory is then not read for it.
+        self.pooler_config = (read_pooler_config(self.source.path)
+                              if model_config.runner != "generate" else PoolerConfig())
+        if model_config.hf_overrides is not None:
+            self.pooler_config = self._reranker_config(model_config.hf_overrides)
+        # A yes/no reranker's two head rows, read before the CPU plan packs the head.
+        ids = self.pooler_config.classifier_token_ids
+        classifier_head = None if ids is None else model.head_rows(ids)
         forward = chosen_forward(model, self.dtype, self.device, self.cpu_options)
         if self.tp is not None:  # every forward goes to the other ranks too
             forward = self.tp.driver(forward)
@@ -176,14 +185,10 @@ class LLMEngine:
             drafter = DraftModelProposer(
                 speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
                 self.device, self.cpu_options)
-        # How pooling requests pool (model/pooler_config.py); none are served with
-        # runner="generate", whose model directory is then not read for it.
-        self.pooler_config = (read_pooler_config(self.source.path)
-                              if model_config.runner != "generate" else PoolerConfig())
         self.runner = ModelRunner(
             model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device, self.cpu_options,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
-            drafter=drafter, pooler_config=self.pooler_config,
+            drafter=drafter, pooler_config=self.pooler_config, classifier_head=classifier_head,
         )
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
@@ -203,6 +208,29 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Request, str, Future[Any]]] = {}
         self._failed_compiles: dict[str, str] = {}  # caller's request id -> why
         self.facts = self._facts(num_blocks)
+
+    def _reranker_config(self, overrides: Mapping[str, Any]) -> PoolerConfig:
+        """The pooler of a yes/no reranker (config.check_hf_overrides checked the
+        keys): each classifier_from_token must be one token of the vocabulary."""
+        if self.model_config.runner == "generate":
+            raise ValueError("hf_overrides' classifier_from_token makes a reranker (pooling); "
+                             "it cannot be served with runner='generate'")
+        if self.tp is not None:
+            raise ValueError("a yes/no reranker runs on one process; drop --tensor-parallel-size")
+        if self.tokenizer is None:
+            raise ValueError("a yes/no reranker needs its tokenizer to find classifier_from_token's "
+                             "ids; drop skip_tokenizer_init")
+        ids = []
+        for token in overrides["classifier_from_token"]:
+            found = self.tokenizer.encode(token, add_special_tokens=False)
+            if len(found) != 1:
+                raise ValueError(f"hf_overrides' classifier_from_token {token!r} is {len(found)} "
+                                 "tokens of this tokenizer; each must be exactly one")
+            ids.append(found[0])
+        return dataclasses.replace(
+            self.pooler_config, pooling_type="LAST", normalize=False, is_matryoshka=False,
+            matryoshka_dimensions=None, classifier_token_ids=(ids[0], ids[1]),
+            score_template="qwen3_reranker" if overrides.get("is_original_qwen3_reranker") else None)
 
     def _facts(self, num_blocks: int) -> EngineFacts:
         """What a front end may know (engine/client.py), fixed from here on."""
@@ -224,6 +252,7 @@ class LLMEngine:
             tensor_parallel_ranks=self.tp.rank_locations() if self.tp is not None else (),
             runner=self.model_config.runner,
             hidden_size=self.spec.hidden_size,
+            pooler=self.pooler_config,
         )
 
     # ---- requests ---------------------------------------------------------------

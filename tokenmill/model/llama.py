@@ -387,6 +387,12 @@ class LlamaForCausalLM(nn.Module):
         K/V of every token are written all the same."""
         return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
+    def head_rows(self, token_ids: tuple[int, ...]) -> torch.Tensor:
+        """The head's rows of `token_ids` as float32 [len, hidden]: their logits
+        alone (a yes/no reranker's two), without the vocabulary-wide GEMM."""
+        with torch.no_grad():
+            return dense_weight(self.lm_head, torch.float32)[list(token_ids)].float().clone()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32
         (the sampler's dtype, whatever the model's)."""

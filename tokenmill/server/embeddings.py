@@ -95,6 +95,12 @@ def encode_vector(vector: list[float], encoding_format: str) -> str:
 
 async def create_embedding(serving: Serving, request: EmbeddingRequest, raw: Request) -> Response:
     serving.check_model(request.model)
+    if serving.engine.facts.pooler.classifier_token_ids is not None:
+        # vLLM serves /v1/embeddings only for an embedding model; a reranker's one
+        # value per prompt is a score, not a vector.
+        raise APIError(400, "this model is loaded as a yes/no reranker (hf_overrides' "
+                       "classifier_from_token): it serves /score and /rerank, not /v1/embeddings",
+                       param="model")
     try:
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
     except ParamError as e:

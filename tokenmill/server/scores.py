@@ -2,7 +2,9 @@
 (Jina's and Cohere's: query, documents, top_n, return_documents), for an
 embedding model: a pair's score is the cosine similarity of the two texts'
 embeddings, as vLLM scores with an embedding model. Every text runs as one
-pooling request (embeddings.py); repeated texts run once."""
+pooling request (embeddings.py); repeated texts run once. A yes/no reranker
+(hf_overrides' classifier_from_token) runs each pair as one prompt instead
+(engine/score_template.py) and its pooled value is the score."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from fastapi import Request, Response
 from pydantic import StrictBool, StrictInt
 
 from tokenmill.engine.llm import cosine_similarity
+from tokenmill.engine.score_template import score_prompt
 from tokenmill.sampling_params import PoolingParams
 from tokenmill.server.accumulator import json_answer
 from tokenmill.server.embeddings import pooled_vectors
@@ -49,8 +52,12 @@ async def _prompt(serving: Serving, text: str, param: str) -> Prompt:
 
 async def _score_pairs(serving: Serving, prefix: str, pairs: list[tuple[str, str]],
                        params: tuple[str, str], priority: int) -> tuple[list[float], int]:
-    """Each pair's cosine similarity, and the prompt tokens run (each distinct
-    text once). `params` names the first and second texts' fields in errors."""
+    """Each pair's cosine similarity (a yes/no reranker's score), and the prompt
+    tokens run (each distinct text once). `params` names the first and second
+    texts' fields in errors."""
+    pooler = serving.engine.facts.pooler
+    if pooler.classifier_token_ids is not None:
+        return await _classify_pairs(serving, prefix, pairs, params, priority, pooler.score_template)
     texts: dict[str, Prompt] = {}
     for first, second in pairs:
         for text, param in ((first, params[0]), (second, params[1])):
@@ -61,6 +68,25 @@ async def _score_pairs(serving: Serving, prefix: str, pairs: list[tuple[str, str
     vectors = dict(zip(texts, await pooled_vectors(serving, request_id, streams), strict=True))
     scores = [cosine_similarity(vectors[a], vectors[b]) for a, b in pairs]
     return scores, sum(len(p.token_ids) for p in texts.values())
+
+
+async def _classify_pairs(serving: Serving, prefix: str, pairs: list[tuple[str, str]],
+                          params: tuple[str, str], priority: int,
+                          template: str | None) -> tuple[list[float], int]:
+    prompts: dict[str, Prompt] = {}
+    for first, second in pairs:
+        for text, param in ((first, params[0]), (second, params[1])):
+            if not text:
+                raise APIError(400, f"a text of {param} is empty; give at least one character",
+                               param=param)
+        text = score_prompt(first, second, template)
+        if text not in prompts:
+            prompts[text] = await _prompt(serving, text, params[1])
+    request_id = random_id(prefix)
+    streams = await serving.start_pooling(request_id, list(prompts.values()), PoolingParams(), priority)
+    values = dict(zip(prompts, await pooled_vectors(serving, request_id, streams), strict=True))
+    scores = [values[score_prompt(a, b, template)][0] for a, b in pairs]
+    return scores, sum(len(p.token_ids) for p in prompts.values())
 
 
 async def create_score(serving: Serving, request: ScoreRequest, raw: Request) -> Response:

@@ -120,12 +120,15 @@ class ModelRunner:
         forward: ModelForward | None = None,
         drafter: Drafter | None = None,
         pooler_config: PoolerConfig | None = None,
+        classifier_head: torch.Tensor | None = None,
     ) -> None:
         """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
         once). `forward`: what runs the model (default: pick_forward's choice for
         `model`); the engine passes its own where it wraps that choice (tensor
         parallelism). `drafter`: speculative decoding with a draft model.
-        `pooler_config`: how pooling requests pool (default: the last token)."""
+        `pooler_config`: how pooling requests pool (default: the last token);
+        `classifier_head`: a yes/no reranker's two head rows (model.head_rows,
+        taken before the CPU plan packs the head)."""
         self.model = model
         self.drafter = drafter
         self.cpu_options = cpu_options
@@ -148,7 +151,7 @@ class ModelRunner:
         # first step (it stays unscheduled until then), and the batched mask.
         self.pending_grammars: dict[str, RequestGrammar] = {}
         self.grammar_mask = GrammarMask(spec.vocab_size, ops=ops)
-        self.pooler = Pooler(pooler_config or PoolerConfig())
+        self.pooler = Pooler(pooler_config or PoolerConfig(), classifier_head, spec.final_logit_softcapping)
 
     def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar,
                     reasoning_end_token_id: int | None = None) -> None:

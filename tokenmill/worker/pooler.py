@@ -12,6 +12,11 @@ The state is reset when the request is (re)admitted: a preempted request runs
 its prompt again from the start (MEAN and CLS take no prefix hits, so every row
 is computed; LAST reads only the last). Then the vector is cut to the request's
 `dimensions` (Matryoshka) and L2-normalised where asked.
+
+A yes/no reranker (PoolerConfig.classifier_token_ids, vLLM's hf_overrides for
+Qwen3-Reranker) pools its LAST row into one value instead: the 2-way softmax's
+positive probability, sigmoid(logit[yes] - logit[no]), from the two head rows
+alone (no vocabulary-wide GEMM).
 """
 
 from __future__ import annotations
@@ -31,8 +36,15 @@ class _Partial:
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig, classifier_head: torch.Tensor | None = None,
+                 logit_softcap: float | None = None) -> None:
+        """`classifier_head`: a yes/no reranker's [2, hidden] float32 head rows
+        (negative, positive); `logit_softcap`: the model's final logit softcapping."""
+        if (config.classifier_token_ids is None) != (classifier_head is None):
+            raise ValueError("a yes/no reranker's pooler needs its two head rows, and only it")
         self.config = config
+        self.classifier_head = classifier_head
+        self.logit_softcap = logit_softcap
         self.partial: dict[str, _Partial] = {}
 
     def rows(self, r: ScheduledRequest, first_row: int) -> list[int]:
@@ -63,10 +75,21 @@ class Pooler:
         del self.partial[r.request_id]
         if kind == "LAST":
             vector = hidden[-1].float()
+            if self.classifier_head is not None:
+                return [self.classify(vector)]
         else:
             assert part.total is not None, f"{r.request_id}: pooled before its rows ran"
             vector = part.total / part.num_rows if kind == "MEAN" else part.total
         return self.finish(vector, r)
+
+    def classify(self, last: torch.Tensor) -> float:
+        """sigmoid(logit[positive] - logit[negative]) of the last row: the yes/no
+        softmax's positive probability."""
+        assert self.classifier_head is not None
+        logits = self.classifier_head @ last
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return float(torch.sigmoid(logits[1] - logits[0]))
 
     def finish(self, vector: torch.Tensor, r: ScheduledRequest) -> list[float]:
         """Matryoshka truncation, then normalisation (the request's, else the model's)."""
