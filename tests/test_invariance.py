@@ -4,22 +4,20 @@ A tiny random Llama in bf16 (head_dim 64, small init, so near-ties are common),
 32 prompts that share a 40-token prefix: greedy tokens are the same bits when
 each prompt runs alone, all together, in a KV pool so small that most requests
 are preempted (and recomputed), under chunk budgets of 7, 16 and 61 tokens,
-after a prefix-cache hit, and with n-gram speculation; on the C++ plan, in
-every weight format: bf16, q8_0, and a GGUF file's own blocks (k-quants and the
-32-value formats mixed).
+after a prefix-cache hit, and with n-gram speculation; on the C++ plan and on
+the reference forward (kernels off), in every weight format: bf16, q8_0, and a
+GGUF file's own blocks (k-quants and the 32-value formats mixed).
 
-Not yet covered (issue 51 is open):
-- the reference forward (kernels off): torch's bf16 F.linear on a CPU gives a
-  row other bits when more rows share the call (M >= 4 against M = 2), so its
-  tokens move with the load;
-- CPUs with AVX512-BF16: the plan's bf16 prefill attention tile sums in another
-  order than the decode kernel, so a recomputed or re-chunked prompt may differ.
+The opt-out (TOKENMILL_BATCH_INVARIANT=0) is shown to matter where it changes
+the arithmetic on this CPU: the reference path's tokens then move with the load.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -98,11 +96,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     }
 
 
-def _llm(model: dict[str, Any], cpp: bool, **options: Any) -> LLM:
+def _llm(model: dict[str, Any], cpp: bool, invariant: bool = True, **options: Any) -> LLM:
+    """`cpp` False: the reference forward (the environment's switch, read as the engine starts)."""
     # A pool of 512 blocks unless the scenario says (check_integrity walks the pool every step).
     options = {"enable_prefix_caching": False, "num_kv_blocks": 512, **options}
-    llm = LLM(model["model"], dtype="bfloat16", quantization=model.get("quantization"), device="cpu",
-              skip_tokenizer_init=True, apply_process_settings=False, check_integrity=True, **options)
+    switches = {"TOKENMILL_NO_CPP_KERNELS": "0" if cpp else "1", "TOKENMILL_BATCH_INVARIANT": str(int(invariant))}
+    with mock.patch.dict(os.environ, switches):
+        llm = LLM(model["model"], dtype="bfloat16", quantization=model.get("quantization"), device="cpu",
+                  skip_tokenizer_init=True, apply_process_settings=False, check_integrity=True, **options)
     assert isinstance(llm.engine.runner.forward, CpuPlan) == (cpp and kernels.load() is not None)
     return llm
 
@@ -123,20 +124,13 @@ def _alone(models: dict[str, dict[str, Any]], fmt: str, cpp: bool) -> list[list[
     return _ALONE[fmt, cpp]
 
 
-def _has_bf16_prefill_tile() -> bool:
-    """Whether the kernels' build has the AVX512-BF16 prefill attention tile (see the docstring)."""
-    return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-
-
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "gguf"])
+@pytest.mark.parametrize("cpp", [True, False], ids=["plan", "reference"])
 def test_greedy_tokens_do_not_depend_on_the_load(models: dict[str, dict[str, Any]], fmt: str,
-                                                 scenario: str) -> None:
-    cpp = True
-    if kernels.load() is None:
+                                                 scenario: str, cpp: bool) -> None:
+    if cpp and kernels.load() is None:
         pytest.skip("no C++ kernels on this machine")
-    if _has_bf16_prefill_tile():
-        pytest.skip("the AVX512-BF16 prefill attention tile is not invariant yet (issue 51)")
     alone = _alone(models, fmt, cpp)
     llm = _llm(models[fmt], cpp, **SCENARIOS[scenario])
     if scenario == "prefix-hit":  # the shared prefix computed once, its blocks cached
@@ -155,3 +149,23 @@ def test_greedy_tokens_do_not_depend_on_the_load(models: dict[str, dict[str, Any
         assert o.error is None, o.error
     differ = [i for i, (o, ref) in enumerate(zip(outputs, alone, strict=True)) if o.outputs[0].token_ids != ref]
     assert not differ, f"{len(differ)} of {NUM_PROMPTS} prompts' greedy tokens differ from their run alone: {differ}"
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["plan", "reference"])
+def test_the_opt_out_reaches_every_path(models: dict[str, dict[str, Any]], cpp: bool) -> None:
+    """TOKENMILL_BATCH_INVARIANT=0 reaches what it switches (CpuBackendOptions.batch_invariant):
+    the reference model's linears and attention, the plan's attention kernel calls."""
+    if cpp and kernels.load() is None:
+        pytest.skip("no C++ kernels on this machine")
+    from tokenmill.model.llama import Linear, LlamaForCausalLM
+
+    for invariant in (True, False):
+        forward = _llm(models["bf16"], cpp, invariant=invariant).engine.runner.forward
+        if isinstance(forward, CpuPlan):
+            assert forward.attention.batch_invariant == invariant
+            assert forward.weights.prefill_tiles != invariant
+        else:
+            assert isinstance(forward, LlamaForCausalLM)
+            linears = [m for m in forward.modules() if isinstance(m, Linear)]
+            assert linears and all(m.batch_invariant == invariant for m in linears)
+            assert forward.model.layers[0].self_attn.backend.batch_invariant == invariant

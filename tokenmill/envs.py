@@ -42,6 +42,13 @@ def kv_prefetch() -> str:
     return os.environ.get("TOKENMILL_KV_PREFETCH") or "auto"
 
 
+def batch_invariant() -> bool:
+    """TOKENMILL_BATCH_INVARIANT=0: give up batch invariance for speed where it
+    costs (backends/cpu/options.py CpuBackendOptions.batch_invariant); default 1,
+    a request's greedy tokens do not depend on what else the server runs."""
+    return _flag("TOKENMILL_BATCH_INVARIANT", True)
+
+
 def tp_shm() -> bool:
     """TOKENMILL_TP_SHM=0 (on any rank): tensor parallelism over gloo even where
     every rank shares the machine (set but empty: gloo too); default 1, shared

@@ -19,9 +19,10 @@ checks what a user would call a failure:
   (from /metrics);
 - the server's RSS at start, middle and end (from /proc);
 - with `--check-greedy N`: N greedy prompts are sent one at a time while the
-  server is idle, then again and again by one more client during the traffic;
+  server is idle, then all N together, round after round, during the traffic;
   every answer must be the idle text (batch invariance: the same tokens
-  whatever else runs, preemption and chunking included).
+  whatever else runs, preemption and chunking included), and every prompt
+  must have been checked under the traffic.
 
 One summary line, the JSON with `--output`; the exit status is 1 when a check
 failed. Everything is bounded: requests stop being sent at `--minutes`, and
@@ -120,6 +121,7 @@ class SoakReport:
     # --check-greedy: answers compared with the idle text, those that differed (the first ones kept).
     num_greedy_checked: int = 0
     num_greedy_mismatches: int = 0
+    num_greedy_rounds: int = 0  # rounds begun under the traffic, each all N prompts
     greedy_mismatches: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -127,7 +129,8 @@ class SoakReport:
         return (self.num_5xx == 0 and self.num_4xx == 0 and self.num_transport_errors == 0
                 and self.num_stalled == 0 and self.num_cut_streams == 0
                 and self.num_unfinished == 0 and self.kv_back_to_zero
-                and self.num_greedy_mismatches == 0)
+                and self.num_greedy_mismatches == 0
+                and (not self.config.get("check_greedy") or self.num_greedy_rounds > 0))
 
     def summary(self) -> str:
         rss = "/".join(f"{self.rss_mib.get(k, float('nan')):.0f}" for k in ("start", "mid", "end"))
@@ -142,7 +145,8 @@ class SoakReport:
             f"of {self.num_streams - self.num_dropped_streams} (dropped {self.num_dropped_streams}), "
             f"unfinished {self.num_unfinished}, preemptions {self.num_preemptions or 0:.0f}, "
             f"KV back to 0: {'yes' if self.kv_back_to_zero else 'NO'}, "
-            + (f"greedy answers unlike the idle text {self.num_greedy_mismatches} of {self.num_greedy_checked}, "
+            + (f"greedy answers unlike the idle text {self.num_greedy_mismatches} of {self.num_greedy_checked} "
+               f"({self.num_greedy_rounds} rounds of {self.config['check_greedy']} prompts), "
                if self.config.get("check_greedy") else "")
             + f"RSS start/mid/end {rss} MiB -> {'ok' if self.ok else 'FAILED'}"
         )
@@ -298,19 +302,20 @@ async def greedy_text(client: Any, model: str, prompt: str, max_tokens: int) -> 
 
 async def check_greedy(client: Any, model: str, prompts: list[str], idle: list[str], max_tokens: int,
                        report: SoakReport, stop_at: float) -> None:
-    """The greedy prompts in turn until stop_at, each answer compared with its idle text."""
-    i = 0
+    """All the greedy prompts at once, round after round until stop_at (a round
+    begun finishes), each answer compared with its idle text."""
     while time.monotonic() < stop_at:
-        k = i % len(prompts)
-        got = await greedy_text(client, model, prompts[k], max_tokens)
-        report.num_greedy_checked += 1
-        if got != idle[k]:
-            report.num_greedy_mismatches += 1
-            if len(report.greedy_mismatches) < MAX_MISMATCHES_KEPT:
-                at = next((j for j, (a, b) in enumerate(zip(got, idle[k], strict=False)) if a != b),
-                          min(len(got), len(idle[k])))  # (the first character that differs)
-                report.greedy_mismatches.append({"prompt": k, "differs_at_char": at, "idle": idle[k], "got": got})
-        i += 1
+        report.num_greedy_rounds += 1
+        answers = await asyncio.gather(*(greedy_text(client, model, p, max_tokens) for p in prompts))
+        for k, got in enumerate(answers):
+            report.num_greedy_checked += 1
+            if got != idle[k]:
+                report.num_greedy_mismatches += 1
+                if len(report.greedy_mismatches) < MAX_MISMATCHES_KEPT:
+                    at = next((j for j, (a, b) in enumerate(zip(got, idle[k], strict=False)) if a != b),
+                              min(len(got), len(idle[k])))  # (the first character that differs)
+                    report.greedy_mismatches.append({"prompt": k, "differs_at_char": at, "idle": idle[k],
+                                                     "got": got})
 
 
 async def monitor(client: Any, pid: int, t0: float, report: SoakReport, stop_at: float,
@@ -342,7 +347,7 @@ async def run_traffic(args: argparse.Namespace, base_url: str, pid: int) -> Soak
     report = SoakReport(config={k: v for k, v in vars(args).items() if k != "func"})
     rng = random.Random(args.seed)
     timeout = httpx.Timeout(connect=10.0, read=args.drain_s, write=30.0, pool=args.drain_s)
-    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    limits = httpx.Limits(max_connections=args.concurrency + args.check_greedy + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
         models = (await client.get("/v1/models")).json()["data"][0]
         max_model_len = int(models.get("max_model_len") or 2048)

@@ -73,7 +73,21 @@ def write_kv_cache(
 class TorchAttentionBackend:
     """Decodes in one batched computation; prefills one request at a time with
     SDPA. The reference that other backends (backends/cpu/attention.py) are
-    tested against."""
+    tested against.
+
+    `batch_invariant`: every query row, a prefill's included, runs the decode's
+    computation (`_decode`: one row's bits do not depend on the other rows or
+    the padding), in groups of rows, so a row gives the same bits in a decode,
+    any chunk of a prompt, a recompute or after a prefix-cache hit. SDPA sums a
+    prompt's rows in tiles that depend on the chunk (CpuBackendOptions.batch_invariant)."""
+
+    # Rows per `_decode` call of an invariant prefill: each row gathers its
+    # context, so a call holds rows x context x K/V row bytes (~6 MiB for 32
+    # rows of 512 tokens of the default model).
+    INVARIANT_ROWS = 32
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -98,8 +112,11 @@ class TorchAttentionBackend:
         sliding_window: int | None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
+        if (self.batch_invariant and num_decodes < meta.num_reqs and meta.token_seq_ids is not None
+                and meta.token_seq_lens is not None):
+            return self._rows_as_decodes(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_decodes == meta.num_reqs:  # decodes only: no copy
             return self._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap)
         if num_decodes > 0:
@@ -116,6 +133,30 @@ class TorchAttentionBackend:
                 sliding_window,
                 logit_softcap,
             )
+        return out
+
+    def _rows_as_decodes(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Every token one decode: its sequence's block table row, its position + 1 as seq_len."""
+        assert meta.token_seq_ids is not None and meta.token_seq_lens is not None
+        tables = meta.block_tables[meta.token_seq_ids]  # [num_tokens, max_num_blocks]
+        lens = meta.token_seq_lens
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for start in range(0, q.shape[0], self.INVARIANT_ROWS):
+            end = min(start + self.INVARIANT_ROWS, q.shape[0])
+            rows_lens = lens[start:end].tolist()
+            rows = AttentionMetadata(
+                num_decodes=end - start, query_start_loc=list(range(end - start + 1)), seq_lens=rows_lens,
+                max_decode_seq_len=max(rows_lens), slot_mapping=meta.slot_mapping[:0],
+                block_tables=tables[start:end], decode_seq_lens=lens[start:end], block_size=meta.block_size)
+            out[start:end] = self._decode(q[start:end], kv_cache, rows, scale, sliding_window, logit_softcap)
         return out
 
     def _decode(

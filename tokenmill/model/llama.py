@@ -33,16 +33,33 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.quantization import dense_weight, embed_rows, is_quantized
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
+# Rows per F.linear call of an invariant bf16 linear on the CPU (linear below).
+INVARIANT_ROWS = 8
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except that one bfloat16 row on the CPU goes as two (the row twice):
-    torch's bf16 matmul there takes another kernel for a single row than for
-    several, which sums in another order (a row's bits then depend on how many
-    rows came with it), so a decode of one request and the rows of a step with
-    more (other requests, speculative drafts) would round differently. From two
-    rows up a row's result is the same whatever the others (measured up to 8).
-    The second row costs next to nothing: one row is bound by reading the weight."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """F.linear, except for bfloat16 rows on the CPU, where torch's matmul picks
+    its kernel by the row count, and kernels sum in other orders: a row's bits
+    depend on how many rows came with it (M = 1 against 2, and M >= 4 against 2,
+    irregularly), while at one row count they do not depend on the other rows.
+    - batch_invariant: every call takes INVARIANT_ROWS rows (the last block
+      padded with zeros), so a row gives the same bits in a decode of one, a
+      step of many, or a prompt's chunk; 8 rows cost a 1-row decode's linear
+      about 3-4.5x and a 512-row prefill's 1.5-1.7x (docs/perf-notes.md).
+    - else one row goes as two (the row twice), so that decode rows agree among
+      themselves (a decode alone and beside others); the second row costs next
+      to nothing, one row being bound by reading the weight."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if batch_invariant:
+        m = x.shape[0]
+        pad = -m % INVARIANT_ROWS
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        blocks = [F.linear(x[i:i + INVARIANT_ROWS], weight, bias) for i in range(0, m + pad, INVARIANT_ROWS)]
+        return torch.cat(blocks)[:m]
+    if x.shape[0] == 1:
         return F.linear(x.expand(2, -1).contiguous(), weight, bias)[:1]
     return F.linear(x, weight, bias)
 
@@ -50,6 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear without random init: the loader fills every weight, and
     initialising a large model would take longer than loading it."""
+
+    batch_invariant = False  # linear()'s; LlamaForCausalLM.set_batch_invariant sets it per model
 
     def reset_parameters(self) -> None:
         pass
@@ -59,8 +78,8 @@ class Linear(nn.Linear):
         weight = self.weight if "weight" in self._parameters else dense_weight(self, x.dtype)
         if torch.autograd._profiler_enabled():  # a row of its own in `bench throughput --profile`
             with record_function("tokenmill::linear"):
-                return linear(x, weight, self.bias)
-        return linear(x, weight, self.bias)
+                return linear(x, weight, self.bias, self.batch_invariant)
+        return linear(x, weight, self.bias, self.batch_invariant)
 
 
 class Embedding(nn.Embedding):
@@ -367,6 +386,12 @@ class LlamaForCausalLM(nn.Module):
                 dtype=dtype,
             )
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every linear layer (the head included) batch-invariant or not (linear())."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = on
+
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Every layer's attention through `backend` from now on (the runner
         picks it for the device at load time)."""
@@ -397,7 +422,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] float32
         (the sampler's dtype, whatever the model's)."""
         with record_function("tokenmill::head"):
-            logits = linear(hidden, dense_weight(self.lm_head, hidden.dtype))
+            logits = linear(hidden, dense_weight(self.lm_head, hidden.dtype), None, self.lm_head.batch_invariant)
             cap = self.spec.final_logit_softcapping
             if cap is not None:  # Gemma 2: in the model's dtype, as HF
                 logits = torch.tanh(logits / cap) * cap

@@ -23,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.config import ModelSpec
-from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, linear
 
 # Sums a tensor over the ranks, in place. distributed/group.py's also carries
 # `native` (a shared-memory group the C++ layer loop all-reduces with, or None)
@@ -98,7 +97,7 @@ class RowParallelLinear(Linear):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias, self.batch_invariant)
         self.all_reduce(out)
         return out
 

@@ -41,6 +41,7 @@ from tokenmill.core.contracts import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
@@ -91,9 +92,11 @@ def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.devi
     plan = CpuPlan.build(model, dtype, options, release) if reason is None else None
     if plan is not None:
         return plan, f"CPU backend (C++ kernels, {name})"
+    model.set_batch_invariant(options.batch_invariant)
     if options.cpp_kernels and kernels.load() is not None:
-        model.set_attention_backend(CpuAttentionBackend())
+        model.set_attention_backend(CpuAttentionBackend(batch_invariant=options.batch_invariant))
         return model, f"reference torch model with C++ paged attention ({reason})"
+    model.set_attention_backend(TorchAttentionBackend(batch_invariant=options.batch_invariant))
     return model, f"reference torch model ({reason})"
 
 

@@ -48,14 +48,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
         return None
 
-    @staticmethod
-    def run(call: KernelCall, q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+    def run(self, call: KernelCall, q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
             sliding_window: int | None) -> torch.Tensor:
         """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel."""
         ops = kernels.load()
         assert ops is not None, "kernel_call gave a call: the kernels are loaded"
         return ops.paged_attention(q, kv_cache, call.tables, call.seq_lens, scale, sliding_window or 0,
-                                   call.seq_ids)
+                                   call.seq_ids, prefill_tiles=not self.batch_invariant)
 
     def attend(
         self,

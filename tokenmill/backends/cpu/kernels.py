@@ -66,6 +66,7 @@ class CppModelWeights(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    prefill_tiles: bool  # the attention kernel's opt-out of batch invariance
 
 
 class CppShmGroup(Protocol):
@@ -81,7 +82,7 @@ class CpuOps(Protocol):
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                        seq_ids: torch.Tensor) -> torch.Tensor: ...
+                        seq_ids: torch.Tensor, prefill_tiles: bool) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -122,7 +123,7 @@ class CpuOps(Protocol):
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
-                     sin: torch.Tensor) -> CppModelWeights: ...
+                     sin: torch.Tensor, prefill_tiles: bool) -> CppModelWeights: ...
 
     def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,

@@ -24,6 +24,14 @@ class CpuBackendOptions:
     # (csrc/cpu_features.cpp kv_prefetch_pays), "off", or "on" wherever it
     # applies, on any CPU (tests, A/B runs). TOKENMILL_KV_PREFETCH.
     kv_prefetch: str = "auto"
+    # Batch invariance: every row of a step gives the bits it gives alone, in any
+    # step, chunk or recompute (a request's greedy tokens do not move with the
+    # load). Where that costs, False buys the speed back (TOKENMILL_BATCH_INVARIANT=0):
+    # the reference model's bf16 linears in one call instead of fixed 8-row
+    # blocks (model/llama.py linear) and its prefills through SDPA instead of
+    # the decode's computation (model/attention.py); on AVX512-BF16 CPUs the
+    # attention kernel's prefill tiles (csrc/paged_attention.cpp).
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_prefetch not in KV_PREFETCH_MODES:
@@ -33,4 +41,4 @@ class CpuBackendOptions:
     @classmethod
     def from_env(cls) -> CpuBackendOptions:
         return cls(cpp_kernels=not envs.no_cpp_kernels(), tp_layer_loop=envs.tp_layer_loop(),
-                   kv_prefetch=envs.kv_prefetch())
+                   kv_prefetch=envs.kv_prefetch(), batch_invariant=envs.batch_invariant())

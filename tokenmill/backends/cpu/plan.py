@@ -141,7 +141,7 @@ class CpuPlan:
         self.kv_prefetch = KV_PREFETCH_MODES[options.kv_prefetch]  # (as the C++ layer calls take it)
         self.dtype = dtype
         self.ops = ops
-        self.attention = CpuAttentionBackend()
+        self.attention = CpuAttentionBackend(batch_invariant=options.batch_invariant)
         spec = model.spec
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -215,7 +215,7 @@ class CpuPlan:
             ) for lay in self.layers],
             final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            cos=self.rotary.cos_cache, sin=self.rotary.sin_cache,
+            cos=self.rotary.cos_cache, sin=self.rotary.sin_cache, prefill_tiles=not self.options.batch_invariant,
         )
         # A query row through a layer's projections (2 FLOPs a parameter at ~200
         # GFLOP/s a thread) against attention reading one context token's K and

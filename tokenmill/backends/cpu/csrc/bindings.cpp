@@ -56,17 +56,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("scale", &LayerWeights::scale);
   py::class_<ModelWeights>(m, "ModelWeights")
       .def(py::init([](std::vector<LayerWeights> layers, at::Tensor final_norm, double eps, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin) {
-             return ModelWeights{std::move(layers), final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin};
+                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, bool prefill_tiles) {
+             return ModelWeights{std::move(layers), final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin,
+                                 prefill_tiles};
            }),
            py::kw_only(), py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("prefill_tiles"))
       .def_readonly("layers", &ModelWeights::layers)
       .def_readonly("final_norm", &ModelWeights::final_norm)
       .def_readonly("eps", &ModelWeights::eps)
       .def_readonly("num_heads", &ModelWeights::num_heads)
       .def_readonly("num_kv_heads", &ModelWeights::num_kv_heads)
-      .def_readonly("head_dim", &ModelWeights::head_dim);
+      .def_readonly("head_dim", &ModelWeights::head_dim)
+      .def_readonly("prefill_tiles", &ModelWeights::prefill_tiles);
 
   py::class_<ShmGroup>(m, "ShmGroup")
       .def(py::init([](at::Tensor region, int64_t rank, int64_t size, int64_t capacity, std::vector<int64_t> pids,
@@ -77,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("size", &ShmGroup::size);
 
   TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"));
+                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles"));
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -28,4 +28,5 @@ struct ModelWeights {
   double eps = 1e-6;      // every norm's epsilon
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   at::Tensor cos, sin;  // the rotary tables [max_positions, head_dim / 2]
+  bool prefill_tiles = false;  // paged_attention's opt-out of batch invariance (paged_attention.cpp)
 };

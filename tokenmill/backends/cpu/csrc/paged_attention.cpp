@@ -13,11 +13,16 @@
 //
 // Scores, softmax and the weighted sum are accumulated in float32.
 //
-// In bfloat16 (AVX512-BF16), the queries of a prefill chunk (2 tokens or more
-// of one request at consecutive positions, no sliding window) go in tiles of
-// 16 with the queries in vector lanes (prefill_tile_bf16): K and V read once
-// for the tile and no horizontal sums. Threads take ranges of equal work (a
-// query costs its context), not of equal query counts.
+// Every query sums the same way whichever step or chunk it comes in (batch
+// invariance), except one opt-out: with prefill_tiles, in bfloat16 on
+// AVX512-BF16, the queries of a prefill chunk (2 tokens or more of one request
+// at consecutive positions, no sliding window) go in tiles of 16 with the
+// queries in vector lanes (prefill_tile_bf16): K and V read once for the tile
+// and no horizontal sums, but the dot products and the softmax's sum run in
+// another order than a decode's, so a recomputed or re-chunked prompt may
+// round otherwise (TOKENMILL_BATCH_INVARIANT=0 turns the tiles on). Threads
+// take ranges of equal work (a query costs its context), not of equal query
+// counts.
 #include <torch/extension.h>
 
 #include "kv_prefetch.h"
@@ -463,7 +468,8 @@ static inline void group_values(int gc, const at::BFloat16* const* rows, int64_t
 template <int C>  // C = head_dim / 16, even
 static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
+                                    double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out,
+                                    bool prefill_tiles) {
   using scalar_t = at::BFloat16;
   constexpr int64_t head_dim = 16 * C;
   constexpr int P = C / 2;  // 32-element chunks of a head
@@ -500,7 +506,7 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
     return seq[b] == seq[b - 1] && lens[b] == lens[b - 1] + 1;
   };
   auto in_chunk = [&](int64_t b) {
-    if (!seq || sliding_window > 0) return false;
+    if (!prefill_tiles || !seq || sliding_window > 0) return false;
     return (b > 0 && follows(b)) || (b + 1 < num_decodes && follows(b + 1));
   };
   // rows[t - first] = K row of context token t, for t in [first, last): a division per block, not per token.
@@ -524,7 +530,7 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
   // flight. A head's sums are computed the same way either way: the same bits.
   bool split_heads = num_kv_heads > 1 && num_decodes < omp_get_max_threads();
   for (int64_t b = 1; b < num_decodes && split_heads; ++b)
-    split_heads = !(seq && sliding_window <= 0 && follows(b));  // (no prefill tiles: they take all heads)
+    split_heads = !in_chunk(b);  // (no prefill tiles: they take all heads)
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -648,13 +654,14 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out,
+                              [[maybe_unused]] bool prefill_tiles) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     switch (q.size(2)) {
-      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles); return true;
+      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles); return true;
+      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles); return true;
       default: break;
     }
   }
@@ -934,7 +941,8 @@ static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
+                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out,
+                              bool) {
   switch (q.size(2)) {
     case 32: paged_attention_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
     case 64: paged_attention_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
@@ -945,14 +953,14 @@ static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache
 #else
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double, int64_t, const at::Tensor&, at::Tensor&) {
+                              const at::Tensor&, double, int64_t, const at::Tensor&, at::Tensor&, bool) {
   return false;
 }
 #endif
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t sliding_window,
-                        at::Tensor seq_ids) {
+                        at::Tensor seq_ids, bool prefill_tiles) {
   NoGil no_gil;
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
@@ -975,10 +983,11 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_t
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out))
+    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles))
       paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out))
+    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out,
+                                             prefill_tiles))
       paged_attention_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
