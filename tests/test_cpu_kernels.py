@@ -430,12 +430,15 @@ LONG_CHUNKS = [(40, 1), (7, 1), (0, 37), (30, 40), (100, 2), (5, 17)]
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
-def test_prefill_chunks_in_tiles_match_torch(
-    kernel_available: None, head_dim: int, num_heads: int, num_kv_heads: int
+@pytest.mark.parametrize("invariant", [True, False], ids=["as-decodes", "tiles"])
+def test_prefill_chunks_match_torch(
+    kernel_available: None, head_dim: int, num_heads: int, num_kv_heads: int, invariant: bool
 ) -> None:
+    """Batch-invariant (the default), a chunk's queries run as decodes; opted
+    out, in 16-query tiles where the build has AVX512-BF16."""
     q, kv_cache, meta = mixed_step_case(torch.bfloat16, head_dim, 16, LONG_CHUNKS, num_heads,
                                         num_kv_heads)
-    ours = CpuAttentionBackend().attend(q, kv_cache, meta, 0.125, None)
+    ours = CpuAttentionBackend(batch_invariant=invariant).attend(q, kv_cache, meta, 0.125, None)
     ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.125, None)
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -487,22 +490,29 @@ def test_fewer_queries_than_threads_give_the_bits_of_a_full_step(
         torch.set_num_threads(before)
 
 
-def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None) -> None:
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_chunk_query_does_not_depend_on_its_neighbours(kernel_available: None, tiles: bool) -> None:
     """A query of a prefill chunk gets the same bits whichever queries share its
-    tile: here the chunk alone, and the chunk after other requests' queries
-    (which moves where its tiles and the threads' shares start)."""
+    step or tile: here the chunk alone, and the chunk after other requests' queries
+    (which moves where its tiles and the threads' shares start); without the
+    tiles (batch invariance, the default) also each query alone, as a decode."""
     kernel = kernels.paged_attention_kernel()
     assert kernel is not None
     q, kv_cache, meta = mixed_step_case(torch.bfloat16, 64, 16, LONG_CHUNKS, 9, 3)
     assert meta.token_seq_ids is not None and meta.token_seq_lens is not None
-    whole = kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, 0.125, 0, meta.token_seq_ids)
+    whole = kernel(q, kv_cache, meta.block_tables, meta.token_seq_lens, 0.125, 0, meta.token_seq_ids, tiles)
     start, end = meta.query_start_loc[3], meta.query_start_loc[4]  # the 40-token chunk after 30
     alone = kernel(q[start:end], kv_cache, meta.block_tables, meta.token_seq_lens[start:end], 0.125, 0,
-                   meta.token_seq_ids[start:end])
+                   meta.token_seq_ids[start:end], tiles)
     assert torch.equal(alone, whole[start:end])
     shifted = kernel(q[start + 5:end], kv_cache, meta.block_tables, meta.token_seq_lens[start + 5:end],
-                     0.125, 0, meta.token_seq_ids[start + 5:end])
+                     0.125, 0, meta.token_seq_ids[start + 5:end], tiles)
     assert torch.equal(shifted, whole[start + 5:end])
+    if not tiles:
+        for i in range(start, end):
+            decode = kernel(q[i:i + 1], kv_cache, meta.block_tables, meta.token_seq_lens[i:i + 1], 0.125, 0,
+                            meta.token_seq_ids[i:i + 1])
+            assert torch.equal(decode, whole[i:i + 1]), i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

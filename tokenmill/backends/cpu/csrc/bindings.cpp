@@ -79,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("size", &ShmGroup::size);
 
   TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles"));
+                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles") = false);
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
