@@ -103,7 +103,7 @@ def serve_probe(args: argparse.Namespace, cm: CostModel) -> CostModel:
     port = serve_bench.free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", args.dtype, "--no-enable-prefix-caching"]
+           str(port), "--dtype", args.dtype, "--quantization", args.quantization, "--no-enable-prefix-caching"]
     if args.model:
         cmd += ["--model", args.model]
     measured: dict[int, list[Any]] = {}
@@ -153,6 +153,9 @@ def serve_probe(args: argparse.Namespace, cm: CostModel) -> CostModel:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--quantization", default="none",
+                   help="the weights' format, as LLM takes it (default none: the bench's throughput "
+                        "and serve runs dequantize the default GGUF; `gguf` for its own blocks)")
     p.add_argument("--rounds", type=int, default=2, help="times each scenario runs")
     p.add_argument("--output", default="sim-cost-model.json")
     p.add_argument("--serve", action="store_true",
@@ -178,8 +181,8 @@ def _model_shape(args: argparse.Namespace) -> tuple[ModelShape, Any]:
         return CostModel.load(args.base).model, None
     from tokenmill import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=256,
+              max_num_batched_tokens=2048, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
     return ModelShape.from_model_info(llm.model_info()), llm
 
 
@@ -216,7 +219,8 @@ def main_calibrate(args: argparse.Namespace) -> int:
         del llm
         from tokenmill import LLM
 
-        static = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_num_batched_tokens=2048,
+        static = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=16,
+                     max_num_batched_tokens=2048,
                      enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30,
                      scheduling_policy="static")
         run_scenarios(static, STATIC_SCENARIOS[:1], 1, uneven=True)  # warm-up, not kept
