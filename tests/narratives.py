@@ -61,6 +61,7 @@ def make_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     kv_allocation: str = "paged",
+    kv_reserve_output_tokens: int | None = None,
 ) -> Scheduler:
     return make_policy_scheduler(
         SchedulerConfig(
@@ -69,7 +70,8 @@ def make_scheduler(
             policy=policy,
         ),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching,
-                    kv_allocation=kv_allocation),
+                    kv_allocation=kv_allocation,
+                    kv_reserve_output_tokens=kv_reserve_output_tokens),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
     )

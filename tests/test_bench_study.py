@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import peers, study
+from tokenmill.bench import peers, study, throughput
 from tokenmill.bench.serve import RateReport
 from tokenmill.bench.throughput import ThroughputRow
 from tokenmill.bench.workloads import throughput_a
@@ -27,10 +27,32 @@ def test_the_budget_is_every_seat_at_the_mean_request() -> None:
     text = study.describe_budget(32, 16, 512)
     assert text.startswith("KV budget: 512 blocks of 16 = 8,192 tokens = max_num_seqs 32 x "
                            "(prompt 128 + mean output 128)")
-    # From CAP 512 on, 32 mean reservations exceed the budget: memory-bound.
-    assert "CAP 32: mean reservation 157 tokens, 32 of them 5,023" in text
-    assert "CAP 512: mean reservation 259 tokens, 32 of them 8,275; the longest 640" in text
-    assert "CAP 1536: mean reservation 259 tokens, 32 of them 8,302; the longest 704" in text
+    # Reserving for the cap (the default): every seat up to CAP 128, then fewer.
+    assert "CAP 128: each request reserves prompt + CAP = 256 tokens (256 in blocks): 32 run " \
+           "at once reserved, of 32 seats" in text
+    assert "CAP 512: each request reserves prompt + CAP = 640 tokens (640 in blocks): 12 run" in text
+    assert "CAP 1536: each request reserves prompt + CAP = 1664 tokens (1664 in blocks): 4 run" \
+        in text
+    # Reserving each drawn length: from CAP 512 on, 32 mean reservations exceed the budget.
+    exact = study.describe_budget(32, 16, 512, reserve="exact")
+    assert "CAP 32: mean reservation 157 tokens, 32 of them 5,023" in exact
+    assert "CAP 512: mean reservation 259 tokens, 32 of them 8,275; the longest 640" in exact
+    assert "CAP 1536: mean reservation 259 tokens, 32 of them 8,302; the longest 704" in exact
+
+
+def test_each_reserving_configuration_reserves_the_cap_unless_told_exact() -> None:
+    opts = throughput.engine_options("continuous+reserved", 512, "cap")
+    assert (opts["kv_allocation"], opts["kv_reserve_output_tokens"]) == ("reserved", 512)
+    assert "kv_reserve_output_tokens" not in throughput.engine_options(
+        "continuous+reserved", 512, "exact")
+    assert "kv_reserve_output_tokens" not in throughput.engine_options("continuous", 512, "cap")
+    with pytest.raises(ValueError, match="choose from"):
+        throughput.engine_options("continuous", 512, "max")
+    # The one-run command carries it to the subprocess, whose parser takes it.
+    args = argparse.Namespace(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048,
+                              model=None, num_kv_blocks=512, reserve="exact")
+    cmd = throughput.one_run_command(args, "static+reserved", 1536)
+    assert cmd[cmd.index("--reserve") + 1] == "exact"
 
 
 def test_the_decomposition_is_the_seed_s() -> None:
@@ -50,7 +72,7 @@ def test_the_decomposition_is_the_seed_s() -> None:
 
 def test_each_latency_configuration_is_a_server_with_the_study_s_budget() -> None:
     args = argparse.Namespace(dtype="bfloat16", num_kv_blocks=512, max_num_seqs=32, model=None,
-                              max_num_batched_tokens=2048)
+                              max_num_batched_tokens=2048, reserve="cap")
     cmd = study.serve_command(args, "static+reserved", 8123)
     assert cmd[cmd.index("serve") - 2:cmd.index("serve")] == ["-m", "tokenmill.cli"]
     serve_args = build_parser().parse_args(cmd[cmd.index("serve"):])
@@ -58,9 +80,11 @@ def test_each_latency_configuration_is_a_server_with_the_study_s_budget() -> Non
     assert (engine.scheduling_policy, engine.kv_allocation, engine.num_kv_blocks,
             engine.max_num_seqs, engine.max_num_batched_tokens,
             engine.enable_prefix_caching) == ("static", "reserved", 512, 32, 2048, False)
+    assert engine.kv_reserve_output_tokens == 128  # serve-B's requests are CAP 128's
     paged = EngineArgs.from_cli_args(build_parser().parse_args(
         study.serve_command(args, "continuous", 8123)[3:]))
     assert (paged.scheduling_policy, paged.kv_allocation) == ("fcfs", "paged")
+    assert paged.kv_reserve_output_tokens is None
     prefix = EngineArgs.from_cli_args(build_parser().parse_args(
         study.serve_command(args, "continuous+prefix", 8123)[3:]))
     assert prefix.enable_prefix_caching

@@ -33,10 +33,12 @@ from tokenmill.core.scheduler import Scheduler
 
 
 def reserving(*, num_blocks: int, kv_allocation: str = "reserved", policy: str = "fcfs",
-              max_num_seqs: int = 8, enable_prefix_caching: bool = False) -> Scheduler:
+              max_num_seqs: int = 8, enable_prefix_caching: bool = False,
+              reserve_output: int | None = None, max_model_len: int = 1024) -> Scheduler:
     """The narratives' scheduler, reserving and without the prefix cache unless told."""
     return make_scheduler(num_blocks=num_blocks, kv_allocation=kv_allocation, policy=policy,
-                          max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+                          max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+                          kv_reserve_output_tokens=reserve_output, max_model_len=max_model_len)
 
 
 def held(sched: Scheduler, request_id: str) -> list[int]:
@@ -147,6 +149,54 @@ def test_a_request_that_can_never_fit_is_refused_naming_max_tokens_and_the_budge
     # max_tokens None reserves the context, capped by the pool: 40 tokens.
     sched.add_request(make_request("c", toks(1, 8), max_tokens=None))
     assert sched.kv.reservation_tokens(sched.requests["c"]) == 40
+
+
+def test_reserving_for_the_cap_holds_room_for_outputs_nobody_generates() -> None:
+    # kv_reserve_output_tokens 8, as a server that cannot know an answer's length:
+    # each 4-token prompt with max_tokens 2 reserves 4 + 8 = 12 tokens (3 blocks),
+    # so 10 blocks admit 3 where exact reservations (2 blocks each) admit all 4.
+    sched = reserving(num_blocks=10, reserve_output=8)
+    exact = reserving(num_blocks=10)
+    for s in (sched, exact):
+        for i in range(4):
+            s.add_request(make_request(f"r{i}", toks(10 * i + 1, 10 * i + 4), max_tokens=2))
+    out, _ = step(sched)
+    assert num_tokens_by_req(out) == {"r0": 4, "r1": 4, "r2": 4}
+    assert sched.kv.reserved == {"r0": 3, "r1": 3, "r2": 3}
+    assert sched.kv.num_reserved_blocks == 3 * 2  # one block each is handed out
+    out, _ = step(exact)
+    assert num_tokens_by_req(out) == {"r0": 4, "r1": 4, "r2": 4, "r3": 4}
+    # r3 waits for a finished request's reservation, never for a block: r0..r2
+    # finish after 2 tokens, having used 2 of their 3 blocks.
+    out, outputs = step(sched)
+    assert {o.request_id for o in outputs if o.finished} == {"r0", "r1", "r2"}
+    assert [r.request_id for r in sched.waiting] == ["r3"]
+    out, _ = step(sched)
+    assert num_tokens_by_req(out) == {"r3": 4}
+    outputs = run_to_completion(sched)
+    assert {o.request_id for o in outputs if o.finished} == {"r3"}
+    assert sched.num_preemptions == 0 and sched.kv.reserved == {}
+    assert sched.kv.pool.num_free_blocks == 10
+    # A request that asks for more than the cap reserves its own; none past the context.
+    wide = reserving(num_blocks=10, reserve_output=8, max_model_len=10)
+    wide.add_request(make_request("long", toks(1, 4), max_tokens=12))
+    wide.add_request(make_request("short", toks(1, 4), max_tokens=2))
+    assert wide.kv.reservation_tokens(wide.requests["long"]) == 16
+    assert wide.kv.reservation_tokens(wide.requests["short"]) == 10
+
+
+def test_reserving_for_the_cap_stops_at_the_context_and_only_applies_when_reserving() -> None:
+    # The context is capped by the pool (40 tokens): a cap past it reserves the
+    # context, so only a request's own max_tokens can be refused.
+    sched = reserving(num_blocks=10, reserve_output=64)
+    sched.add_request(make_request("a", toks(1, 8), max_tokens=4))
+    assert sched.kv.reservation_tokens(sched.requests["a"]) == 40
+    with pytest.raises(ValueError, match="prompt 8 \\+ max_tokens 33"):
+        sched.add_request(make_request("b", toks(1, 8), max_tokens=33))
+    with pytest.raises(ValueError, match="applies to kv_allocation='reserved' only"):
+        CacheConfig(kv_reserve_output_tokens=8)
+    with pytest.raises(ValueError, match="kv_reserve_output_tokens must be >= 1"):
+        CacheConfig(kv_allocation="reserved", kv_reserve_output_tokens=0)
 
 
 def test_prefix_hits_held_by_another_request_cost_no_reservation() -> None:

@@ -124,13 +124,22 @@ def test_reserved_kv_comes_with_the_real_kv_manager() -> None:
     assert paged.num_output_tokens == reserved.num_output_tokens == 16717
     assert reserved.num_preemptions == 0 < paged.num_preemptions
     assert reserved.mean_batch_size < paged.mean_batch_size - 3
+    # Reserving the cap, prompt 128 + 512 = 640 tokens each: 12 run at a time.
+    capped = simulate(requests, EngineSettings(max_num_seqs=32, num_kv_blocks=512,
+                                               kv_allocation="reserved",
+                                               kv_reserve_output_tokens=512),
+                      COST, check_integrity=True)
+    assert max(s.num_running for s in capped.steps) == 12
+    assert capped.num_output_tokens == 16717 and capped.num_preemptions == 0
     # Through the CLI's settings: the bench's configuration names carry the option.
     from tokenmill.sim.cli import settings_for
 
     args = argparse.Namespace(max_num_seqs=None, max_num_batched_tokens=None, block_size=16,
                               num_kv_blocks=512, kv_cache_memory_bytes=4 << 30,
-                              num_speculative_tokens=0, draft_acceptance_rate=0.5)
+                              num_speculative_tokens=0, draft_acceptance_rate=0.5, reserve="cap")
     assert settings_for(args, True, "static+reserved").kv_allocation == "reserved"
+    assert settings_for(args, True, "static+reserved", 1536).kv_reserve_output_tokens == 1536
+    assert settings_for(args, True, "continuous", 1536).kv_reserve_output_tokens is None
     assert settings_for(args, True, "static+reserved").scheduling_policy == "static"
     assert settings_for(args, True, "continuous").kv_allocation == "paged"
 

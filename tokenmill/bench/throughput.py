@@ -36,6 +36,23 @@ POLICIES: dict[str, dict[str, Any]] = {
     "continuous+reserved": {"scheduling_policy": "fcfs", "enable_prefix_caching": False,
                             "kv_allocation": "reserved"},
 }
+# What a "+reserved" configuration reserves for a request's output: "cap", the
+# workload's cap (a server that cannot know an answer's length holds room for the
+# longest it allows, as the seed's systems did: the vLLM paper's "Max"), or
+# "exact", the request's own max_tokens, its drawn length (the paper's "Oracle").
+RESERVES = ("cap", "exact")
+
+
+def engine_options(policy: str, cap: int, reserve: str) -> dict[str, Any]:
+    """The engine options of `policy` on throughput-A at `cap` (EngineArgs' names)."""
+    if reserve not in RESERVES:
+        raise ValueError(f"reserve={reserve!r}: choose from {RESERVES}")
+    opts = dict(POLICIES[policy])
+    if opts["kv_allocation"] == "reserved" and reserve == "cap":
+        opts["kv_reserve_output_tokens"] = cap
+    return opts
+
+
 # `bench throughput`'s default: the scheduling study on paged memory.
 DEFAULT_POLICIES = "static,continuous,continuous+prefix"
 # The seed's baseline: static batching on memory reserved per request (the HF pipeline).
@@ -70,6 +87,7 @@ class ThroughputRow:
     mean_kv_used: float | None = None
     mean_kv_held: float | None = None
     num_kv_blocks: int | None = None  # the pool, where the run set it
+    kv_reserve_output_tokens: int | None = None  # what a reserving run reserved per output
     # What a peer ran with that the columns do not say (environment variables,
     # scheduler limits, how peak RSS was measured); empty for tokenmill's rows.
     settings: dict[str, Any] = field(default_factory=dict)
@@ -77,14 +95,14 @@ class ThroughputRow:
 
 def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
             max_num_batched_tokens: int, device: str = "cpu",
-            num_kv_blocks: int | None = None) -> ThroughputRow:
+            num_kv_blocks: int | None = None, reserve: str = "cap") -> ThroughputRow:
     """One timed run in this process (num_kv_blocks None: the engine's default pool)."""
     from tokenmill import LLM, SamplingParams
 
     workload: Workload = throughput_a(cap)
+    opts = engine_options(policy, cap, reserve)
     llm = LLM(model, dtype=dtype, quantization="none", device=device, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
-              **POLICIES[policy])
+              max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks, **opts)
     # Warm-up: first-call costs (thread pools, allocator) stay out of the timing. Its
     # prompts share no block with the workload's, so the prefix cache gains nothing.
     warmup = [[(i * 131 + j) % 90 + 1 for j in range(128)] for i in range(4)]
@@ -104,6 +122,7 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
                    stats.mean_batch_size, stats.num_steps, stats.num_preemptions)
     row.mean_kv_used, row.mean_kv_held = stats.mean_kv_used, stats.mean_kv_held
     row.num_kv_blocks = num_kv_blocks
+    row.kv_reserve_output_tokens = opts.get("kv_reserve_output_tokens")
     if device != "cpu":
         import torch
 
@@ -186,7 +205,8 @@ def one_run_command(args: argparse.Namespace, policy: str, cap: int) -> list[str
            "--policy", policy, "--cap", str(cap), "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--device", getattr(args, "device", "cpu")]
+           "--device", getattr(args, "device", "cpu"),
+           "--reserve", getattr(args, "reserve", "cap")]
     if args.model:
         cmd += ["--model", args.model]
     if getattr(args, "num_kv_blocks", None):
@@ -257,6 +277,12 @@ def positive_ints(text: str) -> str:
     return text
 
 
+def add_reserve_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reserve", default="cap", choices=RESERVES,
+                   help="what the +reserved configurations reserve for a request's output: the "
+                        "workload's cap (the seed's systems) or its own drawn length (exact)")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--workload", default="throughput-A", choices=["throughput-A"])
@@ -267,6 +293,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--output-dir", default="bench-results")
+    add_reserve_arg(p)
     p.add_argument("--profile", action="store_true",
                    help="profile one continuous run of the first CAP instead (time per part)")
 
@@ -308,7 +335,7 @@ def _main() -> int:
     if args.one:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         row = run_one(args.model, args.policy, args.cap, args.dtype, args.max_num_seqs,
-                      args.max_num_batched_tokens, args.device, args.num_kv_blocks)
+                      args.max_num_batched_tokens, args.device, args.num_kv_blocks, args.reserve)
         print(json.dumps(asdict(row)))
         return 0
     return main_throughput(args)

@@ -10,6 +10,12 @@ reservation counts as taken. So a running request always has room for its
 next token and is never preempted, and a newcomer waits until a finished
 request gives its reservation back.
 
+What a request reserves for its output is `CacheConfig.kv_reserve_output_tokens`
+when set (its own max_tokens where that is larger; never past the context): a
+server that, like the seed's systems, cannot know how long an answer will be and
+holds room for the longest it allows (the vLLM paper's "Max"). Unset, each
+request reserves its own max_tokens (the paper's "Oracle", the kindest).
+
 Growing past a reservation (static batching's padding is computed past a
 member's max_tokens) takes only blocks that no reservation holds, and can
 fail, as under paging; the scheduler then does what it does under paging.
@@ -30,9 +36,10 @@ from tokenmill.core.request import Request
 
 class ReservingKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 max_model_len: int) -> None:
+                 max_model_len: int, reserve_output_tokens: int | None = None) -> None:
         super().__init__(num_blocks, block_size, enable_caching)
         self.max_model_len = max_model_len
+        self.reserve_output_tokens = reserve_output_tokens
         self.reserved: dict[str, int] = {}  # request id -> blocks reserved at admission
         # Sum over requests of the reserved blocks not handed out yet.
         self._num_unfilled = 0
@@ -41,7 +48,11 @@ class ReservingKVCacheManager(KVCacheManager):
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:  # it may grow to the context
             return self.max_model_len
-        return request.num_prompt_tokens + max_tokens
+        own = request.num_prompt_tokens + max_tokens
+        if self.reserve_output_tokens is None:
+            return own
+        return max(own, min(request.num_prompt_tokens + self.reserve_output_tokens,
+                            self.max_model_len))
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -55,6 +66,8 @@ class ReservingKVCacheManager(KVCacheManager):
         tokens = self.reservation_tokens(request)
         if self.blocks_needed(tokens) <= self.num_blocks:
             return
+        # (kv_reserve_output_tokens never reserves past the context, which the pool
+        # caps: only the request's own max_tokens can exceed the budget.)
         max_tokens = request.sampling_params.max_tokens
         wanted = (f"prompt {request.num_prompt_tokens} + max_tokens {max_tokens}"
                   if max_tokens is not None else f"max_tokens None: the context, {tokens}")
@@ -123,5 +136,6 @@ def make_kv_cache_manager(cache_config: CacheConfig, num_blocks: int,
     reserving (the batching study's baseline) is its subclass."""
     if cache_config.kv_allocation == "reserved":
         return ReservingKVCacheManager(num_blocks, cache_config.block_size,
-                                       cache_config.enable_prefix_caching, max_model_len)
+                                       cache_config.enable_prefix_caching, max_model_len,
+                                       cache_config.kv_reserve_output_tokens)
     return KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)

@@ -48,6 +48,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # tokenmill's own (vLLM only pages): "paged", or "reserved" (config.CacheConfig).
     kv_allocation: str = "paged"
+    kv_reserve_output_tokens: int | None = None  # reserved only (config.CacheConfig)
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
@@ -89,6 +90,7 @@ class EngineArgs:
                 num_blocks_override=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_allocation=self.kv_allocation,
+                kv_reserve_output_tokens=self.kv_reserve_output_tokens,
             ),
             SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -176,6 +178,11 @@ class EngineArgs:
             help="paged: KV blocks as a request's tokens need them; reserved: a request is "
                  "admitted only when its whole prompt + max_tokens fits, and holds that "
                  "space until it finishes (the systems before paging, for `bench study`)")
+        parser.add_argument(
+            "--kv-reserve-output-tokens", type=int, default=None,
+            help="with --kv-allocation reserved: the output tokens every request reserves "
+                 "(its max_tokens where larger), as a server that cannot know an answer's "
+                 "length reserves for the longest; default: each request's own max_tokens")
         parser.add_argument("--skip-tokenizer-init", action="store_true",
                             help="no tokenizer: prompts and outputs are token ids")
         parser.add_argument(

@@ -48,6 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: drafts per decoding request and step")
     p.add_argument("--draft-acceptance-rate", type=float, default=0.5,
                    help="each draft's chance to be accepted (given the one before it was)")
+    throughput_bench.add_reserve_arg(p)
     p.add_argument("--num-requests", type=int, default=64, help="serve-B: requests per rate")
     p.add_argument("--offline", action="store_true",
                    help="serve-B / a JSON workload as LLM.generate would run it: without the "
@@ -91,16 +92,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     pl.set_defaults(func=main_plan, num_requests=256)
 
 
-def settings_for(args: argparse.Namespace, throughput: bool, policy: str = "continuous"
-                 ) -> EngineSettings:
+def settings_for(args: argparse.Namespace, throughput: bool, policy: str = "continuous",
+                 cap: int = 128) -> EngineSettings:
+    """The engine settings of `policy` (at throughput-A's `cap`; serve-B's requests
+    are CAP 128's, which is what a reserving server reserves for)."""
     seqs = args.max_num_seqs or (32 if throughput else 128)
     budget = args.max_num_batched_tokens or (
         2048 if throughput else max(CPU_SERVE_MAX_NUM_BATCHED_TOKENS, seqs))
-    opts = POLICIES[policy]
+    opts = throughput_bench.engine_options(policy, cap, getattr(args, "reserve", "cap"))
     return EngineSettings(scheduling_policy=opts["scheduling_policy"], max_num_seqs=seqs,
                           max_num_batched_tokens=budget, block_size=args.block_size,
                           enable_prefix_caching=opts["enable_prefix_caching"],
                           kv_allocation=opts["kv_allocation"],
+                          kv_reserve_output_tokens=opts.get("kv_reserve_output_tokens"),
                           num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           num_speculative_tokens=args.num_speculative_tokens,
@@ -136,7 +140,7 @@ def main_simulate(args: argparse.Namespace) -> int:
         rows: list[ThroughputRow] = []
         for cap in (int(c) for c in args.caps.split(",")):
             for policy in _policies(args, "static,continuous"):
-                result = run(throughput_a_requests(cap), settings_for(args, True, policy),
+                result = run(throughput_a_requests(cap), settings_for(args, True, policy, cap),
                              f"throughput-A-cap{cap}-{policy}")
                 rows.append(report.throughput_row(result, policy, cap, dtype))
         baseline = baseline_policy([r.policy for r in rows])

@@ -59,6 +59,7 @@ class EngineSettings:
     block_size: int = 16
     enable_prefix_caching: bool = False
     kv_allocation: str = "paged"  # or "reserved" (core/kv_reservation.py)
+    kv_reserve_output_tokens: int | None = None  # reserved only (config.CacheConfig)
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 4 << 30  # the CPU engine's default cap (worker/cache_sizing.py)
     num_speculative_tokens: int = 0  # drafts per decoding request and step (0: no speculation)
@@ -75,7 +76,8 @@ class EngineSettings:
                                 policy=self.scheduling_policy),
                 CacheConfig(block_size=self.block_size,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            kv_allocation=self.kv_allocation))
+                            kv_allocation=self.kv_allocation,
+                            kv_reserve_output_tokens=self.kv_reserve_output_tokens))
 
     def blocks(self, kv_bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:

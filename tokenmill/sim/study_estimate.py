@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from tokenmill.bench import study
-from tokenmill.bench.throughput import POLICIES
+from tokenmill.bench.throughput import POLICIES, engine_options
 from tokenmill.sim.cost_model import CostModel
 from tokenmill.sim.report import rate_report
 from tokenmill.sim.simulator import EngineSettings, simulate
@@ -38,14 +38,16 @@ VLLM_SLOWDOWN = 2.0
 VLLM_START_S = 60.0
 
 
-def settings(args: argparse.Namespace, config: str, serving: bool) -> EngineSettings:
-    opts = POLICIES[config]
+def settings(args: argparse.Namespace, config: str, serving: bool,
+             cap: int = study.LATENCY_CAP) -> EngineSettings:
+    opts = engine_options(config, cap, args.reserve)
     return EngineSettings(scheduling_policy=opts["scheduling_policy"],
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           block_size=study.BLOCK_SIZE,
                           enable_prefix_caching=opts["enable_prefix_caching"],
                           kv_allocation=opts["kv_allocation"], num_kv_blocks=args.num_kv_blocks,
+                          kv_reserve_output_tokens=opts.get("kv_reserve_output_tokens"),
                           serving=serving)
 
 
@@ -76,7 +78,7 @@ def estimate(args: argparse.Namespace) -> tuple[dict[str, float], str]:
     cost = CostModel.load(path)
     caps = [int(c) for c in args.caps.split(",")]
     configs = args.configs.split(",")
-    walls = {(config, cap): simulate(throughput_a_requests(cap), settings(args, config, False),
+    walls = {(config, cap): simulate(throughput_a_requests(cap), settings(args, config, False, cap),
                                      cost).wall_s
              for cap in caps for config in {*configs, study.NAIVE_STATIC, "continuous"}}
     parts = {"throughput": sum(RUN_START_S + walls[c, cap] for c in configs for cap in caps)}
