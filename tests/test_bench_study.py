@@ -174,9 +174,13 @@ def test_hf_static_batches_fit_the_kv_budget() -> None:
     assert sum(len(b) for b in batches) == 128
     assert all(len(b) * (128 + max(w.output_lens[b.start:b.stop])) <= 8192 for b in batches)
     assert max(len(b) for b in batches) <= 32 and min(len(b) for b in batches) < 32
+    # Sized for the cap, as naive static reserves it: 8,192 // (128 + 1536) = 4 a batch.
+    capped = peers.static_batches([len(p) for p in w.prompts], w.output_lens, 32, 8192, 1536)
+    assert {len(b) for b in capped} == {4} and len(capped) == 32
     cmd = peers.hf_command(argparse.Namespace(dtype="bfloat16", max_num_seqs=32, model=None),
-                           "hf-static", 1536, 8192)
+                           "hf-static", 1536, 8192, 1536)
     assert cmd[cmd.index("--kv-budget-tokens") + 1] == "8192"
+    assert cmd[cmd.index("--reserve-output-tokens") + 1] == "1536"
 
 
 def test_the_run_time_is_estimated_by_the_simulator(tmp_path: Path) -> None:

