@@ -246,7 +246,7 @@ def test_static_batch_with_reserved_memory_runs_its_members_as_reservations_allo
     # b needs 4 of 3 free: the padding member is preempted and b admitted.
     out, _ = step(sched)
     assert num_tokens_by_req(out) == {"b": 4}
-    assert out.preempted_req_ids == [] and a.num_preemptions == 1
+    assert out.preempted_req_ids == ["a"] and a.num_preemptions == 1
     assert held(sched, "a") == [] and held(sched, "b") == [3]
     # Admitted in the step that preempted the padding: the runner gets b's prompt.
     assert out.scheduled[0].prompt_token_ids == toks(11, 14)

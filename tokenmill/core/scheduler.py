@@ -196,7 +196,7 @@ class Scheduler:
         # (Admitting may preempt too, in a subclass: what is new is what was not running.)
         running_before = {r.request_id for r in self.running}
         if not preempted:
-            budget = self._admit_waiting(budget, num_new_by_req)
+            budget = self._admit_waiting(budget, num_new_by_req, preempted)
 
         # 3. Describe the step and advance the computed counts.
         scheduled = []
@@ -256,10 +256,12 @@ class Scheduler:
         preemption changes `running` while they are gone through)."""
         return list(self.running)
 
-    def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int]) -> int:
+    def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int],
+                       preempted: list[str]) -> int:
         """Admit from the queue's head while budget, seats and blocks last. A
         newcomer waits for blocks to be freed and never preempts: preempting for
-        it would only trade one waiting request for another."""
+        it would only trade one waiting request for another. (A subclass that
+        does preempt adds each victim's id to `preempted`.)"""
         while budget > 0 and len(self.running) < self.config.max_num_seqs and self.queue:
             request = self._next_ready()
             if request is None:

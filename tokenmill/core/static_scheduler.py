@@ -125,7 +125,8 @@ class StaticBatchScheduler(Scheduler):
         # A padding member that reached max_model_len has nothing left to compute.
         return [r for r in self.running if r.num_computed_tokens < r.num_tokens]
 
-    def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int]) -> int:
+    def _admit_waiting(self, budget: int, num_new_by_req: dict[str, int],
+                       preempted: list[str]) -> int:
         if not self.batch:
             first = itertools.islice(self.queue, self.config.max_num_seqs)
             self.batch = dict.fromkeys(r.request_id for r in first)
@@ -148,6 +149,7 @@ class StaticBatchScheduler(Scheduler):
                     return budget
                 budget += num_new_by_req.pop(victim.request_id, 0)
                 self._preempt(victim)
+                preempted.append(victim.request_id)
             self.queue.remove(request)
             self._admit(request, num_hit_tokens, num_new, num_new_by_req)
             budget -= num_new
