@@ -123,6 +123,11 @@ def test_both_config_formats_give_one_spec() -> None:
     su = spec_from_hf_config(phi4_mini_like(rope_scaling={"type": "su", "short_factor": SHORT,
                                                           "long_factor": LONG, "attention_factor": 1.5}))
     assert su.rope_scaling is not None and su.rope_scaling["attention_factor"] == 1.5
+    # Phi3Config's defaults where a file leaves a field out.
+    bare = {k: v for k, v in phi4_mini_like().items() if k not in ("rms_norm_eps", "original_max_position_embeddings")}
+    spec = spec_from_hf_config(bare)
+    assert spec.rms_norm_eps == hf_config(bare).rms_norm_eps == 1e-5
+    assert spec.rope_scaling is not None and spec.rope_scaling["original_max_position_embeddings"] == 4096
 
 
 @pytest.mark.parametrize(("overrides", "field"), [

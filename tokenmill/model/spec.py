@@ -19,7 +19,12 @@ from tokenmill.model.spec_gemma import (
     gemma_fields,
     gemma_gguf_fields,
 )
-from tokenmill.model.spec_phi3 import PHI3_ARCHITECTURES, phi3_gguf_fields, phi3_hf_fields
+from tokenmill.model.spec_phi3 import (
+    PHI3_ARCHITECTURES,
+    phi3_config,
+    phi3_gguf_fields,
+    phi3_hf_fields,
+)
 
 if TYPE_CHECKING:
     from tokenmill.model.gguf_file import GGUFFile
@@ -58,6 +63,8 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
     gemma = architecture in GEMMA_ARCHITECTURES
     if gemma:
         cfg = gemma_config(cfg, architecture, path)
+    elif architecture in PHI3_ARCHITECTURES:
+        cfg = phi3_config(cfg)
     num_heads = _positive_int(_require(cfg, "num_attention_heads", path), "num_attention_heads", path)
     hidden_size = _positive_int(_require(cfg, "hidden_size", path), "hidden_size", path)
     max_position_embeddings = _context_length(_positive_int(

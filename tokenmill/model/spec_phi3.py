@@ -37,6 +37,11 @@ _LONGROPE_NAMES = ("longrope", "su", "yarn")
 _DEFAULT_ORIGINAL_MAX = 4096  # Phi3Config's original_max_position_embeddings
 
 
+def phi3_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """`cfg` with Phi3Config's defaults where they are not the generic reader's."""
+    return {"rms_norm_eps": 1e-5, **cfg}
+
+
 def phi3_hf_fields(cfg: Mapping[str, Any], head_dim: int, max_position_embeddings: int,
                    path: str) -> dict[str, Any]:
     """rope_theta, rope_scaling, rotary_dim and sliding_window of a Phi-3 config.json."""
