@@ -168,6 +168,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
 
 
+# Phi3Config's special tokens (32000) are past a tiny vocabulary.
+_PHI_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
 def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
     common: dict[str, Any] = dict(
         vocab_size=320,
@@ -213,11 +217,11 @@ def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
         cfg = transformers.Gemma2Config(**common, head_dim=32, sliding_window=4, attn_logit_softcapping=2.0,
                                         final_logit_softcapping=3.0)
     elif arch == "phi3":  # fused qkv_proj and gate_up_proj, a window of 4 on every layer
-        cfg = transformers.Phi3Config(**common, sliding_window=4, pad_token_id=0)
+        cfg = transformers.Phi3Config(**common, sliding_window=4, **_PHI_TOKENS)
     elif arch == "phi4_mini":  # 3/4 of each head rotated, LongRoPE within its original 16 positions
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                 "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
-        cfg = transformers.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=True,
+        cfg = transformers.Phi3Config(**common, **_PHI_TOKENS, tie_word_embeddings=True,
                                       original_max_position_embeddings=16, rope_parameters=rope)
     else:
         raise AssertionError(arch)

@@ -158,7 +158,7 @@ def _say_longrope_past_original(spec: ModelSpec, max_positions: int) -> None:
     at load: tokens there rotate as model/rope.py says, not as transformers does."""
     scaling = spec.rope_scaling or {}
     original = scaling.get("original_max_position_embeddings")
-    if scaling.get("rope_type") == "longrope" and max_positions > original:
+    if scaling.get("rope_type") == "longrope" and original is not None and max_positions > original:
         logger.warning(
             "LongRoPE: positions below %d (original_max_position_embeddings) rotate with short_factor, "
             "those from it on with long_factor, each token by its own position; transformers rotates "
