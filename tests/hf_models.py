@@ -3,6 +3,7 @@ temp dir, for tests that use transformers as the oracle. Nothing is downloaded."
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,10 @@ COMMON: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+# LongRoPE's factors for a head of 16 with 12 rotated: one per rotated pair.
+PHI_SHORT_FACTOR = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]
+PHI_LONG_FACTOR = [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]
 
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -67,6 +72,18 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
         "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,
     }),
+    # Phi-3 (fused qkv_proj and gate_up_proj) with a window of 16 on every layer, as
+    # Phi-3-mini-4k's 2047; pad_token_id inside the vocabulary (Phi3Config's is 32000).
+    "phi3": ("Phi3Config", {"sliding_window": 16, "pad_token_id": 0}),
+    # Phi-4-mini's kind: 3/4 of each head rotated, LongRoPE, a tied head. The original
+    # context (96) is past every test's sequences, where transformers and tokenmill
+    # agree exactly (model/rope.py): the short factors, and cos/sin times the attention
+    # factor sqrt(1 + ln(512 / 96) / ln(96)).
+    "phi4-mini": ("Phi3Config", {
+        "pad_token_id": 0, "tie_word_embeddings": True, "original_max_position_embeddings": 96,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": PHI_SHORT_FACTOR, "long_factor": PHI_LONG_FACTOR},
+    }),
 }
 
 
@@ -76,11 +93,11 @@ def build_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Modul
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    if arch.startswith("gemma"):  # (1 + w) norms start at w = 0: spread them, so a lost offset shows
+    if arch.startswith(("gemma", "phi")):  # norms start equal: spread them, so a swapped or lost one shows
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.normal_(0.0, 0.3)
+                if "norm" in name:  # (Gemma's (1 + w) starts at w = 0, the others' at 1)
+                    param.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
     # Generation runs to max_new_tokens: no EOS, like ignore_eos on our side.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -139,6 +156,9 @@ HF_TO_GGUF = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    # Phi-3's fused tensors, as llama.cpp keeps them (ffn_up: gate and up rows).
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 # Gemma's four norms under llama.cpp's names (its ffn_norm is the MLP's input norm).
 GEMMA_TO_GGUF = {
@@ -170,6 +190,11 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.model_type == "phi3":  # llama.cpp's Phi3MiniModel.set_gguf_parameters
+        writer.add_rope_dimension_count(
+            int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads)
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if cfg.model_type in GEMMA_TYPES:  # (Gemma 2 adds its soft-caps; the window pattern: gguf_tensors' caller)
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.attn_logit_softcapping is not None:
@@ -218,6 +243,20 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
                 weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
             )
         yield gguf_name, part, heads, weight, param
+
+
+def add_phi3_rope_factors(hf_model: Any, writer: gguf.GGUFWriter) -> None:
+    """A LongRoPE Phi-3's factors and attention factor, as llama.cpp's converter
+    writes them (generate_extra_tensors): the factor from the context's scale."""
+    cfg = hf_model.config
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+    writer.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def finish_gguf(writer: gguf.GGUFWriter) -> None:

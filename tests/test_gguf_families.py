@@ -11,11 +11,17 @@ transformers on the dequantized values. A tiny Gemma 3 (q/k norms, a window
 of 8 on its first layer, a global second with its own RoPE base) and Gemma 2
 (soft-caps) likewise, their norms stored as 1 + w and llama.cpp's names for
 the four norms, on the reference path (the plan does not serve Gemma yet).
+A tiny Phi-3 (a window of 16) and Phi-4-mini (3/4 of each head rotated,
+LongRoPE, a tied head) are written as `phi3` files: the fused attn_qkv and
+ffn_up (gate and up rows) kept fused, the LongRoPE factors as the tensors
+rope_factors_short / rope_factors_long with the attention factor in the
+metadata, and run on the plan and the reference.
 """
 
 from __future__ import annotations
 
 import itertools
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +34,13 @@ from tokenizers import pre_tokenizers
 
 from tests.hf_models import (
     TEST_DEVICE,
+    add_phi3_rope_factors,
     build_hf_model,
     finish_gguf,
     gguf_tensors,
     gguf_writer,
     hf_greedy,
+    save_hf_model,
 )
 from tests.test_quantization import MAX_TOKENS, PROMPTS, SCENARIOS
 from tokenmill import LLM, SamplingParams
@@ -46,7 +54,9 @@ from tokenmill.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, gguf_pre_tokeniz
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the plan and quantization run on the CPU")
 
-FAMILIES = ["qwen2", "qwen3", "gemma3", "gemma2"]
+FAMILIES = ["qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4-mini"]
+# The `general.architecture` of a family's file where it is not the family's name.
+GGUF_ARCH = {"phi4-mini": "phi3"}
 # What a Gemma GGUF cannot say takes llama.cpp's value: the query scale is the
 # head size's (query_pre_attn_scalar = head_dim), the layers slide but every
 # n-th (the file says n = 2: a tiny model's [sliding, global]).
@@ -58,10 +68,11 @@ def _write_gguf(hf_model: Any, path: Path, arch: str, quantized: bool = False) -
     """hf_model as llama.cpp writes an `arch` file: float32 tensors, or (quantized)
     every matrix as Q8_0, hf_model's matrices then set to the dequantized values
     so that it stays the exact oracle."""
-    writer = gguf_writer(hf_model, path, arch)
+    writer = gguf_writer(hf_model, path, GGUF_ARCH.get(arch, arch))
     writer.add_tokenizer_pre("qwen2")
     if arch.startswith("gemma"):
         writer.add_sliding_window_pattern(2)
+    add_phi3_rope_factors(hf_model, writer)
     with torch.no_grad():
         for gguf_name, _, heads, weight, param in gguf_tensors(hf_model):
             assert heads is None  # (no permutation outside llama)
@@ -91,7 +102,7 @@ def test_the_file_loads_as_its_family(family_case: dict[str, Any]) -> None:
     _, spec = load_model(ModelConfig(dtype="float32"), resolve_model_source(family_case["path"]))
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    assert spec.architecture == GGUF_FAMILIES[arch].architecture == type(hf_model).__name__
+    assert spec.architecture == GGUF_FAMILIES[GGUF_ARCH.get(arch, arch)].architecture == type(hf_model).__name__
     assert (spec.attention_bias, spec.qk_norm) == (arch == "qwen2", arch in ("qwen3", "gemma3"))
     if arch.startswith("gemma"):
         assert spec.layer_types == tuple(cfg.layer_types) and spec.sliding_window == cfg.sliding_window
@@ -99,6 +110,20 @@ def test_the_file_loads_as_its_family(family_case: dict[str, Any]) -> None:
         assert (spec.attn_logit_softcapping, spec.final_logit_softcapping) == (
             cfg.attn_logit_softcapping, cfg.final_logit_softcapping)
         assert spec.local_rope_theta == (1e4 if arch == "gemma3" else None)
+    if arch.startswith("phi"):  # the file says what the directory says
+        with tempfile.TemporaryDirectory() as directory:
+            _, hf_spec = load_model(ModelConfig(dtype="float32"),
+                                    resolve_model_source(save_hf_model(hf_model, Path(directory))))
+        assert (spec.rotary_dim, spec.sliding_window) == (hf_spec.rotary_dim, hf_spec.sliding_window)
+        assert spec.tie_word_embeddings == hf_spec.tie_word_embeddings
+        assert spec.rope_scaling is not None or hf_spec.rope_scaling is None
+        if spec.rope_scaling is not None:  # (the file's factors are float32, as transformers computes with)
+            assert hf_spec.rope_scaling is not None
+            for key in ("short_factor", "long_factor"):
+                assert np.array_equal(np.float32(spec.rope_scaling[key]), np.float32(hf_spec.rope_scaling[key]))
+            assert spec.rope_scaling["original_max_position_embeddings"] == cfg.original_max_position_embeddings
+            assert np.float32(spec.rope_scaling["attention_factor"]) == np.float32(
+                hf_spec.rope_scaling["attention_factor"])
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
         cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
     assert (spec.hidden_size, spec.intermediate_size, spec.vocab_size) == (

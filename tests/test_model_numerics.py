@@ -1,6 +1,6 @@
 """Our model vs transformers (the oracle), through the paged KV cache.
 
-Tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 checkpoints are built from
+Tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 checkpoints are built from
 transformers configs and saved to a temp dir; our logits must equal HF's
 whether a prompt runs in one prefill or as chunks and decodes mixed with
 other requests in ragged batches. The default GGUF model is checked too.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import random
 from pathlib import Path
@@ -167,6 +168,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
 
 
+# Phi3Config's special tokens (32000) are past a tiny vocabulary.
+_PHI_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
 def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
     common: dict[str, Any] = dict(
         vocab_size=320,
@@ -211,12 +216,19 @@ def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
     elif arch == "gemma2":  # soft-capped scores and logits
         cfg = transformers.Gemma2Config(**common, head_dim=32, sliding_window=4, attn_logit_softcapping=2.0,
                                         final_logit_softcapping=3.0)
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj, a window of 4 on every layer
+        cfg = transformers.Phi3Config(**common, sliding_window=4, **_PHI_TOKENS)
+    elif arch == "phi4_mini":  # 3/4 of each head rotated, LongRoPE within its original 16 positions
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+        cfg = transformers.Phi3Config(**common, **_PHI_TOKENS, tie_word_embeddings=True,
+                                      original_max_position_embeddings=16, rope_parameters=rope)
     else:
         raise AssertionError(arch)
     return cfg, save
 
 
-ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"]
+ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4_mini"]
 
 
 def _plan_layer(spec: ModelSpec) -> bool:
@@ -264,8 +276,12 @@ def test_tiny_checkpoint_shape(tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec
         assert [layer.local_rope for layer in model.model.layers] == [True, False]
     if spec.architecture == "Gemma2ForCausalLM":
         assert (spec.attn_logit_softcapping, spec.final_logit_softcapping) == (2.0, 3.0)
-    if arch == "mistral":
-        assert spec.sliding_window == 4
+    if arch in ("mistral", "phi"):  # (phi3: the directory's name less its digits)
+        assert spec.sliding_window == 4 and spec.layer_types is None
+    if arch == "phi4_mini":  # 12 of each head's 16 dimensions rotated; LongRoPE's factor on cos/sin
+        assert spec.rotary_dim == 12 and spec.sliding_window is None and spec.tie_word_embeddings
+        assert spec.rope_scaling is not None and spec.rope_scaling["original_max_position_embeddings"] == 16
+        assert spec.rope_scaling["attention_factor"] == math.sqrt(1 + math.log(64 / 16) / math.log(16))
     if arch == "llama3_tied":
         assert spec.tie_word_embeddings
         assert model.lm_head.weight is model.model.embed_tokens.weight

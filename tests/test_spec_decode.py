@@ -4,7 +4,8 @@ The engine tests run 32 prompts (half of them repeat a stretch of themselves,
 so prompt lookup finds drafts, and the others only what the output repeats)
 through tokenmill with speculation, under a budget of 8 tokens a step and a KV
 pool small enough to force preemption, the KV cache checked after every step,
-and compare every token and logprob with transformers' greedy decoding.
+and compare every token and logprob with transformers' greedy decoding (n-gram
+speculation on a tiny Llama and a tiny Phi-4-mini: partial rotary, LongRoPE).
 """
 
 from __future__ import annotations
@@ -42,12 +43,22 @@ NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt
                          "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    model = build_hf_model("llama")
+def _target(arch: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = build_hf_model(arch)
     path = save_hf_model(model, Path(tmp_path_factory.mktemp("target")))
     refs = [hf_greedy(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     return {"path": path, "refs": refs}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _target("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def phi_target(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Phi-4-mini's kind (partial rotary, LongRoPE within its original context)."""
+    return _target("phi4-mini", tmp_path_factory)
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -83,7 +94,9 @@ def assert_matches_oracle(llm: LLM, outputs: list[Any], refs: list[Any]) -> None
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_ngram_greedy_matches_transformers(target: dict[str, Any], scenario: str) -> None:
+@pytest.mark.parametrize("arch", ["llama", "phi4-mini"])
+def test_ngram_greedy_matches_transformers(request: pytest.FixtureRequest, arch: str, scenario: str) -> None:
+    target: dict[str, Any] = request.getfixturevalue("target" if arch == "llama" else "phi_target")
     llm, outputs = run_greedy(target["path"], NGRAM, **SCENARIOS[scenario])
     assert_matches_oracle(llm, outputs, target["refs"])
     stats = llm.engine.stats().spec_decoding

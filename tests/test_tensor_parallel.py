@@ -1,7 +1,7 @@
 """Tensor parallelism over gloo: TP=2 gives TP=1's greedy tokens and logprobs
 (32 mixed prompts, chunked prefill and preemption forced) on a tiny Llama split
-unevenly (3 KV heads, an odd vocabulary) and a tiny Qwen3 (q/k norms), both on
-the CPU plan; a rank that dies stops the group with
+unevenly (3 KV heads, an odd vocabulary), a tiny Qwen3 (q/k norms) and a tiny
+Phi-4-mini (partial rotary, LongRoPE), all on the CPU plan; a rank that dies stops the group with
 an error naming it, never a hang."""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
         "llama-uneven": uneven_llama(Path(tmp_path_factory.mktemp("llama"))),
         "qwen3": save_hf_model(build_hf_model("qwen3"), Path(tmp_path_factory.mktemp("qwen3"))),
+        "phi4-mini": save_hf_model(build_hf_model("phi4-mini"), Path(tmp_path_factory.mktemp("phi4"))),
     }
 
 
@@ -68,7 +69,7 @@ def run(path: str, tp: int) -> tuple[list[Any], int]:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama-uneven", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama-uneven", "qwen3", "phi4-mini"])
 def test_tp2_gives_tp1s_greedy_tokens_and_logprobs(model_paths: dict[str, str], arch: str) -> None:
     single, single_preempted = run(model_paths[arch], 1)
     split, split_preempted = run(model_paths[arch], 2)

@@ -158,6 +158,10 @@ class ModelSpec:
     sliding_window: int | None = None  # the window of every layer, or of the sliding layers
     # HF rope_scaling / rope_parameters without rope_theta, e.g. {"rope_type": "llama3", ...}
     rope_scaling: Mapping[str, Any] | None = None
+    # Phi-4-mini: RoPE rotates only the first rotary_dim of each head (None: all of it).
+    # The loader reorders q/k rows so the rotated pairs and the pass-through pairs each
+    # sit head_dim / 2 apart; the pass-through ones then turn by angle 0 (model/rope.py).
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Gemma 2 / 3 (spec_gemma.py); the defaults are the Llama layer.

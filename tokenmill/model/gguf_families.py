@@ -45,6 +45,14 @@ _GEMMA_LAYER: Mapping[str, str] = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3: llama.cpp keeps Hugging Face's fused tensors (attn_qkv: q, k, v rows; ffn_up:
+# gate then up rows), split at load as a config.json's are (model/fused_checkpoint.py);
+# its loader also takes separate attn_q / attn_k / attn_v.
+_PHI3_LAYER: Mapping[str, str] = {
+    **_LLAMA_LAYER,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -83,6 +91,8 @@ GGUF_FAMILIES: Mapping[str, GGUFFamily] = {
     "gemma2": GGUFFamily("Gemma2ForCausalLM", _GEMMA_LAYER, permuted_qk=False, norm_shift=1.0),
     "gemma3": GGUFFamily("Gemma3ForCausalLM", {**_GEMMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
                          qk_norm=True, norm_shift=1.0),
+    # Phi-3, Phi-4 (LongRoPE and partial rotary: spec_phi3.phi3_gguf_fields).
+    "phi3": GGUFFamily("Phi3ForCausalLM", _PHI3_LAYER, permuted_qk=False),
 }
 
 
@@ -93,7 +103,7 @@ def gguf_family(arch: object, path: str) -> GGUFFamily:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported (general.architecture); "
             f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2, "
-            "Gemma 3); "
+            "Gemma 3, Phi-3 / Phi-4); "
             "use a Hugging Face directory of a supported model instead"
         )
     return family

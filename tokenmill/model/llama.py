@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and Gemma 2 / 3 as one nn.Module.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 / 3 as one nn.Module.
 
 Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn...`)
 except two fused projections, one matmul each instead of three and two:
@@ -317,7 +317,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(
-            spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device
+            spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device, spec.rotary_dim
         )
         # Gemma 3's sliding layers rotate with their own base (unscaled, as HF's).
         self.local_rotary_emb: RotaryEmbedding | None = None

@@ -13,6 +13,8 @@ checkpoint tensor per shard; the only renames are the fused projections:
 A checkpoint tensor that maps to nothing, or a parameter shard no tensor
 fills, is an error naming it. GGUF names are first renamed to HF names by
 the file's row of model/gguf_families.py (one row per `general.architecture`).
+Phi-3's fused qkv_proj and gate_up_proj are split into the names above first,
+and with partial rotary its q/k rows reordered (model/fused_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.model.fused_checkpoint import reorder_rotary_rows, split_fused
 from tokenmill.model.gguf_families import GGUFFamily, gguf_family
 from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
 from tokenmill.model.quantization import (
@@ -46,6 +50,7 @@ from tokenmill.model.quantization import (
 )
 from tokenmill.model.source import ModelSource
 from tokenmill.model.spec import eos_token_ids, spec_from_gguf, spec_from_hf_config
+from tokenmill.model.spec_phi3 import GGUF_ROPE_TENSORS, PHI3_ARCHITECTURES
 
 # Checkpoint name fragment -> (our parameter name fragment, shard id).
 FUSED_WEIGHTS: Mapping[str, tuple[str, str]] = {
@@ -55,6 +60,8 @@ FUSED_WEIGHTS: Mapping[str, tuple[str, str]] = {
     ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
     ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
 }
+
+logger = logging.getLogger("tokenmill")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,9 +148,23 @@ def load_model(
         raise ValueError(f"quantization='gguf' runs a GGUF file's own quantized blocks, but "
                          f"{source.path} is a Hugging Face checkpoint; use quantization='q8_0' "
                          "(its weights quantized at load) or None")
-    if source.kind == "gguf":
-        return _load_gguf(model_config, source)
-    return _load_hf(model_config, source)
+    model, spec = _load_gguf(model_config, source) if source.kind == "gguf" else _load_hf(model_config, source)
+    _say_longrope_past_original(spec, model_config.max_model_len or spec.max_position_embeddings)
+    return model, spec
+
+
+def _say_longrope_past_original(spec: ModelSpec, max_positions: int) -> None:
+    """A LongRoPE model that may run past its original context is told so once
+    at load: tokens there rotate as model/rope.py says, not as transformers does."""
+    scaling = spec.rope_scaling or {}
+    original = scaling.get("original_max_position_embeddings")
+    if scaling.get("rope_type") == "longrope" and original is not None and max_positions > original:
+        logger.warning(
+            "LongRoPE: positions below %d (original_max_position_embeddings) rotate with short_factor, "
+            "those from it on with long_factor, each token by its own position; transformers rotates "
+            "every token of a sequence longer than %d with long_factor, so outputs past %d tokens can "
+            "differ from its (max_model_len=%d; README.md, Models)", original, original, original,
+            max_positions)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, tuple[str, str | None]]:
@@ -324,6 +345,17 @@ def _short_list(names: list[str], limit: int = 10) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _as_llama_names(tensors: dict[str, TensorThunk], storage: dict[str, str],
+                    spec: ModelSpec) -> tuple[dict[str, TensorThunk], dict[str, str]]:
+    """Phi-3's fused tensors split into the Llama layer's names, and with partial
+    rotary its q/k rows in the order model/rope.py rotates (model/fused_checkpoint.py)."""
+    if spec.architecture in PHI3_ARCHITECTURES:
+        tensors, storage = split_fused(tensors, storage, spec)
+    if spec.rotary_dim is not None:
+        tensors = reorder_rotary_rows(tensors, spec)
+    return tensors, storage
+
+
 def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
     model.eval()
     model.requires_grad_(False)
@@ -356,6 +388,7 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[name] = _thunk(handle.get_tensor, name)
         _check_hf_layer_count(tensors, spec.num_layers, config_path)
+        tensors, _ = _as_llama_names(tensors, {}, spec)
         model = LlamaForCausalLM(
             spec,
             max_positions=model_config.max_model_len,
@@ -450,8 +483,10 @@ def _load_gguf(
         if family.norm_shift and name.endswith("norm.weight"):
             tensors[name] = _shifted(tensors[name], family.norm_shift)
         storage[name] = tensor.tensor_type.name
-    # rope_freqs (Llama 3 RoPE scaling) is read into the spec by spec_from_gguf.
-    load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight",
+    tensors, storage = _as_llama_names(tensors, storage, spec)
+    # rope_freqs (Llama 3 RoPE scaling) and rope_factors_* (Phi-3's LongRoPE) are
+    # read into the spec by spec_from_gguf.
+    load_weights(model, tensors, ignored=lambda name: name == "rope_freqs.weight" or name in GGUF_ROPE_TENSORS,
                  quantization=quantization, storage=storage)
     return _finish(model), spec
 
@@ -468,7 +503,10 @@ def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec, family: 
     targets = checkpoint_targets(model)
     arch = reader.fields.get("general.architecture")
     for tensor in reader.tensors:
-        target = targets.get(family.hf_name(tensor.name))
+        name = family.hf_name(tensor.name)
+        target = targets.get(name)
+        if target is None and name in params:  # a fused tensor (Phi-3's): the whole parameter's rows
+            target = (name, None)
         if target is None:
             continue  # unexpected names are reported by load_weights
         param_name, shard = target

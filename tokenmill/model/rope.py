@@ -8,6 +8,20 @@ Each head vector is split in two halves (x1, x2), not interleaved pairs:
 cos/sin are computed once in float32 for every position up to `max_positions`
 and indexed by each token's position, so a ragged batch needs no padding.
 The frequencies follow `transformers.modeling_rope_utils` exactly.
+
+Two Phi-3 features are rows and columns of those tables:
+- LongRoPE (rope_type "longrope"): a position below original_max_position_embeddings
+  rotates with short_factor's frequencies, one at or past it with long_factor's,
+  and every cos/sin is times the attention factor (HF's `attention_scaling`).
+  transformers picks one set for the whole sequence by its current length (it
+  recomputes the cache when the length passes the original maximum), so the two
+  agree exactly while a sequence stays within it; past it, transformers rotates
+  every position with the long set, this table only those at or past it.
+- Partial rotary (rotary_dim < head_dim): the rotated pairs are the first
+  rotary_dim / 2 columns and the rest turn by angle 0 (cos 1, sin 0: x * 1 +
+  y * 0 is x exactly), which is HF's pass-through once the loader has ordered
+  each head's q/k rows so that its pass-through pairs also sit head_dim / 2 apart
+  (model/fused_checkpoint.rotary_row_order). The C++ plan reads these tables as they are.
 """
 
 from __future__ import annotations
@@ -73,6 +87,28 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return (x * cos) + (rotate_half(x) * sin)
 
 
+def _longrope_inv_freq(dim: int, rope_theta: float, factors: Any) -> torch.Tensor:
+    # transformers' _compute_longrope_parameters, in its order of operations.
+    ext = torch.tensor(list(factors), dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * rope_theta**shape)
+
+
+def rope_angles(positions: torch.Tensor, dim: int, rope_theta: float,
+                rope_scaling: Mapping[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """(angles [len(positions), dim // 2] float32, the factor on cos and sin) of
+    the rotated `dim` columns of a head."""
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        inv_freq = compute_inv_freq(dim, rope_theta, rope_scaling).to(positions.device)
+        return positions[:, None] * inv_freq[None, :], 1.0
+    short = _longrope_inv_freq(dim, rope_theta, scaling["short_factor"]).to(positions.device)
+    long = _longrope_inv_freq(dim, rope_theta, scaling["long_factor"]).to(positions.device)
+    within = (positions < scaling["original_max_position_embeddings"])[:, None]
+    inv_freq = torch.where(within, short[None, :], long[None, :])
+    return positions[:, None] * inv_freq, float(scaling["attention_factor"])
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -81,6 +117,7 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: Mapping[str, Any] | None,
         max_positions: int,
         device: torch.device | str | None = None,
+        rotary_dim: int | None = None,  # the rotated columns (None: all of head_dim)
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -95,13 +132,20 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("cos_cache", empty, persistent=False)
             self.register_buffer("sin_cache", empty.clone(), persistent=False)
             return
-        inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
+        rotary = rotary_dim or head_dim
         # One half of the angles is enough: HF's cat((freqs, freqs)) repeats them.
         positions = torch.arange(max_positions, dtype=torch.float, device=device)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        freqs, scale = rope_angles(positions, rotary, rope_theta, rope_scaling)  # [max_positions, rotary // 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:  # LongRoPE: HF scales its float32 cos/sin before the cast
+            cos, sin = cos * scale, sin * scale
+        if rotary < head_dim:  # the pass-through pairs: angle 0, unscaled
+            pad = (max_positions, (head_dim - rotary) // 2)
+            cos = torch.cat([cos, torch.ones(pad, device=device)], dim=1)
+            sin = torch.cat([sin, torch.zeros(pad, device=device)], dim=1)
         # Buffers, not parameters: they are not in checkpoints (persistent=False).
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", cos.contiguous(), persistent=False)
+        self.register_buffer("sin_cache", sin.contiguous(), persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -19,6 +19,12 @@ from tokenmill.model.spec_gemma import (
     gemma_fields,
     gemma_gguf_fields,
 )
+from tokenmill.model.spec_phi3 import (
+    PHI3_ARCHITECTURES,
+    phi3_config,
+    phi3_gguf_fields,
+    phi3_hf_fields,
+)
 
 if TYPE_CHECKING:
     from tokenmill.model.gguf_file import GGUFFile
@@ -29,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *GEMMA_ARCHITECTURES,
+    *PHI3_ARCHITECTURES,
 )
 # Positions no released model reaches (Llama 4 Scout: 10M). A larger context
 # length is a corrupt file, refused before the RoPE table is allocated for it.
@@ -41,6 +48,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -55,6 +63,8 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
     gemma = architecture in GEMMA_ARCHITECTURES
     if gemma:
         cfg = gemma_config(cfg, architecture, path)
+    elif architecture in PHI3_ARCHITECTURES:
+        cfg = phi3_config(cfg)
     num_heads = _positive_int(_require(cfg, "num_attention_heads", path), "num_attention_heads", path)
     hidden_size = _positive_int(_require(cfg, "hidden_size", path), "hidden_size", path)
     max_position_embeddings = _context_length(_positive_int(
@@ -65,21 +75,26 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is")
     if cfg.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
-    rope_theta, rope_scaling = _hf_rope(cfg, max_position_embeddings, path)
+    head_dim = _head_dim(cfg.get("head_dim"), hidden_size, num_heads, "head_dim", "hidden_size",
+                         "num_attention_heads", path)
+    phi3 = phi3_hf_fields(cfg, head_dim, max_position_embeddings, path) if (
+        architecture in PHI3_ARCHITECTURES) else None
+    if phi3 is not None:
+        rope_theta, rope_scaling = phi3.pop("rope_theta"), phi3.pop("rope_scaling")
+    else:
+        rope_theta, rope_scaling = _hf_rope(cfg, max_position_embeddings, path)
     if architecture == "Qwen2ForCausalLM":
         attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
-    elif architecture == "MistralForCausalLM":
+    elif architecture in ("MistralForCausalLM", *PHI3_ARCHITECTURES):
         attention_bias = False
     else:
         attention_bias = bool(cfg.get("attention_bias", False))
     bos = cfg.get("bos_token_id")
-    head_dim = _head_dim(cfg.get("head_dim"), hidden_size, num_heads, "head_dim", "hidden_size",
-                         "num_attention_heads", path)
     num_kv_heads = _kv_heads(cfg.get("num_key_value_heads"), num_heads, "num_key_value_heads",
                              "num_attention_heads", path)
     num_layers = _positive_int(_require(cfg, "num_hidden_layers", path), "num_hidden_layers", path)
     family: dict[str, Any] = (
-        gemma_fields(cfg, architecture, num_layers, path) if gemma else
+        gemma_fields(cfg, architecture, num_layers, path) if gemma else phi3 if phi3 is not None else
         {"qk_norm": architecture == "Qwen3ForCausalLM",
          "sliding_window": _hf_sliding_window(cfg, architecture, path)})
     return ModelSpec(
@@ -275,7 +290,8 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
     num_kv_heads = _kv_heads(fields.get(f"{arch}.attention.head_count_kv"), num_heads,
                              f"{arch}.attention.head_count_kv", f"{arch}.attention.head_count", path)
     rope_dim = fields.get(f"{arch}.rope.dimension_count")
-    if rope_dim is not None and rope_dim != head_dim:
+    phi3 = family.architecture in PHI3_ARCHITECTURES  # (partial rotary: phi3_gguf_fields)
+    if rope_dim is not None and rope_dim != head_dim and not phi3:
         source = (f"{arch}.attention.key_length" if f"{arch}.attention.key_length" in fields else
                   f"{arch}.embedding_length={hidden_size} / {arch}.attention.head_count={num_heads}")
         raise ValueError(
@@ -308,10 +324,17 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
     bos = fields.get("tokenizer.ggml.bos_token_id")
     rope_theta = fields.get(f"{arch}.rope.freq_base")
     num_layers = _gguf_block_count(reader, positive_int("block_count"), f"{arch}.block_count")
-    gemma: dict[str, Any] = {}
+    context_length = _context_length(positive_int("context_length"), f"{arch}.context_length", path)
+    extra: dict[str, Any] = {}
     if family.architecture in GEMMA_ARCHITECTURES:
-        gemma = gemma_gguf_fields(fields, str(arch), family.architecture, num_layers, hidden_size, num_heads,
+        extra = gemma_gguf_fields(fields, str(arch), family.architecture, num_layers, hidden_size, num_heads,
                                   head_dim, path)
+    rope_scaling: dict[str, Any] | None
+    if phi3:
+        extra = phi3_gguf_fields(reader, str(arch), head_dim, context_length)
+        rope_scaling = extra.pop("rope_scaling")
+    else:
+        rope_scaling = _gguf_rope_scaling(reader, str(arch))
     return ModelSpec(
         architecture=family.architecture,
         vocab_size=vocab_size,
@@ -325,15 +348,14 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
                                      f"{arch}.attention.layer_norm_rms_epsilon", path),
         rope_theta=10000.0 if rope_theta is None else _positive_float(
             rope_theta, f"{arch}.rope.freq_base", path),
-        max_position_embeddings=_context_length(positive_int("context_length"),
-                                                f"{arch}.context_length", path),
+        max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=family.attention_bias,
         qk_norm=family.qk_norm,
-        rope_scaling=_gguf_rope_scaling(reader, str(arch)),
+        rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
-        **gemma,
+        **extra,
     )
 
 

@@ -1,0 +1,124 @@
+"""Maintainer check: Phi-3 files written by llama.cpp's own converter load in tokenmill
+and give the Hugging Face directory's tokens.
+
+For a tiny random Phi-3 (a sliding window of 16) and Phi-4-mini (3/4 of each head
+rotated, LongRoPE, a tied head), the sdist's `convert_hf_to_gguf.py` (Phi3MiniModel:
+fused attn_qkv / ffn_up, rope_factors_short / _long, phi3.rope.* keys) writes a
+float32 GGUF; tokenmill's greedy tokens on it, on the C++ plan and on the reference,
+must equal transformers' on the directory, logprobs within 1e-4. Sequences stay
+within the LongRoPE model's original context (96), where the two agree exactly.
+
+    flock /tmp/tokenmill-heavy.lock .venv/bin/python benchmarks/phi3_converter_check.py [--llama-cpp DEST]
+
+The converter needs a known tokenizer: the default model's (SmolLM2's byte-level BPE,
+llama.cpp's "smollm"), so the tiny models have its vocabulary. Exit status 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.sizes_files import find_llama_cpp
+from tokenmill.bench.vllm_peer import save_gguf_tokenizer
+from tokenmill.model.source import resolve_model_source
+
+CASES: dict[str, dict[str, Any]] = {
+    "phi3": {"sliding_window": 16},
+    "phi4-mini": {
+        "tie_word_embeddings": True, "original_max_position_embeddings": 96,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]},
+    },
+}
+
+
+def write_directory(case: str, directory: Path, tokenizer_gguf: str) -> Any:
+    save_gguf_tokenizer(tokenizer_gguf, directory)
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    config_path = directory / "tokenizer_config.json"  # (Phi3MiniModel.set_vocab reads its class)
+    tok_config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**tok_config, "tokenizer_class": "GPT2Tokenizer"}, indent=2))
+    config = transformers.Phi3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0, **CASES[case])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms spread, so a swapped or lost one shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         eos_token_id=None, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)]
+
+
+def tokenmill_greedy(path: str, prompts: list[list[int]], lengths: list[int], cpp: bool) -> list[Any]:
+    if cpp:
+        os.environ.pop("TOKENMILL_NO_CPP_KERNELS", None)
+    else:
+        os.environ["TOKENMILL_NO_CPP_KERNELS"] = "1"
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=8, num_kv_blocks=512)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    print(f"   forward: {type(llm.engine.runner.forward).__name__}", flush=True)
+    return [o.outputs[0] for o in outs]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-cpp", help="build_llama_cpp.sh's DEST (default /work/llama.cpp-build)")
+    args = parser.parse_args()
+    llama_cpp = find_llama_cpp(args.llama_cpp)
+    llama_cpp.require(llama_cpp.converter)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 256, size=int(rng.integers(1, 60))).tolist() for _ in range(12)]
+    lengths = rng.integers(4, 20, size=len(prompts)).tolist()
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in CASES:
+            directory = Path(tmp) / case
+            directory.mkdir()
+            model = write_directory(case, directory, resolve_model_source(None).path)
+            out = Path(tmp) / f"{case}.gguf"
+            subprocess.run([sys.executable, str(llama_cpp.converter), str(directory), "--outfile", str(out),
+                            "--outtype", "f32"], check=True, env={**os.environ, **llama_cpp.converter_env()},
+                           stdout=subprocess.DEVNULL)
+            refs = [hf_greedy(model, p, n) for p, n in zip(prompts, lengths, strict=True)]
+            for cpp in (True, False):
+                print(f"== {case} ({'plan' if cpp else 'reference'}): llama.cpp's file", flush=True)
+                for i, (ours, (tokens, logprobs)) in enumerate(
+                        zip(tokenmill_greedy(str(out), prompts, lengths, cpp), refs, strict=True)):
+                    got = [e[t].logprob for e, t in zip(ours.logprobs, tokens, strict=True)] if (
+                        ours.token_ids == tokens) else []
+                    if ours.token_ids != tokens or not np.allclose(got, logprobs, atol=1e-4):
+                        failures += 1
+                        print(f"   prompt {i}: tokens {ours.token_ids}, logprobs {got}; transformers' "
+                              f"{tokens}, {logprobs}", flush=True)
+            print(f"== {case}: {'ok' if not failures else f'{failures} mismatches so far'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
