@@ -341,7 +341,8 @@ def run_peers(args: argparse.Namespace, caps: list[int]) -> list[ThroughputRow]:
                 hf_args = argparse.Namespace(**{**vars(args), "dtype": args.hf_dtype})
                 row = peers.run_hf_in_subprocess(
                     hf_args, name, cap, kv_budget_tokens=args.num_kv_blocks * BLOCK_SIZE,
-                    reserve_output=cap if args.reserve == "cap" else None)
+                    reserve_output=engine_options(NAIVE_STATIC, cap, args.reserve).get(
+                        "kv_reserve_output_tokens"))
                 if row is not None:
                     rows.append(row)
     return rows
