@@ -135,9 +135,11 @@ def test_saturation_is_where_done_requests_stop_rising_or_ttft_passes_the_limit(
     rising = [report(1, 0.95), report(2, 1.9), report(3, 2.8)]
     assert study.saturation(rising[:1], 20000, 0.05) is None
     assert study.saturation(rising, 20000, 0.05) is None
-    flat = [*rising, report(4, 2.9)]
+    assert study.saturation([*rising, report(4, 2.9)], 20000, 0.05) is None  # one slow rate
+    assert study.saturation([*rising, report(4, 2.7), report(5, 3.5)], 20000, 0.05) is None
+    flat = [*rising, report(4, 2.9), report(5, 2.85)]
     assert study.saturation(flat, 20000, 0.05) == (
-        "2.90 req/s done at 4 req/s, under 1.05 x the 2.80 done at 3")
+        "2.90 and 2.85 req/s done at 4 and 5 req/s, under 1.05 x the 2.80 done at 3")
     assert study.saturation([*rising, report(4, 3.5, ttft_p50_ms=25000)], 20000, 0.05) == (
         "p50 TTFT 25000 ms at 4 req/s, over the limit of 20000 ms")
     assert study.saturation([report(1, 0.9, ok=60)], 20000, 0.05) == (
@@ -146,7 +148,7 @@ def test_saturation_is_where_done_requests_stop_rising_or_ttft_passes_the_limit(
                                flat)
     table = study.format_latency([curve])
     assert "| static | 4 | 64 | 2.90 | 100 / 200 | 300 / 400 | 64/64 |" in table
-    assert "- static (capacity 3.20 req/s offline): saturated: 2.90 req/s done" in table
+    assert "- static (capacity 3.20 req/s offline): saturated: 2.90 and 2.85 req/s done" in table
 
 
 def test_the_latency_figure_has_a_line_a_configuration(tmp_path: Path) -> None:
