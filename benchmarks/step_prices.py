@@ -11,8 +11,11 @@ where the cost model misprices a configuration, this says which steps.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import RESERVES, engine_options
@@ -26,6 +29,7 @@ def main() -> None:
     p.add_argument("cap", type=int)
     p.add_argument("cost_model")
     p.add_argument("--reserve", default="cap", choices=RESERVES)
+    p.add_argument("--dump", default=None, help="write every step's shape and seconds here (JSON)")
     args = p.parse_args()
     cost = CostModel.load(args.cost_model)
     w = throughput_a(args.cap)
@@ -40,6 +44,7 @@ def main() -> None:
         engine.add_request(engine.new_request_id(), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    steps: list[dict[str, object]] = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -53,11 +58,14 @@ def main() -> None:
         shape = StepShape.of(out, num_out)
         kind = ("prefill" if shape.num_tokens > shape.num_rows else "decode") + (
             "+padding" if num_out < shape.num_sampled_rows else "")
+        steps.append({**asdict(shape), "seconds": elapsed})
         g = groups[kind]
         g[0] += 1
         g[1] += elapsed
         g[2] += cost.step_s(shape)
     wall = time.perf_counter() - start
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(steps) + "\n")
     print(f"{args.policy} CAP {args.cap}: {wall:.1f} s, {w.num_output_tokens / wall:.1f} gen tok/s")
     for kind, (n, measured, predicted) in sorted(groups.items()):
         print(f"  {kind:16s} {int(n):5d} steps  measured {measured:7.2f} s  predicted "

@@ -198,12 +198,47 @@ def test_the_run_time_is_estimated_by_the_simulator(tmp_path: Path) -> None:
                                       str(tmp_path / "cost.json"), "--peers", "hf-static",
                                       "--latency-configs", "continuous"])
     args.num_kv_blocks = 512
-    parts, how = study_estimate.estimate(args)
+    guess = study_estimate.estimate(args)
+    parts = guess.parts
     assert set(parts) == {"throughput", "peers", "latency"}
     # Every run's start is priced on top of its simulated wall time.
     assert parts["throughput"] > 10 * study_estimate.RUN_START_S
     assert parts["peers"] > 2 * study_estimate.HF_START_S
     assert parts["latency"] > study_estimate.SERVER_START_S
-    assert "cost.json (bfloat16)" in how
+    assert "cost.json (bfloat16)" in guess.how
+    # The same simulations predict every configuration's row, ratios against naive static.
+    assert [(r.policy, r.cap) for r in guess.rows] == [
+        (c, cap) for cap in (32, 128) for c in study.CONFIGS]
+    assert parts["throughput"] == pytest.approx(
+        sum(r.wall_s + study_estimate.RUN_START_S for r in guess.rows))
+    (naive,) = [r for r in guess.rows if r.policy == study.NAIVE_STATIC and r.cap == 128]
+    assert naive.ratio_vs_static == 1.0 and naive.generated_tokens > 0
     args.cost_model = str(tmp_path / "none.json")
-    assert study_estimate.estimate(args)[0] == {}
+    assert study_estimate.estimate(args).parts == {}
+
+
+def test_the_prediction_table_puts_measured_beside_predicted() -> None:
+    measured = [row("static+reserved", 512, 100.0), row("continuous", 512, 200.0),
+                row("continuous", 1536, 180.0)]
+    predicted = [row("static+reserved", 512, 110.0), row("continuous", 512, 190.0)]
+    table = study.format_prediction(measured, predicted)
+    assert table.splitlines()[0] == "| CAP | static+reserved | continuous |"
+    assert "| 512 | 100.0 / 110.0 (+10%) | 200.0 / 190.0 (-5%) |" in table
+    assert "| 1536 | - | 180.0 / - |" not in table and "| 1536 | - | - |" in table
+
+
+def test_the_study_calibrates_the_simulator_in_its_own_sitting(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    args = build_parser().parse_args(["bench", "study", "--dtype", "float32", "--model", "m.gguf"])
+    path = study.calibrate(args, tmp_path)
+    assert path == str(tmp_path / "sim-cost-float32.json")
+    (cmd,) = ran
+    assert cmd[1:3] == ["-m", "tokenmill.cli"]
+    calibrate_args = build_parser().parse_args(cmd[3:])
+    assert (calibrate_args.dtype, calibrate_args.output, calibrate_args.model) == (
+        "float32", path, "m.gguf")
+    assert not calibrate_args.serve and calibrate_args.quantization == "none"

@@ -382,14 +382,59 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="two rates in a row that complete less than (1 + this) x the requests a "
                         "second of the best rate before them saturate the server")
     p.add_argument("--cost-model", default=None,
-                   help="the simulator's cost model for the run-time estimate (default: the one "
-                        "fitted on the project's machine, docs/bench/sim/)")
+                   help="the simulator's cost model for the estimate and the predictions (default: "
+                        "fit one here first, `simulate calibrate`, about 8 minutes)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="without --cost-model: no calibration and no predictions; the estimate "
+                        "uses the model fitted on the project's machine (docs/bench/sim/)")
     p.add_argument("--output-dir", default="bench-results")
 
 
-# Seconds per part of the study ("throughput", "peers", "latency") and how they were
-# reckoned: `tokenmill bench study` passes the simulator's (sim/study_estimate.py).
-Estimator = Callable[[argparse.Namespace], tuple[dict[str, float], str]]
+@dataclass
+class Estimate:
+    """What the simulator says before the run: seconds per part of the study
+    ("throughput", "peers", "latency"), how they were reckoned, and its predicted
+    throughput-A row for every configuration and CAP (none without a cost model)."""
+
+    parts: dict[str, float]
+    how: str
+    rows: list[ThroughputRow]
+
+
+# `tokenmill bench study` passes the simulator's (sim/study_estimate.py): bench/ may not import sim/.
+Estimator = Callable[[argparse.Namespace], Estimate]
+
+
+def calibrate(args: argparse.Namespace, out: Path) -> str:
+    """Fit the simulator's cost model here and now (`tokenmill simulate calibrate`),
+    so that its predictions and the measurements share the machine's state: this
+    VM's speed drifts 10-20% between hours (docs/perf-notes.md). Its path."""
+    import subprocess
+
+    path = out / f"sim-cost-{args.dtype}.json"
+    cmd = [sys.executable, "-m", "tokenmill.cli", "simulate", "calibrate", "--dtype", args.dtype,
+           "--output", str(path), *(["--model", args.model] if args.model else [])]
+    print("calibrating the simulator: " + " ".join(cmd[2:]), flush=True)
+    with (out / "calibrate.log").open("w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return str(path)
+
+
+def format_prediction(measured: list[ThroughputRow], predicted: list[ThroughputRow]) -> str:
+    """Generated tok/s per CAP and configuration, measured / predicted (error)."""
+    configs = [c for c in CONFIGS if any(r.policy == c for r in measured)]
+    caps = sorted({r.cap for r in measured})
+    lines = ["| CAP | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+    for cap in caps:
+        cells = []
+        for c in configs:
+            m = next((r for r in measured if r.policy == c and r.cap == cap), None)
+            p = next((r for r in predicted if r.policy == c and r.cap == cap), None)
+            cells.append("-" if m is None or p is None else
+                         f"{m.generated_tok_s:.1f} / {p.generated_tok_s:.1f} "
+                         f"({100 * (p.generated_tok_s / m.generated_tok_s - 1):+.0f}%)")
+        lines.append(f"| {cap} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def minutes(seconds: float) -> str:
@@ -409,26 +454,30 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
         args.num_kv_blocks = kv_budget_tokens(args.max_num_seqs) // BLOCK_SIZE
     budget = describe_budget(args.max_num_seqs, BLOCK_SIZE, args.num_kv_blocks, args.reserve)
     print(budget, flush=True)
-    estimated: dict[str, float] = {}
-    if estimate is not None:
-        estimated, how = estimate(args)
-        print(f"\nEstimated run time: {minutes(sum(estimated.values()))} ("
-              + ", ".join(f"{part} {minutes(t)}" for part, t in estimated.items()) + ")\n"
-              + how, flush=True)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     elapsed: dict[str, float] = {}
     stem = f"study-{args.dtype}"
     began = time.monotonic()
+    if estimate is not None and args.cost_model is None and not args.no_calibrate:
+        args.cost_model = calibrate(args, out)
+        elapsed["calibration"] = time.monotonic() - began
+    guess = Estimate({}, "", []) if estimate is None else estimate(args)
+    if guess.parts:
+        print(f"\nEstimated run time: {minutes(sum(guess.parts.values()))} ("
+              + ", ".join(f"{part} {minutes(t)}" for part, t in guess.parts.items()) + ")\n"
+              + guess.how, flush=True)
+    predicted = guess.rows if args.cost_model else []  # the project's model: no prediction here
 
+    start = time.monotonic()
     rows = [run_in_subprocess(args, config, cap) for cap in caps for config in configs]
     for r in rows:
         r.ratio_vs_static = ratio(rows, r.policy, NAIVE_STATIC, r.cap)
-    elapsed["throughput"] = time.monotonic() - began
+    elapsed["throughput"] = time.monotonic() - start
     peer_rows = run_peers(args, caps)
     for r in peer_rows:
         r.ratio_vs_static = ratio([*rows, r], r.policy, NAIVE_STATIC, r.cap)
-    elapsed["peers"] = time.monotonic() - began - elapsed["throughput"]
+    elapsed["peers"] = time.monotonic() - start - elapsed["throughput"]
     decomp = decomposition(rows)
 
     def write(curves: list[LatencyCurve]) -> None:
@@ -440,7 +489,9 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
             "rows": [asdict(r) for r in rows + peer_rows],
             "decomposition": decomp,
             "latency": {c.config: asdict(c) for c in curves},
-            "elapsed_s": elapsed, "estimated_s": estimated,
+            "prediction": {"cost_model": args.cost_model, "rows": [asdict(r) for r in predicted],
+                           "decomposition": decomposition(predicted)} if predicted else None,
+            "elapsed_s": elapsed, "estimated_s": guess.parts,
         }, indent=2))
 
     write([])  # the throughput half is kept if the latency half is cut short
@@ -449,21 +500,21 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
     print("\nThe seed's decomposition (generated tok/s ratios):\n" + format_decomposition(decomp))
     print("\nMemory, per run (the pool's mean fraction over steps):\n" + format_memory(rows),
           flush=True)
+    if predicted:
+        print(f"\nThe simulator ({args.cost_model}), generated tok/s measured / predicted:\n"
+              + format_prediction(rows, predicted) + "\n\nIts decomposition:\n"
+              + format_decomposition(decomposition(predicted)), flush=True)
     curves = []
     for config in latency_configs:
         curves.append(run_curve(args, config, capacity_req_s(rows, config), out))
         write(curves)
-    elapsed["latency"] = time.monotonic() - began - elapsed["throughput"] - elapsed["peers"]
+    elapsed["latency"] = time.monotonic() - start - elapsed["throughput"] - elapsed["peers"]
     write(curves)
     if curves:
         plot_latency(curves, out / f"{stem}-latency.png")
         print("\nserve-B per configuration:\n" + format_latency(curves))
     print("\nRun time: " + ", ".join(
-        f"{part} {minutes(t)}" + (f" (estimated {minutes(estimated[part])})"
-                                  if part in estimated else "") for part, t in elapsed.items()))
+        f"{part} {minutes(t)}" + (f" (estimated {minutes(guess.parts[part])})"
+                                  if part in guess.parts else "") for part, t in elapsed.items()))
     print(f"\nwrote {out / stem}.json, {stem}.png" + (f", {stem}-latency.png" if curves else ""))
-    print("prediction beside it: tokenmill simulate --caps "
-          f"{args.caps} --policies {args.configs} --num-kv-blocks {args.num_kv_blocks} "
-          f"--max-num-seqs {args.max_num_seqs} --reserve {args.reserve} --cost-model COST.json "
-          f"--compare {out / stem}.json")
     return 0

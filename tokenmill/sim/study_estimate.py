@@ -19,7 +19,7 @@ from pathlib import Path
 from tokenmill.bench import study
 from tokenmill.bench.throughput import POLICIES, engine_options
 from tokenmill.sim.cost_model import CostModel
-from tokenmill.sim.report import rate_report
+from tokenmill.sim.report import rate_report, throughput_row
 from tokenmill.sim.simulator import EngineSettings, simulate
 from tokenmill.sim.workloads import serve_b_requests, throughput_a_requests
 
@@ -69,18 +69,25 @@ def latency_s(args: argparse.Namespace, config: str, capacity: float | None,
     return total
 
 
-def estimate(args: argparse.Namespace) -> tuple[dict[str, float], str]:
-    """Seconds per part of the study (throughput, peers, latency) and how."""
+def estimate(args: argparse.Namespace) -> study.Estimate:
+    """Seconds per part of the study (throughput, peers, latency), how, and the
+    throughput-A row the simulator predicts for each configuration and CAP."""
     path = Path(args.cost_model) if args.cost_model else DEFAULT_COST_MODEL
     if not path.exists():
-        return {}, (f"(no estimate: no cost model at {path}; `tokenmill simulate calibrate` "
-                    "fits one)")
+        return study.Estimate({}, f"(no estimate: no cost model at {path}; `tokenmill simulate "
+                                  "calibrate` fits one)", [])
     cost = CostModel.load(path)
+    dtype = {2: "bfloat16", 4: "float32"}.get(cost.model.element_bytes, "?")
     caps = [int(c) for c in args.caps.split(",")]
     configs = args.configs.split(",")
-    walls = {(config, cap): simulate(throughput_a_requests(cap), settings(args, config, False, cap),
-                                     cost).wall_s
-             for cap in caps for config in {*configs, study.NAIVE_STATIC, "continuous"}}
+    runs = {(config, cap): simulate(throughput_a_requests(cap), settings(args, config, False, cap),
+                                    cost)
+            for cap in caps for config in {*configs, study.NAIVE_STATIC, "continuous"}}
+    walls = {key: result.wall_s for key, result in runs.items()}
+    rows = [throughput_row(runs[config, cap], config, cap, dtype)
+            for cap in caps for config in configs]
+    for r in rows:
+        r.ratio_vs_static = study.ratio(rows, r.policy, study.NAIVE_STATIC, r.cap)
     parts = {"throughput": sum(RUN_START_S + walls[c, cap] for c in configs for cap in caps)}
     peers = [p for p in args.peers.split(",") if p]
     parts["peers"] = sum(HF_START_S + HF_SLOWDOWN * walls[study.NAIVE_STATIC, cap]
@@ -95,10 +102,9 @@ def estimate(args: argparse.Namespace) -> tuple[dict[str, float], str]:
         capacity = (len(throughput_a_requests(128)) / walls[config, 128]
                     if config in configs and 128 in caps else None)
         parts["latency"] += latency_s(args, config, capacity, cost)
-    dtype = {2: "bfloat16", 4: "float32"}.get(cost.model.element_bytes, "?")
     how = (f"(simulated with the cost model {path} ({dtype}"
            + ("" if dtype == args.dtype else f", not {args.dtype}: scale accordingly")
            + f"), plus {RUN_START_S:.0f} s a run's start, {SERVER_START_S:.0f} s a server's; "
            f"transformers {HF_SLOWDOWN:g}x naive static's time, vLLM {VLLM_SLOWDOWN:g}x "
            "continuous's, each with its start)")
-    return parts, how
+    return study.Estimate(parts, how, rows)
