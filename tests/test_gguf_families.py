@@ -186,6 +186,7 @@ SPLITS = {
     "smollm": ["(", "hi", "Ġ", "1", "2", "3", "4", "5"],
     "llama-bpe": ["(hi", "Ġ", "123", "45"],
     "qwen2": ["(hi", "Ġ", "1", "2", "3", "4", "5"],
+    "gpt-4o": ["(hi", "Ġ", "123", "45"],
 }
 
 
@@ -194,6 +195,21 @@ def test_pre_tokenizer_by_name(name: str) -> None:
     pre = gguf_pre_tokenizer("m.gguf", name)
     assert [piece for piece, _ in pre.pre_tokenize_str("(hi 12345")] == SPLITS[name]
     assert set(SPLITS) <= set(GGUF_PRE_TOKENIZERS)
+
+
+def test_gpt_4o_splits_words_by_case_and_keeps_contractions() -> None:
+    """o200k_base's rules, which llama.cpp's gpt-4o split follows: a capital run
+    starts a word, a lower-case run ends one, a contraction stays on its word,
+    a slash run joins the punctuation before it; llama3's split differs on each."""
+    def split(name: str, text: str) -> list[str]:
+        pre = gguf_pre_tokenizer("m.gguf", name)
+        return [piece for piece, _ in pre.pre_tokenize_str(text)]
+
+    text = "HelloWorld I'M the HTTPServer's //path"
+    assert split("gpt-4o", text) == ["Hello", "World", "ĠI'M", "Ġthe", "ĠHTTPServer's", "Ġ//",
+                                     "path"]
+    assert split("llama-bpe", text) == ["HelloWorld", "ĠI", "'M", "Ġthe", "ĠHTTPServer", "'s",
+                                        "Ġ//", "path"]
 
 
 def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:

@@ -421,6 +421,13 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tiktoken's o200k_base (GPT-4o; Phi-4-mini): case-aware words (an upper-case run
+# may start a lower-case word), contractions kept on the word, digits in threes.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+                rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GGUF_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
     "gpt-2": (_GPT2, False),
     "smollm": (_GPT2, True),  # SmolLM and SmolLM2 (the default model)
@@ -430,6 +437,7 @@ GGUF_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
     "llama-v3": (_LLAMA3_SPLIT, False),
     "qwen2": (_QWEN2_SPLIT, False),  # Qwen2, Qwen2.5, Qwen3
     "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
+    "gpt-4o": (_GPT4O_SPLIT, False),  # Phi-4-mini
 }
 
 
