@@ -114,6 +114,22 @@ def test_openai_sdk_float_and_base64(served: Served) -> None:
                                atol=ATOL)
 
 
+def test_langchain_openai_embeddings(served: Served) -> None:
+    """LangChain's OpenAIEmbeddings, unchanged but for sending strings
+    (check_embedding_ctx_length=False: its default tokenizes with tiktoken's
+    OpenAI encodings, which it downloads, and sends OpenAI's token ids)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embedder = OpenAIEmbeddings(model=MODEL, base_url=served.url + "/v1", api_key="unused",
+                                check_embedding_ctx_length=False, chunk_size=3, max_retries=0)
+    documents = TEXTS[:7]  # (three requests of at most 3 inputs)
+    vectors = embedder.embed_documents(documents)
+    query = embedder.embed_query(TEXTS[9])
+    for text, vector in zip([*documents, TEXTS[9]], [*vectors, query], strict=True):
+        np.testing.assert_allclose(vector, served.expected(text), atol=ATOL, rtol=0)
+    assert asyncio.run(embedder.aembed_query(TEXTS[9])) == query
+
+
 def test_one_at_a_time_equals_the_batch(served: Served) -> None:
     client = served.client()
     batch = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float").data

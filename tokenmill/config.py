@@ -20,6 +20,9 @@ QUANTIZATIONS = ("q8_0", "gguf")  # ModelConfig.quantization's values besides No
 # requests alike (one forward serves both); "generate" or "pooling" only one kind.
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # PoolerConfig.pooling_type (vLLM's names)
+# A cross-encoder's activation on its logits (PoolerConfig.activation): "sigmoid"
+# (one label), "softmax" (several), or "identity" (the logits as they are).
+CLASSIFIER_ACTIVATIONS = ("sigmoid", "softmax", "identity")
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # How a request gets KV memory: block by block ("paged"), or its whole prompt +
 # max_tokens at admission ("reserved", the systems before paging; CacheConfig).
@@ -122,11 +125,19 @@ class PoolerConfig:
     # Its prompt for a (query, document) pair: "qwen3_reranker" (hf_overrides'
     # is_original_qwen3_reranker: server/scores.py's template), or None (the two concatenated).
     score_template: str | None = None
+    # A cross-encoder (BertForSequenceClassification, XLMRobertaForSequenceClassification):
+    # its classifier's outputs (CLS pooled, then the model's head), and the activation
+    # on them (CLASSIFIER_ACTIVATIONS, vLLM's rule: model/pooler_config.py); 0: none.
+    num_labels: int = 0
+    activation: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type={self.pooling_type!r} is not supported; use one of "
                              f"{POOLING_TYPES}")
+        if self.activation not in CLASSIFIER_ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; use one of "
+                             f"{CLASSIFIER_ACTIVATIONS}")
 
     @property
     def needs_every_row(self) -> bool:
@@ -176,6 +187,18 @@ class ModelSpec:
     local_rope_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta's RoPE)
     attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) before the softmax
     final_logit_softcapping: float | None = None  # the same on the logits
+    # Encoders (BERT, XLM-R: model/spec_bert.py, model/bert.py); the defaults are the decoder.
+    # encoder_only: every token attends to its whole prompt (no causal mask), so a
+    # prompt runs in one step, keeps no K/V and generates nothing (pooling only).
+    # Its LayerNorms' epsilon is rms_norm_eps; hidden_act "gelu" (exact).
+    encoder_only: bool = False
+    type_vocab_size: int = 0  # token type (segment) embeddings: 2 for BERT's pairs
+    # XLM-R: its padding_idx; positions count from padding_idx + 1 (None: from 0)
+    position_offset: int | None = None
+    num_labels: int = 0  # a *ForSequenceClassification's classifier outputs (0: no classifier)
+    # A checkpoint saved without its LM head (Qwen3Model, LlamaModel: Qwen3-Embedding):
+    # it pools only; its head is tied to the embedding so the plan builds unchanged.
+    headless: bool = False
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""

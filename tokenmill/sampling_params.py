@@ -269,10 +269,14 @@ class PoolingParams:
     dimensions: Matryoshka truncation, the first this many values, renormalised
     where the vector is normalised; only for models trained for it (the engine
     checks). normalize: L2-normalise the vector; None: the model's default (its
-    sentence-transformers Normalize module, or True for a decoder without one)."""
+    sentence-transformers Normalize module, or True for a decoder without one).
+    use_activation (vLLM's): a cross-encoder's activation on its logits (sigmoid
+    for one label: model/pooler_config.py); False: the raw logits; for an
+    embedding, where normalize is unset, whether to normalise. None: the model's."""
 
     dimensions: int | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None:
@@ -283,3 +287,6 @@ class PoolingParams:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ParamError(f"normalize must be true, false or null, got {self.normalize!r}",
                              "normalize")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ParamError(f"use_activation must be true, false or null, got "
+                             f"{self.use_activation!r}", "use_activation")

@@ -67,6 +67,16 @@ class Tokenizer:
                 ) from e
             raise
 
+    def encode_pair(self, text: str, text_pair: str) -> tuple[list[int], list[int] | None]:
+        """A text pair as the tokenizer joins it (BERT: [CLS] a [SEP] b [SEP]), a
+        cross-encoder's input: its token ids, and its token types (0 for the first
+        text's tokens, 1 for the second's) where the tokenizer makes them."""
+        for t in (text, text_pair):
+            self.encode(t, add_special_tokens=False)  # (the Unicode check's error, if any)
+        encoded = self.hf(text, text_pair, add_special_tokens=True)
+        types = encoded.get("token_type_ids")
+        return list(encoded["input_ids"]), None if types is None else list(types)
+
     @functools.cached_property
     def max_token_bytes(self) -> int | None:
         """The most bytes of text one token can stand for, where that is proven:

@@ -49,6 +49,9 @@ class ScheduledRequest:
     # is its pooled hidden state.
     pooling_params: PoolingParams | None = None
     do_pool: bool = False
+    # An encoder's request (Request.whole_prompt: admitted and run whole in one
+    # step): its token types, one per token of token_ids; None: all 0.
+    token_type_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -48,8 +48,15 @@ class Request:
     # A pooling request: prefill only, then finished with its pooled hidden state
     # (its sampling_params hold max_tokens=1, as vLLM's, and are not used to sample).
     pooling_params: PoolingParams | None = None
-    # Its pooler reads rows before the last (MEAN, CLS): it takes no prefix hits.
+    # Its pooler reads rows before the last (MEAN, CLS), or its model is an
+    # encoder (every row attends to every other): it takes no prefix hits.
     pool_every_row: bool = False
+    # An encoder's request: its whole prompt runs in one step, never chunked
+    # (bidirectional attention needs every token of it at once).
+    whole_prompt: bool = False
+    # An encoder's token types (segment ids: a text pair's 0s then 1s), one per
+    # prompt token; None: all 0.
+    token_type_ids: list[int] | None = None
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)

@@ -6,7 +6,9 @@ decoding request needs 1 token, a request in the middle of its prefill needs
 the rest of its prompt, chunked to what is left), then to waiting requests in
 the order of the policy's queue (request_queue.py), each chunked to what is
 left. Chunked prefill, prefix-cache hits, mixed prefill+decode steps and
-recompute preemption all fall out of this one piece of arithmetic.
+recompute preemption all fall out of this one piece of arithmetic. An
+encoder's request (Request.whole_prompt) is the one exception to chunking: it
+is admitted only when all of its prompt fits what is left of the budget.
 
 When the KV pool runs short, the running request the queue's order puts last
 is preempted: its blocks are freed and it goes back to the waiting queue, to be
@@ -224,6 +226,7 @@ class Scheduler:
                     prompt_token_ids=(
                         request.prompt_token_ids if request.request_id in admitted else None
                     ),
+                    token_type_ids=request.token_type_ids,
                 )
             )
             request.num_computed_tokens += num_new
@@ -268,6 +271,8 @@ class Scheduler:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if request.whole_prompt and num_new < request.num_tokens - num_hit_tokens:
+                break  # (an encoder's prompt waits for a step with room for all of it)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             if request is self.queue.peek():

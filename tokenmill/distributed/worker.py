@@ -26,6 +26,7 @@ import torch
 
 from tokenmill.distributed.group import RankGroup, TensorParallelError
 from tokenmill.distributed.tensor_parallel import meta_from_wire
+from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
 from tokenmill.model.parallel import ShardLayout, shard_model, vocab_widths
 from tokenmill.model.source import resolve_model_source
@@ -44,6 +45,8 @@ def serve_rank(group: RankGroup, local_rank: int) -> None:
         model_config = dataclasses.replace(model_config, device=str(device))
     group.open_tensors(device, cpu_options)
     whole, spec = load_model(model_config, resolve_model_source(model_config.model))
+    if not isinstance(whole, LlamaForCausalLM):  # (rank 0 refuses it too, naming the flag)
+        raise ValueError(f"{spec.architecture} (an encoder) runs on one process, not tensor-parallel")
     dtype = next(whole.parameters()).dtype
     model = shard_model(whole, ShardLayout.of(spec, group.rank, group.size), group.reducer)
     del whole

@@ -159,6 +159,9 @@ class LLM:
             raise ValueError("this model is loaded as a yes/no reranker (hf_overrides' "
                              "classifier_from_token): it scores pairs with LLM.score, it does "
                              "not embed")
+        if self.engine.pooler_config.num_labels:
+            raise ValueError(f"this model ({self.engine.spec.architecture}) is a cross-encoder: it "
+                             "scores text pairs with LLM.score, it does not embed")
         return [EmbeddingRequestOutput.from_base(out)
                 for out in self.encode(prompts, pooling_params, use_tqdm, priority)]
 
@@ -186,6 +189,8 @@ class LLM:
                              "text_1, or as many as text_2")
         if self.engine.pooler_config.classifier_token_ids is not None:
             return self._classify_pairs(firsts, seconds, pooling_params, use_tqdm)
+        if self.engine.pooler_config.num_labels:
+            return self._cross_encode(firsts, seconds, pooling_params, use_tqdm)
         embedded = self.embed([*firsts, *seconds], pooling_params, use_tqdm)
         n = len(firsts)
         return [
@@ -194,6 +199,30 @@ class LLM:
                 outputs=ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)),
                 prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids, finished=True)
             for a, b in zip(embedded[:n], embedded[n:], strict=True)
+        ]
+
+    def _cross_encode(self, firsts: list[PromptType], seconds: list[PromptType],
+                      pooling_params: PoolingParams | None, use_tqdm: bool) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score of each pair, run as one prompt: the tokenizer's
+        text pair (and its token types), then the classifier and its activation
+        (vLLM's default: sigmoid of a one-label logit)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not all(isinstance(t, str) for t in (*firsts, *seconds)):
+            raise ValueError("a cross-encoder scores text pairs, joined by its tokenizer; for token "
+                             "ids, give LLM.encode the pair's prompt_token_ids and token_type_ids")
+        if self.engine.pooler_config.num_labels != 1:
+            raise ValueError(f"this cross-encoder has {self.engine.pooler_config.num_labels} labels; "
+                             "a score is one value: use LLM.encode for its label scores")
+        prompts: list[PromptType] = []
+        for first, second in zip(firsts, seconds, strict=True):
+            assert isinstance(first, str) and isinstance(second, str)
+            ids, types = tokenizer.encode_pair(first, second)
+            prompts.append({"prompt_token_ids": ids} if types is None else
+                           {"prompt_token_ids": ids, "token_type_ids": types})
+        return [
+            ScoringRequestOutput(request_id=out.request_id, outputs=ScoringOutput(out.outputs.data[0]),
+                                 prompt_token_ids=out.prompt_token_ids, finished=True)
+            for out in self.encode(prompts, pooling_params, use_tqdm)
         ]
 
     def _classify_pairs(self, firsts: list[PromptType], seconds: list[PromptType],

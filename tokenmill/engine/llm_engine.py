@@ -37,9 +37,10 @@ from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
 from tokenmill.engine.structured import GrammarCompiler
+from tokenmill.model.bert import EncoderModel
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
-from tokenmill.model.pooler_config import read_pooler_config
+from tokenmill.model.pooler_config import cross_encoder_pooler_config, read_pooler_config
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import EngineOutput
 from tokenmill.sampling_params import ParamError, PoolingParams, SamplingParams, is_integer
@@ -135,10 +136,13 @@ class LLMEngine:
             self.shutdown()
             raise
 
-    def _init_rest(self, model: LlamaForCausalLM, spec: ModelSpec) -> None:
+    def _init_rest(self, model: LlamaForCausalLM | EncoderModel, spec: ModelSpec) -> None:
         model_config, cache_config = self.model_config, self.cache_config
         scheduler_config = self.scheduler_config
         self.spec: ModelSpec = spec
+        # Which requests it serves (config.RUNNERS): an encoder, or a checkpoint
+        # saved without its LM head, pools only.
+        self.serves = self._serves(spec)
         self.dtype: torch.dtype = next(model.parameters()).dtype
         # What a request leaves unset takes these (vLLM's get_diff_sampling_param).
         self.default_sampling_params: dict[str, Any] = default_sampling_params(
@@ -159,22 +163,33 @@ class LLMEngine:
                 f"max_model_len={max_model_len} is longer than the model's "
                 f"{spec.max_position_embeddings} positions; lower it"
             )
-        if self.tp is not None:  # this rank's shard: its heads, its share of the vocabulary
-            model = self.tp.shard(model)
-            cache_config = self.tp.cache_config(cache_config)
-        # (model.spec: the shard's heads, for the KV cache; the vocabulary whole.)
-        num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
-        if self.tp is not None:
-            self.tp.start(num_blocks, cache_config.block_size)
+        if isinstance(model, EncoderModel):
+            scheduler_config, cache_config, num_blocks = self._encoder_configs(max_model_len)
+        else:
+            if self.tp is not None:  # this rank's shard: its heads, its share of the vocabulary
+                model = self.tp.shard(model)
+                cache_config = self.tp.cache_config(cache_config)
+            # (model.spec: the shard's heads, for the KV cache; the vocabulary whole.)
+            num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
+            if self.tp is not None:
+                self.tp.start(num_blocks, cache_config.block_size)
         # How pooling requests pool (model/pooler_config.py); none are served with
         # runner="generate", whose model directory is then not read for it.
-        self.pooler_config = (read_pooler_config(self.source.path)
-                              if model_config.runner != "generate" else PoolerConfig())
+        if spec.num_labels:
+            self.pooler_config = cross_encoder_pooler_config(self.source.path, spec.num_labels)
+        elif self.serves != "generate":
+            self.pooler_config = read_pooler_config(self.source.path,
+                                                    "CLS" if spec.encoder_only else "LAST")
+        else:
+            self.pooler_config = PoolerConfig()
         if model_config.hf_overrides is not None:
             self.pooler_config = self._reranker_config(model_config.hf_overrides)
         # A yes/no reranker's two head rows, read before the CPU plan packs the head.
         ids = self.pooler_config.classifier_token_ids
-        classifier_head = None if ids is None else model.head_rows(ids)
+        classifier_head = None
+        if ids is not None:
+            assert isinstance(model, LlamaForCausalLM)  # (_serves refused hf_overrides for an encoder)
+            classifier_head = model.head_rows(ids)
         forward = chosen_forward(model, self.dtype, self.device, self.cpu_options)
         if self.tp is not None:  # every forward goes to the other ranks too
             forward = self.tp.driver(forward)
@@ -209,10 +224,49 @@ class LLMEngine:
         self._failed_compiles: dict[str, str] = {}  # caller's request id -> why
         self.facts = self._facts(num_blocks)
 
+    def _serves(self, spec: ModelSpec) -> str:
+        """The runner this engine serves as (config.RUNNERS): the asked one, except
+        that a model that cannot generate serves as "pooling" (and refuses
+        "generate"); what an encoder cannot be served with, refused."""
+        config = self.model_config
+        if not (spec.encoder_only or spec.headless):
+            return config.runner
+        kind = (f"{spec.architecture} is an encoder-only model" if spec.encoder_only else
+                f"{self.source.name} was saved without its LM head ({spec.architecture} layers)")
+        if config.runner == "generate":
+            raise ValueError(f"runner='generate' cannot serve this model: {kind}, it pools "
+                             "(embeddings, scores) and generates nothing; use --runner pooling or auto")
+        if spec.encoder_only:
+            refused = [(self.tp is not None, "--tensor-parallel-size"),
+                       (self.speculative_config is not None, "--speculative-config"),
+                       (config.hf_overrides is not None, "--hf-overrides"),
+                       (self.scheduler_config.policy == "static", "--scheduling-policy static")]
+            for on, flag in refused:
+                if on:
+                    raise ValueError(f"{flag} is not supported for {spec.architecture} (an encoder); "
+                                     "drop it")
+        return "pooling"
+
+    def _encoder_configs(self, max_model_len: int) -> tuple[SchedulerConfig, CacheConfig, int]:
+        """An encoder's scheduling: each prompt runs whole in one step (Request.
+        whole_prompt: bidirectional attention needs all of it), so the token budget
+        is raised to max_model_len where it is smaller (as vLLM raises it when
+        chunked prefill is off), and nothing is cached (no prefix caching: a
+        cached block's K/V would depend on the tokens after it). Its blocks hold
+        no memory: they count a step's tokens, a step's worth of them."""
+        config, cache = self.scheduler_config, self.cache_config
+        budget = max(config.max_num_batched_tokens, max_model_len)
+        if budget != config.max_num_batched_tokens:
+            logger.info("encoder: max_num_batched_tokens %d -> %d (max_model_len: a prompt runs "
+                        "whole in one step)", config.max_num_batched_tokens, budget)
+        num_blocks = -(-budget // cache.block_size) + config.max_num_seqs
+        return (dataclasses.replace(config, max_num_batched_tokens=budget),
+                dataclasses.replace(cache, enable_prefix_caching=False), num_blocks)
+
     def _reranker_config(self, overrides: Mapping[str, Any]) -> PoolerConfig:
         """The pooler of a yes/no reranker (config.check_hf_overrides checked the
         keys): each classifier_from_token must be one token of the vocabulary."""
-        if self.model_config.runner == "generate":
+        if self.serves == "generate":
             raise ValueError("hf_overrides' classifier_from_token makes a reranker (pooling); "
                              "it cannot be served with runner='generate'")
         if self.tp is not None:
@@ -250,7 +304,7 @@ class LLMEngine:
                 cache_dtype=dtype,
             ),
             tensor_parallel_ranks=self.tp.rank_locations() if self.tp is not None else (),
-            runner=self.model_config.runner,
+            runner=self.serves,
             hidden_size=self.spec.hidden_size,
             pooler=self.pooler_config,
         )
@@ -309,7 +363,13 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
             return
-        if self.model_config.runner == "pooling":
+        if self.serves == "pooling":
+            if self.spec.encoder_only or self.spec.headless:
+                raise ValueError(
+                    f"model {self.source.name!r} ({self.spec.architecture}"
+                    f"{', an encoder-only model' if self.spec.encoder_only else ', saved without its LM head'}) "
+                    "serves pooling only (--runner pooling: /v1/embeddings, /score, /rerank); "
+                    "it cannot generate: use a generative model for completions and chat")
             raise ValueError("this engine runs with runner='pooling' (embeddings only) and "
                              "generates nothing; start it with runner 'auto' or 'generate'")
         self._check_priority(priority)
@@ -367,22 +427,42 @@ class LLMEngine:
                              arrival_time: float | None, priority: int) -> None:
         """A pooling request: prefill only, through the same scheduler; finished
         (its blocks freed) in the step its last prompt token runs."""
-        if self.model_config.runner == "generate":
+        if self.serves == "generate":
             raise ValueError("this engine runs with runner='generate'; pooling (embedding) "
                              "requests need runner 'auto' or 'pooling'")
         self._check_priority(priority)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize_prompt(prompt)
+        token_types = self._token_types(prompt, len(prompt_ids))
         params = self.resolve_pooling_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        encoder = self.spec.encoder_only
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=prompt_ids,
             sampling_params=SamplingParams(max_tokens=1), arrival_time=arrival,
             priority=int(priority), pooling_params=params,
-            pool_every_row=self.pooler_config.needs_every_row,
+            pool_every_row=self.pooler_config.needs_every_row or encoder,
+            whole_prompt=encoder, token_type_ids=token_types,
         ))
         self.output_processor.add_pooling_request(request_id, text, prompt_ids, arrival)
+
+    def _token_types(self, prompt: PromptType, num_tokens: int) -> list[int] | None:
+        """A prompt's `token_type_ids` (vLLM's TokensPrompt field: a text pair's
+        segment ids), checked: an encoder's, one per token, each below its
+        type_vocab_size."""
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is None:
+            return None
+        limit = self.spec.type_vocab_size
+        if not self.spec.encoder_only:
+            raise ParamError(f"token_type_ids are for encoder models (BERT); {self.spec.architecture} "
+                             "has none: drop them", "token_type_ids")
+        if (isinstance(types, str | bytes) or not all(is_integer(t) for t in types)
+                or len(types) != num_tokens or not all(0 <= t < limit for t in types)):
+            raise ParamError(f"token_type_ids must be {num_tokens} integers (one per prompt token) in "
+                             f"[0, {limit}), got {types!r:.80}", "token_type_ids")
+        return [int(t) for t in types]
 
     def resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
         """Our own copy, checked against the model: `dimensions` only where it was

@@ -25,13 +25,14 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, ModelSpec
+from tokenmill.model.bert import EncoderModel
 from tokenmill.model.fused_checkpoint import reorder_rotary_rows, split_fused
 from tokenmill.model.gguf_families import GGUFFamily, gguf_family
 from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
@@ -64,6 +65,7 @@ FUSED_WEIGHTS: Mapping[str, tuple[str, str]] = {
 logger = logging.getLogger("tokenmill")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+M = TypeVar("M", bound=nn.Module)
 
 
 
@@ -142,7 +144,7 @@ def cpu_has_bf16() -> bool:
 
 def load_model(
     model_config: ModelConfig, source: ModelSource
-) -> tuple[LlamaForCausalLM, ModelSpec]:
+) -> tuple[LlamaForCausalLM | EncoderModel, ModelSpec]:
     """Build the model on `model_config.device` and fill every weight from `source`."""
     if model_config.quantization == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization='gguf' runs a GGUF file's own quantized blocks, but "
@@ -356,7 +358,7 @@ def _as_llama_names(tensors: dict[str, TensorThunk], storage: dict[str, str],
     return tensors, storage
 
 
-def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def _finish(model: M) -> M:
     model.eval()
     model.requires_grad_(False)
     return model
@@ -365,7 +367,7 @@ def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
 # --- Hugging Face directories ------------------------------------------------
 
 
-def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCausalLM, ModelSpec]:
+def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCausalLM | EncoderModel, ModelSpec]:
     config_path = os.path.join(source.path, "config.json")
     cfg = _read_json(config_path)
     spec = spec_from_hf_config(cfg, config_path)
@@ -387,6 +389,15 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[name] = _thunk(handle.get_tensor, name)
+        if spec.encoder_only:
+            return _load_encoder(model_config, spec, tensors, dtype, config_path), spec
+        if spec.headless or "embed_tokens.weight" in tensors:
+            # Saved without its head (a Qwen3Model, or Qwen3-Embedding's files, whose
+            # config says Qwen3ForCausalLM): the decoder's names without "model.".
+            # It pools only; the head is tied to the embedding so the plan builds.
+            spec = dataclasses.replace(spec, headless=True, tie_word_embeddings=True)
+            tensors = {name if name.startswith("model.") else f"model.{name}": thunk
+                       for name, thunk in tensors.items()}
         _check_hf_layer_count(tensors, spec.num_layers, config_path)
         tensors, _ = _as_llama_names(tensors, {}, spec)
         model = LlamaForCausalLM(
@@ -400,15 +411,41 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
     return _finish(model), spec
 
 
-def _check_hf_layer_count(names: Mapping[str, Any], num_layers: int, path: str) -> None:
+def _check_hf_layer_count(names: Mapping[str, Any], num_layers: int, path: str,
+                          prefix: str = "model.layers.") -> None:
     """num_hidden_layers is the number of layers the checkpoint holds, checked
     before the model is built (an absurd count would build it first)."""
-    layers = {name.split(".")[2] for name in names if name.startswith("model.layers.")}
+    layers = {name[len(prefix):].split(".")[0] for name in names if name.startswith(prefix)}
     if num_layers != len(layers):
         raise ValueError(
             f"{path}: num_hidden_layers={num_layers} is invalid; the checkpoint's tensors are of "
-            f"{len(layers)} layers (model.layers.N)"
+            f"{len(layers)} layers ({prefix}N)"
         )
+
+
+# An encoder checkpoint's names that are not the model's weights: buffers some
+# versions saved, pretraining heads (BERT's cls.*, RoBERTa's lm_head.*), and the
+# pooler of a base model, which sentence-transformers' pooling does not read.
+_ENCODER_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.", "lm_head.")
+
+
+def _load_encoder(model_config: ModelConfig, spec: ModelSpec, tensors: Mapping[str, TensorThunk],
+                  dtype: torch.dtype, config_path: str) -> EncoderModel:
+    """BERT / XLM-R (model/bert.py): a *ForSequenceClassification's `bert.` /
+    `roberta.` prefix stripped, so every checkpoint has the base model's names."""
+    if model_config.quantization is not None:
+        raise ValueError(f"quantization={model_config.quantization!r} is not supported for "
+                         f"{spec.architecture} (an encoder); drop --quantization")
+    renamed = {name.removeprefix("bert.").removeprefix("roberta."): thunk
+               for name, thunk in tensors.items()}
+    _check_hf_layer_count(renamed, spec.num_layers, config_path, "encoder.layer.")
+    model = EncoderModel(spec, device=model_config.device, dtype=dtype)
+
+    def ignored(name: str) -> bool:
+        return name.startswith(_ENCODER_IGNORED) or (model.pooler is None and name.startswith("pooler."))
+
+    load_weights(model, renamed, ignored=ignored)
+    return _finish(model)
 
 
 def _hf_ignored(spec: ModelSpec) -> Callable[[str], bool]:

@@ -26,15 +26,18 @@ _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tok
                       "pooling_mode_weightedmean_tokens")
 
 
-def read_pooler_config(path: str) -> PoolerConfig:
+def read_pooler_config(path: str, default_pooling_type: str = "LAST") -> PoolerConfig:
     """The pooler of the model at `path` (a directory or a GGUF file); ValueError
-    naming the file and field for a pooling tokenmill cannot compute."""
+    naming the file and field for a pooling tokenmill cannot compute.
+    `default_pooling_type`: where no Pooling module says (a decoder's LAST; an
+    encoder's CLS, as vLLM pools a BertModel)."""
     if not os.path.isdir(path):
-        return PoolerConfig()
+        return PoolerConfig(pooling_type=default_pooling_type)
     matryoshka = _matryoshka(os.path.join(path, "config.json"))
     modules_path = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_path):
-        return PoolerConfig(is_matryoshka=matryoshka is not None, matryoshka_dimensions=matryoshka or None)
+        return PoolerConfig(pooling_type=default_pooling_type, is_matryoshka=matryoshka is not None,
+                            matryoshka_dimensions=matryoshka or None)
     modules = _read(modules_path)
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ValueError(f"{modules_path} must be a list of modules (objects with 'type' and 'path')")
@@ -43,7 +46,7 @@ def read_pooler_config(path: str) -> PoolerConfig:
     if unknown:
         raise ValueError(f"{modules_path}: module types {unknown} are not supported (tokenmill "
                          f"runs {TRANSFORMER_MODULE}, then {POOLING_MODULE} and {NORMALIZE_MODULE})")
-    pooling_type = "LAST"
+    pooling_type = default_pooling_type
     pooling = next((m for m in modules if m.get("type") == POOLING_MODULE), None)
     if pooling is not None:
         pooling_type = _pooling_type(os.path.join(path, str(pooling.get("path", "")), "config.json"))
@@ -51,6 +54,44 @@ def read_pooler_config(path: str) -> PoolerConfig:
         pooling_type=pooling_type, normalize=NORMALIZE_MODULE in types,
         is_matryoshka=matryoshka is not None, matryoshka_dimensions=matryoshka or None,
     )
+
+
+def cross_encoder_pooler_config(path: str, num_labels: int) -> PoolerConfig:
+    """A cross-encoder's (a *ForSequenceClassification's) pooler: its first token
+    through the model's classifier, then the activation vLLM applies by default
+    (its get_act_fn): config.json's problem_type (regression: none; multi-label:
+    sigmoid), else sentence-transformers' activation_fn (Identity, Sigmoid,
+    Softmax; sbert_ce_default_activation_function in older files), else sigmoid
+    for one label and softmax for several."""
+    config_path = os.path.join(path, "config.json")
+    cfg = _read(config_path) if os.path.isfile(config_path) else {}
+    cfg = cfg if isinstance(cfg, dict) else {}
+    classify = "sigmoid" if num_labels < 2 else "softmax"
+    problem = cfg.get("problem_type")
+    st = cfg.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or cfg.get("sbert_ce_default_activation_function")
+    if problem == "regression":
+        activation = "identity"
+    elif problem == "multi_label_classification":
+        activation = "sigmoid"
+    elif problem == "single_label_classification" or name is None:
+        activation = classify
+    elif name in _ACTIVATION_FNS:
+        activation = _ACTIVATION_FNS[name] or classify
+    else:
+        raise ValueError(f"{config_path}: activation_fn {name!r} is not supported; tokenmill "
+                         f"applies one of {sorted(_ACTIVATION_FNS)}")
+    return PoolerConfig(pooling_type="CLS", normalize=False, num_labels=num_labels, activation=activation)
+
+
+# sentence-transformers' activation_fn names -> PoolerConfig.activation (None: by the
+# label count, as vLLM treats Sigmoid and Softmax alike).
+_ACTIVATION_FNS: dict[str, str | None] = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Sigmoid": None,
+    "torch.nn.modules.activation.Softmax": None,
+}
 
 
 def _pooling_type(config_path: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ import numpy as np
 from tokenmill.config import ModelSpec
 from tokenmill.model.gguf_families import gguf_family
 from tokenmill.model.rope import SUPPORTED_ROPE_TYPES
+from tokenmill.model.spec_bert import ENCODER_ARCHITECTURES, ENCODER_MODEL_TYPES, encoder_spec
 from tokenmill.model.spec_checks import positive_float as _positive_float
 from tokenmill.model.spec_checks import positive_int as _positive_int
 from tokenmill.model.spec_gemma import (
@@ -37,6 +39,14 @@ SUPPORTED_ARCHITECTURES = (
     *GEMMA_ARCHITECTURES,
     *PHI3_ARCHITECTURES,
 )
+# Checkpoints saved without their LM head (Qwen3-Embedding ships as Qwen3Model):
+# the decoder they are, pooling only (ModelSpec.headless).
+HEADLESS_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 # Positions no released model reaches (Llama 4 Scout: 10M). A larger context
 # length is a corrupt file, refused before the RoPE table is allocated for it.
 MAX_CONTEXT_LENGTH = 1 << 24
@@ -60,6 +70,11 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{path} must hold a JSON object, got a {type(cfg).__name__}")
     architecture = _hf_architecture(cfg)
+    if architecture in ENCODER_ARCHITECTURES:
+        return encoder_spec(cfg, architecture, path)
+    if architecture in HEADLESS_ARCHITECTURES:
+        spec = spec_from_hf_config({**cfg, "architectures": [HEADLESS_ARCHITECTURES[architecture]]}, path)
+        return dataclasses.replace(spec, headless=True, tie_word_embeddings=True)
     gemma = architecture in GEMMA_ARCHITECTURES
     if gemma:
         cfg = gemma_config(cfg, architecture, path)
@@ -185,13 +200,14 @@ def _hf_architecture(cfg: Mapping[str, Any]) -> str:
         architecture = str(architectures[0])
     else:
         model_type = cfg.get("model_type")
-        architecture = _ARCHITECTURE_BY_MODEL_TYPE.get(
+        architecture = {**_ARCHITECTURE_BY_MODEL_TYPE, **ENCODER_MODEL_TYPES}.get(
             str(model_type), f"model_type={model_type!r}"
         )
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    known = (*SUPPORTED_ARCHITECTURES, *HEADLESS_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+    if architecture not in known:
         raise ValueError(
             f"architecture {architecture!r} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(known)}"
         )
     return architecture
 

@@ -101,6 +101,10 @@ async def create_embedding(serving: Serving, request: EmbeddingRequest, raw: Req
         raise APIError(400, "this model is loaded as a yes/no reranker (hf_overrides' "
                        "classifier_from_token): it serves /score and /rerank, not /v1/embeddings",
                        param="model")
+    if serving.engine.facts.pooler.num_labels:
+        raise APIError(400, "this model is a cross-encoder (a *ForSequenceClassification): it scores "
+                       "text pairs at /score and /rerank, not /v1/embeddings; use an embedding "
+                       "model for vectors", param="model")
     try:
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
     except ParamError as e:

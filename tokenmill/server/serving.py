@@ -40,13 +40,17 @@ logger = logging.getLogger("tokenmill")
 class Prompt:
     text: str | None  # None when given as token ids
     token_ids: list[int]
+    token_type_ids: list[int] | None = None  # an encoder's text pair (vLLM's TokensPrompt field)
 
 
 def engine_prompt(prompt: Prompt) -> dict[str, Any]:
     """The engine's form of a prompt: its token ids, and its text where it has one."""
-    if prompt.text is None:
-        return {"prompt_token_ids": prompt.token_ids}
-    return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+    out: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
+    if prompt.text is not None:
+        out["prompt"] = prompt.text
+    if prompt.token_type_ids is not None:
+        out["token_type_ids"] = prompt.token_type_ids
+    return out
 
 
 class ClientDisconnected(Exception):

@@ -36,6 +36,9 @@ class DraftModelProposer:
         name = str(dtype).removeprefix("torch.")
         config = ModelConfig(model=model, dtype=name, device=device.type)
         draft, spec = load_model(config, resolve_model_source(model))
+        if spec.encoder_only or spec.headless:
+            raise ValueError(f"speculative_config.model {model!r} ({spec.architecture}) cannot "
+                             "generate; a draft must be a causal LM")
         if spec.vocab_size != target_spec.vocab_size:
             raise ValueError(f"speculative_config.model has a vocabulary of {spec.vocab_size} "
                              f"tokens, the target {target_spec.vocab_size}; the draft must share "

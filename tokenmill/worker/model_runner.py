@@ -43,6 +43,7 @@ from tokenmill.core.contracts import (
 )
 from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.bert import EncoderModel
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
 from tokenmill.worker.grammar import GrammarMask, RequestGrammar
@@ -100,9 +101,15 @@ def pick_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.devi
     return model, f"reference torch model ({reason})"
 
 
-def chosen_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
+def chosen_forward(model: LlamaForCausalLM | EncoderModel, dtype: torch.dtype, device: torch.device,
                    options: CpuBackendOptions) -> ModelForward:
-    """pick_forward's choice, with its reason logged."""
+    """pick_forward's choice, with its reason logged. An encoder runs its own
+    reference forward: the CPU plan and the C++ paged attention serve causal
+    decoders over a KV cache, and an encoder attends both ways and keeps none."""
+    if isinstance(model, EncoderModel):
+        logger.info("forward: reference torch encoder (%s: bidirectional attention, no KV cache; "
+                    "the CPU plan serves decoders only)", model.spec.architecture)
+        return model
     forward, how = pick_forward(model, dtype, device, options)
     logger.info("forward: %s", how)
     return forward
@@ -111,7 +118,7 @@ def chosen_forward(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.de
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | EncoderModel,
         spec: ModelSpec,
         num_blocks: int,
         block_size: int,
@@ -131,8 +138,10 @@ class ModelRunner:
         parallelism). `drafter`: speculative decoding with a draft model.
         `pooler_config`: how pooling requests pool (default: the last token);
         `classifier_head`: a yes/no reranker's two head rows (model.head_rows,
-        taken before the CPU plan packs the head)."""
+        taken before the CPU plan packs the head). An encoder (EncoderModel) keeps
+        no KV cache, and its forward takes each request's token types."""
         self.model = model
+        self.encoder = model if isinstance(model, EncoderModel) else None
         self.drafter = drafter
         self.cpu_options = cpu_options
         ops = kernels.load() if self.cpu_options.cpp_kernels and device.type == "cpu" else None
@@ -145,7 +154,8 @@ class ModelRunner:
         self.device = device
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [zeros(shape, dtype, device) for _ in range(spec.num_layers)]
+        self.kv_caches = [] if self.encoder is not None else [
+            zeros(shape, dtype, device) for _ in range(spec.num_layers)]
         self.sampler = Sampler(device, seed, ops=ops)
         # EOS ids found at load time: masked until a request reaches min_tokens.
         self.eos_token_ids = tuple(eos_token_ids)
@@ -154,7 +164,8 @@ class ModelRunner:
         # first step (it stays unscheduled until then), and the batched mask.
         self.pending_grammars: dict[str, RequestGrammar] = {}
         self.grammar_mask = GrammarMask(spec.vocab_size, ops=ops)
-        self.pooler = Pooler(pooler_config or PoolerConfig(), classifier_head, spec.final_logit_softcapping)
+        self.pooler = Pooler(pooler_config or PoolerConfig(), classifier_head, spec.final_logit_softcapping,
+                             self.encoder.classify if self.encoder is not None and spec.num_labels else None)
 
     def add_grammar(self, request_id: str, compiled: xgr.CompiledGrammar,
                     reasoning_end_token_id: int | None = None) -> None:
@@ -220,8 +231,13 @@ class ModelRunner:
         rows = None if all_rows and not wants_prompt_logprobs else torch.tensor(
             row_list, dtype=torch.int64, device=self.device)
         with self.timer.phase(StepPhase.FORWARD):
-            hidden = self.forward(input_ids, positions, self.kv_caches, meta,
-                                output_rows=None if all_rows else rows)
+            if self.encoder is not None:
+                hidden = self.encoder(input_ids, positions, self.kv_caches, meta,
+                                      output_rows=None if all_rows else rows,
+                                      token_type_ids=self._token_types(reqs))
+            else:
+                hidden = self.forward(input_ids, positions, self.kv_caches, meta,
+                                      output_rows=None if all_rows else rows)
 
         for j in wants_prompt_logprobs:
             self._gather_prompt_logprobs(reqs[j], states[j], hidden, starts[j])
@@ -280,6 +296,17 @@ class ModelRunner:
             req_ids=[s.request_id for s in sample_states], runs=runs,
             prompt_logprobs=prompt_logprobs, pooled=pooled,
         )
+
+    def _token_types(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
+        """An encoder's token types for the step's tokens, in `reqs`' order (each
+        request's whole prompt: Request.whole_prompt); None where all are 0."""
+        if all(r.token_type_ids is None for r in reqs):
+            return None
+        types: list[int] = []
+        for r in reqs:
+            assert r.num_computed_tokens == 0, f"{r.request_id}: an encoder's prompt ran in chunks"
+            types.extend(r.token_type_ids if r.token_type_ids is not None else [0] * r.num_tokens)
+        return torch.tensor(types, dtype=torch.int64, device=self.device)
 
     def _state(self, r: ScheduledRequest) -> CachedRequestState:
         state = self.requests.get(r.request_id)

@@ -13,6 +13,11 @@ its prompt again from the start (MEAN and CLS take no prefix hits, so every row
 is computed; LAST reads only the last). Then the vector is cut to the request's
 `dimensions` (Matryoshka) and L2-normalised where asked.
 
+A cross-encoder (PoolerConfig.num_labels: BERT / XLM-R *ForSequenceClassification)
+pools CLS and runs that row through the model's classifier (`classify`), then
+the config's activation (sigmoid for one label, as vLLM) unless the request's
+use_activation is False.
+
 A yes/no reranker (PoolerConfig.classifier_token_ids, vLLM's hf_overrides for
 Qwen3-Reranker) pools its LAST row into one value instead: the 2-way softmax's
 positive probability, sigmoid(logit[yes] - logit[no]), from the two head rows
@@ -21,6 +26,7 @@ alone (no vocabulary-wide GEMM).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +43,16 @@ class _Partial:
 
 class Pooler:
     def __init__(self, config: PoolerConfig, classifier_head: torch.Tensor | None = None,
-                 logit_softcap: float | None = None) -> None:
+                 logit_softcap: float | None = None,
+                 classify: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`classifier_head`: a yes/no reranker's [2, hidden] float32 head rows
-        (negative, positive); `logit_softcap`: the model's final logit softcapping."""
+        (negative, positive); `logit_softcap`: the model's final logit softcapping;
+        `classify`: a cross-encoder's classifier, CLS row -> float32 logits."""
         if (config.classifier_token_ids is None) != (classifier_head is None):
             raise ValueError("a yes/no reranker's pooler needs its two head rows, and only it")
+        if (config.num_labels > 0) != (classify is not None):
+            raise ValueError("a cross-encoder's pooler needs its classifier, and only it")
+        self.classify_row = classify
         self.config = config
         self.classifier_head = classifier_head
         self.logit_softcap = logit_softcap
@@ -80,7 +91,20 @@ class Pooler:
         else:
             assert part.total is not None, f"{r.request_id}: pooled before its rows ran"
             vector = part.total / part.num_rows if kind == "MEAN" else part.total
+        if self.classify_row is not None:
+            return self.scores(self.classify_row(vector), r)
         return self.finish(vector, r)
+
+    def scores(self, logits: torch.Tensor, r: ScheduledRequest) -> list[float]:
+        """A cross-encoder's logits through its activation, unless the request's
+        use_activation is False."""
+        assert r.pooling_params is not None
+        activation = self.config.activation if r.pooling_params.use_activation is not False else "identity"
+        if activation == "sigmoid":
+            logits = torch.sigmoid(logits)
+        elif activation == "softmax":
+            logits = torch.softmax(logits, dim=-1)
+        return logits.tolist()
 
     def classify(self, last: torch.Tensor) -> float:
         """sigmoid(logit[positive] - logit[negative]) of the last row: the yes/no
@@ -97,7 +121,9 @@ class Pooler:
         assert params is not None
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
-        normalize = self.config.normalize if params.normalize is None else params.normalize
+        normalize = params.normalize
+        if normalize is None:  # (vLLM's use_activation is an embedding's normalisation)
+            normalize = self.config.normalize if params.use_activation is None else params.use_activation
         if normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         return vector.tolist()
