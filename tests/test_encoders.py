@@ -130,7 +130,7 @@ def test_bert_embeddings_equal_sentence_transformers(tmp_path: Path, pooling: st
 def hf_pooled(model: Any, prompt: list[int], pooling: str) -> np.ndarray:
     hidden = model(torch.tensor([prompt])).last_hidden_state[0]
     vector = hidden[0] if pooling == "cls" else hidden.mean(dim=0)
-    return np.asarray(torch.nn.functional.normalize(vector, dim=0).numpy())
+    return np.asarray(torch.nn.functional.normalize(vector.float(), dim=0).numpy())
 
 
 def id_prompts(seed: int, vocab: int, max_len: int = 60) -> list[list[int]]:
@@ -163,6 +163,18 @@ def test_encoder_prompts_run_whole_past_the_token_budget(tmp_path: Path) -> None
     ours = embeddings(llm, [{"prompt_token_ids": p} for p in prompts])
     expected = np.array([hf_pooled(hf, p, "cls") for p in prompts])
     np.testing.assert_allclose(ours, np.stack([expected, expected]), atol=ATOL, rtol=0)
+
+
+def test_bert_in_bfloat16_is_transformers_in_bfloat16(tmp_path: Path) -> None:
+    """bf16 runs the same module (no plan for encoders): within bf16's rounding of
+    transformers' own bf16 forward, the vectors normalised."""
+    path, hf = save_bert(tmp_path / "bert")
+    prompts = id_prompts(10, BERT_COMMON["vocab_size"])[:8]
+    hf = hf.to(torch.bfloat16)
+    expected = np.array([hf_pooled(hf, p, "cls") for p in prompts], dtype=np.float32)
+    llm = LLM(model=path, dtype="bfloat16", apply_process_settings=False)
+    ours = embeddings(llm, [{"prompt_token_ids": p} for p in prompts])
+    np.testing.assert_allclose(ours, np.stack([expected, expected]), atol=2e-2, rtol=0)
 
 
 @torch.inference_mode()
