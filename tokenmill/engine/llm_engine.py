@@ -250,8 +250,8 @@ class LLMEngine:
     def _encoder_configs(self, max_model_len: int) -> tuple[SchedulerConfig, CacheConfig, int]:
         """An encoder's scheduling: each prompt runs whole in one step (Request.
         whole_prompt: bidirectional attention needs all of it), so the token budget
-        is raised to max_model_len where it is smaller (as vLLM raises it when
-        chunked prefill is off), and nothing is cached (no prefix caching: a
+        is raised to max_model_len where it is smaller (vLLM's default without
+        chunked prefill; ARCHITECTURE.md §1 says why not an error), and nothing is cached (no prefix caching: a
         cached block's K/V would depend on the tokens after it). Its blocks hold
         no memory: they count a step's tokens, a step's worth of them."""
         config, cache = self.scheduler_config, self.cache_config
