@@ -54,9 +54,9 @@ def main() -> None:
     out: dict[str, Any] = {"model": model, "prompt_tokens": tokens, "num_kv_blocks": num_blocks}
     llm = LLM(model, **options)
     out["cold_s"] = ttft(llm, a)
-    out["cold_b_s"] = ttft(llm, b)  # (evicts a's blocks: they are written to files in its steps)
+    out["cold_b_s"] = ttft(llm, b)  # (evicts a's blocks from RAM; both were written as computed)
     out["after_cold"] = offload(llm)
-    out["disk_s"] = ttft(llm, a)  # a's blocks from files (and b's written as they are evicted)
+    out["disk_s"] = ttft(llm, a)  # a's blocks from files
     out["after_disk"] = offload(llm)
     del llm
     restarted = LLM(model, **options)

@@ -212,8 +212,9 @@ class CacheConfig:
     own max_tokens (core/kv_reservation.py).
 
     `kv_offload_dir` (off: None): the prefix cache's second tier, a directory
-    of full blocks evicted from RAM, loaded back for a later prefix (this
-    engine's, a restarted one's, another's on the host naming it), at most
+    of full blocks (written as computed), loaded back for a later prefix once
+    evicted from RAM (this engine's, a restarted one's, another's on the host
+    naming it), at most
     `kv_offload_bytes` of files in it, least recently used removed first
     (core/kv_disk.py)."""
 

@@ -15,18 +15,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
-from tokenmill.core.contracts import KVBlockTransfer
-
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "next_free", "origin", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
-        # With a disk tier: (parent hash, token ids) of a cached block, for its file.
-        self.origin: tuple[int, tuple[int, ...]] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -82,10 +78,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 record_evictions: bool = False) -> None:
-        """`record_evictions`: a disk tier takes the cached blocks that are
-        evicted (`evicted`, drained by the KV manager every schedule)."""
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -93,7 +86,6 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
-        self.evicted: list[KVBlockTransfer] | None = [] if record_evictions else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,11 +105,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                if self.evicted is not None and block.origin is not None:
-                    self.evicted.append(KVBlockTransfer(block.block_id, block.block_hash, *block.origin))
                 del self.cached[block.block_hash]
                 block.block_hash = None
-                block.origin = None
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -138,10 +127,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int,
-                    origin: tuple[int, tuple[int, ...]] | None = None) -> bool:
-        """Register a full block's content (`origin`: its parent hash and tokens,
-        kept for the disk tier). If another block already holds the same
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Register a full block's content. If another block already holds the same
         content (two requests computed it in parallel), keep the first. True
         when `block` now holds `block_hash`."""
         if not self.enable_caching or block.block_hash is not None:
@@ -150,8 +137,6 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        if self.evicted is not None:
-            block.origin = origin
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -159,7 +144,6 @@ class BlockPool:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
-        block.origin = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; only allowed when no block is in use."""
@@ -167,7 +151,6 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
-            block.origin = None
         self.cached.clear()
         return True
 

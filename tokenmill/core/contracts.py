@@ -75,13 +75,12 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests finished since the last step: the runner drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
-    # The disk tier (kv_offload_dir), done by the runner before the forward, in
-    # this order: blocks evicted from the prefix cache in this schedule, whose
-    # content is still in the cache until this step writes over it, to files;
-    # then files into fresh blocks (no request computes on them this step: the
-    # scheduler registers those that loaded once it has the runner's output).
-    kv_stores: list[KVBlockTransfer] = field(default_factory=list)
+    # The disk tier (kv_offload_dir): files read into fresh blocks before the
+    # forward (no request computes on them this step: the scheduler registers
+    # those that loaded once it has the runner's output); blocks this step's
+    # forward fills, written to files after it.
     kv_loads: list[KVBlockTransfer] = field(default_factory=list)
+    kv_stores: list[KVBlockTransfer] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

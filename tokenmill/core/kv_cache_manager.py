@@ -41,7 +41,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.disk = disk if enable_caching else None
-        self.pool = BlockPool(num_blocks, enable_caching, record_evictions=self.disk is not None)
+        self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The disk tier's loads: chosen in this schedule (taken into the
         # SchedulerOutput by take_loads), then sent to the runner, then held one
@@ -146,13 +146,24 @@ class KVCacheManager:
         self._in_flight, self._loads = self._loads, []
         return [t for _, t in self._in_flight]
 
-    def take_stores(self) -> list[KVBlockTransfer]:
-        """The cached blocks evicted in this schedule, for the SchedulerOutput."""
-        evicted = self.pool.evicted
-        if not evicted:
+    def stores(self, request: Request, start: int, num_tokens: int) -> list[KVBlockTransfer]:
+        """The blocks of `request` that its tokens [start, start + num_tokens),
+        computed in this step, fill, where this request's block is the one the
+        prefix cache holds for that content: the runner writes them to files
+        once the step's forward has computed them (write-through, so that a
+        restart or another engine finds every block, those still in RAM too)."""
+        if self.disk is None:
             return []
-        self.pool.evicted = []
-        return evicted
+        update_block_hashes(request, self.block_size)
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        blocks = self.req_to_blocks[request.request_id]
+        out = []
+        for i in range(start // bs, min((start + num_tokens) // bs, len(hashes), len(blocks))):
+            if blocks[i].block_hash == hashes[i]:
+                out.append(KVBlockTransfer(blocks[i].block_id, hashes[i],
+                                           hashes[i - 1] if i else ROOT_HASH,
+                                           tuple(tokens[i * bs:(i + 1) * bs])))
+        return out
 
     def finish_loads(self, loaded_block_ids: Sequence[int]) -> int:
         """The runner's answer for the loads in flight: those that loaded become
@@ -163,8 +174,7 @@ class KVCacheManager:
         self._held.extend(self._pinned)
         self._pinned = []
         for block, t in self._in_flight:
-            if block.block_id in loaded and self.pool.cache_block(
-                    block, t.block_hash, (t.parent_hash, t.token_ids)):
+            if block.block_id in loaded and self.pool.cache_block(block, t.block_hash):
                 self._held.append(block)
                 num_loaded += 1
             else:
@@ -216,14 +226,8 @@ class KVCacheManager:
         update_block_hashes(request, self.block_size)
         blocks = self.req_to_blocks[request.request_id]
         num_full = min(num_tokens // self.block_size, len(blocks), len(request.block_hashes))
-        hashes, bs = request.block_hashes, self.block_size
         for i in range(num_full):
-            block = blocks[i]
-            if block.block_hash is None:
-                origin = None if self.disk is None else (
-                    hashes[i - 1] if i else ROOT_HASH,
-                    tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
-                self.pool.cache_block(block, hashes[i], origin)
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
 
     def rollback(self, request: Request) -> None:
         """Speculative decoding: the scheduler has lowered `num_computed_tokens`

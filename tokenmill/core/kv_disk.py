@@ -124,8 +124,8 @@ class BlockFiles:
     def read(self, block_hash: int, parent_hash: int, token_ids: Sequence[int],
              payload_bytes: int) -> memoryview | None:
         """The block's payload, or None (missing, or not this block's: a bad file
-        is removed, so the block is written again when it is next evicted). A
-        hit counts as a use (the LRU's clock)."""
+        is removed, so the block is written again once recomputed). A hit
+        counts as a use (the LRU's clock)."""
         path = self.path(block_hash)
         size = encoded_size(len(token_ids), payload_bytes)
         data = bytearray(size)  # (writable: the runner's tensor views it without a copy)

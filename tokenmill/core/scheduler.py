@@ -222,6 +222,7 @@ class Scheduler:
 
         # 3. Describe the step and advance the computed counts.
         scheduled = []
+        kv_stores = []
         admitted = {r.request_id for r in self.running} - running_before
         for request in self.running:
             if request.request_id not in num_new_by_req:
@@ -248,13 +249,14 @@ class Scheduler:
                     ),
                 )
             )
+            kv_stores += self.kv.stores(request, start, num_real)
             request.num_computed_tokens += num_new
         out = SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
             finished_req_ids=self.finished_req_ids,
-            kv_stores=self.kv.take_stores(),
+            kv_stores=kv_stores,
             kv_loads=self.kv.take_loads(),
         )
         self.kv.release_held()  # (admission has taken the blocks loaded last step)

@@ -191,10 +191,10 @@ class EngineArgs:
                  "length reserves for the longest; default: each request's own max_tokens")
         parser.add_argument(
             "--kv-offload-dir", default=None,
-            help="the prefix cache's second tier: full KV blocks evicted from RAM are written "
-                 "here and loaded back for a later request with the same prefix (this server's, "
-                 "a restarted one's, or another's on this host naming the directory); off by "
-                 "default")
+            help="the prefix cache's second tier: full KV blocks are written here as computed "
+                 "and loaded back for a later request with the same prefix once evicted from RAM "
+                 "(this server's, a restarted one's, or another's on this host naming the "
+                 "directory); off by default")
         parser.add_argument(
             "--kv-offload-bytes", type=int, default=DEFAULT_KV_OFFLOAD_BYTES,
             help="the most bytes of block files in --kv-offload-dir (every engine's), least "

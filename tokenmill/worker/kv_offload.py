@@ -85,23 +85,9 @@ class KVOffloader:
         self.dtype = kv_caches[0].dtype
         self.payload_bytes = kv_caches[0].element_size() * len(kv_caches) * 2 * block_size * kv_heads * head_dim
 
-    def transfer(self, stores: Sequence[KVBlockTransfer],
-                 loads: Sequence[KVBlockTransfer]) -> tuple[list[int], KVTransferStats]:
-        """Write `stores` (evicted blocks, still whole in the cache), then read
-        `loads` into their blocks (which may be blocks just evicted: hence the
-        order). The ids of the blocks that loaded, and what it took."""
-        stats = KVTransferStats()
-        start = time.perf_counter()
-        for t in stores:
-            block = torch.stack([cache[:, t.block_id] for cache in self.kv_caches]).cpu()
-            written = self.files.write(t.block_hash, t.parent_hash, t.token_ids,
-                                       block.view(torch.uint8).reshape(-1).numpy().data)
-            stats.num_stored_blocks += written > 0
-            stats.bytes_stored += written
-        if stores:
-            scan = self.files.after_writes()
-            stats.num_files_removed = scan.num_removed if scan is not None else 0
-            stats.store_s = time.perf_counter() - start
+    def load(self, loads: Sequence[KVBlockTransfer], stats: KVTransferStats) -> list[int]:
+        """Read `loads` into their blocks (before the forward); the ids of those
+        that loaded (a bad or missing file is left out: a miss)."""
         start = time.perf_counter()
         loaded = []
         for t in loads:
@@ -115,6 +101,19 @@ class KVOffloader:
             loaded.append(t.block_id)
             stats.num_loaded_blocks += 1
             stats.bytes_loaded += len(payload)
-        if loads:
-            stats.load_s = time.perf_counter() - start
-        return loaded, stats
+        stats.load_s += time.perf_counter() - start
+        return loaded
+
+    def store(self, stores: Sequence[KVBlockTransfer], stats: KVTransferStats) -> None:
+        """Write `stores` (blocks the forward just filled) unless their files are
+        there, then keep the directory's bound."""
+        start = time.perf_counter()
+        for t in stores:
+            block = torch.stack([cache[:, t.block_id] for cache in self.kv_caches]).cpu()
+            written = self.files.write(t.block_hash, t.parent_hash, t.token_ids,
+                                       block.view(torch.uint8).reshape(-1).numpy().data)
+            stats.num_stored_blocks += written > 0
+            stats.bytes_stored += written
+        scan = self.files.after_writes()
+        stats.num_files_removed += scan.num_removed if scan is not None else 0
+        stats.store_s += time.perf_counter() - start

@@ -177,14 +177,16 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             self.pending_grammars.pop(request_id, None)
             self.pooler.forget(request_id)
-        loaded: list[int] = []
-        transfers: KVTransferStats | None = None
-        if self.offloader is not None and (scheduler_output.kv_stores or scheduler_output.kv_loads):
-            # Before anything writes K/V: an evicted block is whole until this step.
-            with self.timer.phase(StepPhase.PREPARE_INPUTS):
-                loaded, transfers = self.offloader.transfer(scheduler_output.kv_stores,
-                                                            scheduler_output.kv_loads)
+        offloader = self.offloader
+        if offloader is None or not (scheduler_output.kv_loads or scheduler_output.kv_stores):
+            return self._execute(scheduler_output)
+        # The disk tier: loads before the forward, stores of what it computed after.
+        transfers = KVTransferStats()
+        with self.timer.phase(StepPhase.PREPARE_INPUTS):
+            loaded = offloader.load(scheduler_output.kv_loads, transfers)
         out = self._execute(scheduler_output)
+        with self.timer.phase(StepPhase.UPDATE):
+            offloader.store(scheduler_output.kv_stores, transfers)
         out.kv_loaded_block_ids, out.kv_transfers = loaded, transfers
         return out
 
