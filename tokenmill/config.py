@@ -217,6 +217,10 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+# The disk tier's default bound (kv_offload_bytes), when kv_offload_dir is set.
+DEFAULT_KV_OFFLOAD_BYTES = 16 << 30
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache. Its size comes from `kv_cache_memory_bytes` (default:
@@ -228,7 +232,14 @@ class CacheConfig:
     finishes, as systems before paging did (for the batching study).
     `kv_reserve_output_tokens` (reserved only): the output every request
     reserves, whatever its max_tokens says (the larger of the two); None: its
-    own max_tokens (core/kv_reservation.py)."""
+    own max_tokens (core/kv_reservation.py).
+
+    `kv_offload_dir` (off: None): the prefix cache's second tier, a directory
+    of full blocks (written as computed), loaded back for a later prefix once
+    evicted from RAM (this engine's, a restarted one's, another's on the host
+    naming it), at most
+    `kv_offload_bytes` of files in it, least recently used removed first
+    (core/kv_disk.py)."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -236,6 +247,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"
     kv_reserve_output_tokens: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -260,6 +273,14 @@ class CacheConfig:
                 raise ValueError("kv_reserve_output_tokens applies to kv_allocation='reserved' "
                                  f"only (got kv_allocation={self.kv_allocation!r}); drop it or "
                                  "pass kv_allocation='reserved'")
+        if self.kv_offload_bytes < 1:
+            raise ValueError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}")
+        if self.kv_offload_dir is not None:
+            if not self.kv_offload_dir:
+                raise ValueError("kv_offload_dir is empty; name a directory, or leave it unset")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir is the prefix cache's second tier; it needs "
+                                 "prefix caching on (drop --no-enable-prefix-caching)")
 
 
 @dataclass(frozen=True)

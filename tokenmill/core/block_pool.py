@@ -127,15 +127,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
         """Register a full block's content. If another block already holds the same
-        content (two requests computed it in parallel), keep the first."""
+        content (two requests computed it in parallel), keep the first. True
+        when `block` now holds `block_hash`."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return block.block_hash == block_hash
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget a block's content (it was registered but will not be computed)."""

@@ -58,6 +58,19 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class KVBlockTransfer:
+    """A full block moving between the KV cache and the disk tier
+    (kv_offload_dir): which block of the cache, and whose content it is (its
+    chain hash, its parent's, its tokens: the file is named by the hash and
+    checked against all three when read)."""
+
+    block_id: int
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
@@ -65,6 +78,12 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests finished since the last step: the runner drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
+    # The disk tier (kv_offload_dir): files read into fresh blocks before the
+    # forward (no request computes on them this step: the scheduler registers
+    # those that loaded once it has the runner's output); blocks this step's
+    # forward fills, written to files after it.
+    kv_loads: list[KVBlockTransfer] = field(default_factory=list)
+    kv_stores: list[KVBlockTransfer] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -92,6 +111,29 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Each pooling request whose prompt ended this step: its pooled vector.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # The disk tier: the blocks of SchedulerOutput.kv_loads that loaded (a file
+    # missing, truncated, corrupt or another's is a miss, left out), and what
+    # this step's transfers did.
+    kv_loaded_block_ids: list[int] = field(default_factory=list)
+    kv_transfers: KVTransferStats | None = None
+
+
+@dataclass
+class KVTransferStats:
+    """The disk tier's transfers (one step's, or summed): blocks, bytes, seconds."""
+
+    num_loaded_blocks: int = 0
+    num_failed_loads: int = 0  # files that were there but were not the block's, or went
+    num_stored_blocks: int = 0  # written (a block whose file was there is not rewritten)
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_s: float = 0.0
+    store_s: float = 0.0
+    num_files_removed: int = 0  # by the byte bound
+
+    def add(self, other: KVTransferStats) -> None:
+        for name in vars(other):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.contracts import KVBlockTransfer
+from tokenmill.core.kv_disk import BlockFiles
 from tokenmill.core.request import Request
 
 # The hash of the empty prefix: the parent of every request's first block.
@@ -33,11 +35,23 @@ def update_block_hashes(request: Request, block_size: int) -> None:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 disk: BlockFiles | None = None) -> None:
+        """`disk`: the prefix cache's second tier (kv_offload_dir), or None."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.disk = disk if enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The disk tier's loads: chosen in this schedule (taken into the
+        # SchedulerOutput by take_loads), then sent to the runner, then held one
+        # schedule more so that the request they were for finds them as hits.
+        self._loads: list[tuple[KVCacheBlock, KVBlockTransfer]] = []
+        self._in_flight: list[tuple[KVCacheBlock, KVBlockTransfer]] = []
+        self._held: list[KVCacheBlock] = []
+        # The RAM hits before the loaded blocks, held alongside them (so that the
+        # loads' own allocations cannot evict the head of the chain they extend).
+        self._pinned: list[KVCacheBlock] = []
 
     @property
     def num_blocks(self) -> int:
@@ -71,8 +85,7 @@ class KVCacheManager:
         that asked for prompt_logprobs gets no hits: every prompt position's
         logits must be computed (as in vLLM), nor does a pooling request whose
         pooler reads every row (mean, CLS)."""
-        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
-                or request.pool_every_row):
+        if not self._takes_hits(request):
             return [], 0
         update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -83,6 +96,100 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _takes_hits(self, request: Request) -> bool:
+        return (self.enable_caching and request.sampling_params.prompt_logprobs is None
+                and not request.pool_every_row)
+
+    # ---- the disk tier -------------------------------------------------------------
+
+    def load_from_disk(self, request: Request, hits: Sequence[KVCacheBlock], budget: int) -> int:
+        """Choose the blocks of `request` to load from the disk tier: those past
+        its RAM hits (`hits`, from get_computed_blocks) whose files are there, as
+        many as fit beside its first chunk (`budget` tokens). Each gets a fresh
+        block, held by this manager until the schedule after next; the scheduler
+        admits the request in the next step, when the loaded blocks are
+        prefix-cache hits like any other. The number of blocks chosen.
+
+        Every other call for a request looks nothing up (`request.skip_disk_lookup`):
+        the admission right after a load is a plain one, so a file that keeps
+        failing to load cannot hold a request back."""
+        if self.disk is None or not self._takes_hits(request):
+            return 0
+        if request.skip_disk_lookup:
+            request.skip_disk_lookup = False
+            return 0
+        bs = self.block_size
+        max_hit_blocks = (request.num_tokens - 1) // bs
+        candidates = request.block_hashes[len(hits):max_hit_blocks]
+        request.disk_query_tokens = len(candidates) * bs
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        first_chunk = min(request.num_tokens - max_hit_blocks * bs, budget)
+        room = self._num_allocatable(request) - num_revived - self.blocks_needed(first_chunk)
+        num_load = self.disk.count_present(candidates[:max(room, 0)])
+        if num_load == 0:
+            return 0
+        self.pool.touch(hits)
+        self._pinned.extend(hits)
+        blocks = self.pool.get_new_blocks(num_load)
+        tokens = request.all_token_ids
+        for i, block in enumerate(blocks, start=len(hits)):
+            parent = request.block_hashes[i - 1] if i else ROOT_HASH
+            self._loads.append((block, KVBlockTransfer(
+                block.block_id, request.block_hashes[i], parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+        request.skip_disk_lookup = True
+        return num_load
+
+    def take_loads(self) -> list[KVBlockTransfer]:
+        """This schedule's loads, for the SchedulerOutput (now in flight)."""
+        assert not self._in_flight, "the last step's loads were not finished"
+        self._in_flight, self._loads = self._loads, []
+        return [t for _, t in self._in_flight]
+
+    def stores(self, request: Request, start: int, num_tokens: int) -> list[KVBlockTransfer]:
+        """The blocks of `request` that its tokens [start, start + num_tokens),
+        computed in this step, fill, where this request's block is the one the
+        prefix cache holds for that content: the runner writes them to files
+        once the step's forward has computed them (write-through, so that a
+        restart or another engine finds every block, those still in RAM too)."""
+        if self.disk is None:
+            return []
+        update_block_hashes(request, self.block_size)
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        blocks = self.req_to_blocks[request.request_id]
+        out = []
+        for i in range(start // bs, min((start + num_tokens) // bs, len(hashes), len(blocks))):
+            if blocks[i].block_hash == hashes[i]:
+                out.append(KVBlockTransfer(blocks[i].block_id, hashes[i],
+                                           hashes[i - 1] if i else ROOT_HASH,
+                                           tuple(tokens[i * bs:(i + 1) * bs])))
+        return out
+
+    def finish_loads(self, loaded_block_ids: Sequence[int]) -> int:
+        """The runner's answer for the loads in flight: those that loaded become
+        prefix-cache entries (held until release_held); the others go back to
+        the pool. The number that loaded."""
+        loaded = set(loaded_block_ids)
+        num_loaded = 0
+        self._held.extend(self._pinned)
+        self._pinned = []
+        for block, t in self._in_flight:
+            if block.block_id in loaded and self.pool.cache_block(block, t.block_hash):
+                self._held.append(block)
+                num_loaded += 1
+            else:
+                self.pool.free_blocks([block])
+        self._in_flight = []
+        return num_loaded
+
+    def release_held(self) -> None:
+        """Let go of the loaded blocks held since the last step (a request that
+        took them as hits holds them itself now); a chain's tail first, so its
+        head stays cached longest."""
+        held, self._held = self._held, []
+        self.pool.free_blocks(reversed(held))
+
+    # ---- allocation --------------------------------------------------------------------
 
     def allocate_slots(
         self,
@@ -164,7 +271,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
+        loading = [b for b, _ in self._loads] + [b for b, _ in self._in_flight] + self._pinned
+        for blocks in [*self.req_to_blocks.values(), loading, self._held]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -31,13 +31,15 @@ from collections.abc import Sequence
 from tokenmill.config import CacheConfig
 from tokenmill.core.block_pool import KVCacheBlock
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_disk import BlockFiles
 from tokenmill.core.request import Request
 
 
 class ReservingKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 max_model_len: int, reserve_output_tokens: int | None = None) -> None:
-        super().__init__(num_blocks, block_size, enable_caching)
+                 max_model_len: int, reserve_output_tokens: int | None = None,
+                 disk: BlockFiles | None = None) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, disk)
         self.max_model_len = max_model_len
         self.reserve_output_tokens = reserve_output_tokens
         self.reserved: dict[str, int] = {}  # request id -> blocks reserved at admission
@@ -131,11 +133,13 @@ class ReservingKVCacheManager(KVCacheManager):
 
 
 def make_kv_cache_manager(cache_config: CacheConfig, num_blocks: int,
-                          max_model_len: int) -> KVCacheManager:
+                          max_model_len: int, disk: BlockFiles | None = None) -> KVCacheManager:
     """The KV manager for `cache_config.kv_allocation`: paging is KVCacheManager;
-    reserving (the batching study's baseline) is its subclass."""
+    reserving (the batching study's baseline) is its subclass. `disk`: the
+    prefix cache's second tier, or None."""
     if cache_config.kv_allocation == "reserved":
         return ReservingKVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching, max_model_len,
-                                       cache_config.kv_reserve_output_tokens)
-    return KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+                                       cache_config.kv_reserve_output_tokens, disk)
+    return KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                          disk)

@@ -67,6 +67,13 @@ class Request:
     num_cached_tokens: int = field(default=-1, init=False)  # prefix hits at first schedule
     # Chained hashes of this request's full blocks of tokens (prefix caching).
     block_hashes: list[int] = field(default_factory=list, init=False)
+    # The disk tier (kv_offload_dir): True after a load was chosen for it, so its
+    # next admission attempt is a plain one (KVCacheManager.load_from_disk); the
+    # tokens the RAM cache lacked at its last lookup, and those loaded for it
+    # (counted, then zeroed, when it is admitted).
+    skip_disk_lookup: bool = field(default=False, init=False)
+    disk_query_tokens: int = field(default=0, init=False)
+    disk_hit_tokens: int = field(default=0, init=False)
     # structured_outputs: False while the engine compiles the request's grammar
     # (off the step loop); the scheduler admits it only once this is True.
     grammar_ready: bool = field(default=True, init=False)

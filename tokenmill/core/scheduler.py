@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.contracts import (
     EngineCoreOutput,
+    KVTransferStats,
     ModelRunnerOutput,
     SampledToken,
     ScheduledRequest,
@@ -40,6 +41,7 @@ from tokenmill.core.contracts import (
     TokenLogprobs,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_disk import BlockFiles
 from tokenmill.core.kv_reservation import make_kv_cache_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import RequestQueue, make_request_queue
@@ -58,6 +60,19 @@ class SchedulerStats:
     # Blocks promised to running requests, not handed out yet (kv_allocation="reserved").
     num_reserved_blocks: int = 0
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
+    kv_offload: KVOffloadStats | None = None  # cumulative; None without a disk tier
+
+
+@dataclass
+class KVOffloadStats:
+    """The disk tier's counters (cumulative). Queries and hits are tokens, as
+    vLLM's external_prefix_cache_* (a KV connector's): counted when a request is
+    admitted, queries being what the RAM cache lacked of its prompt's full
+    blocks, hits what of that came from disk. Misses: queries - hits."""
+
+    queries: int = 0
+    hits: int = 0
+    transfers: KVTransferStats = field(default_factory=KVTransferStats)
 
 
 @dataclass
@@ -90,13 +105,17 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         num_spec_tokens: int = 0,
+        disk: BlockFiles | None = None,
     ) -> None:
+        """`disk`: the prefix cache's second tier (cache_config.kv_offload_dir,
+        under the engine's fingerprint), or None."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         # A request must always fit alone in the pool, or preemption could loop.
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
         # Paged or reserved (cache_config.kv_allocation): a policy of the KV manager alone.
-        self.kv: KVCacheManager = make_kv_cache_manager(cache_config, num_blocks, self.max_model_len)
+        self.kv: KVCacheManager = make_kv_cache_manager(cache_config, num_blocks, self.max_model_len,
+                                                        disk)
         self.requests: dict[str, Request] = {}
         self.queue: RequestQueue = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []  # in admission order
@@ -108,6 +127,9 @@ class Scheduler:
         # (set_drafts), and what was drafted and accepted.
         self.drafts: dict[str, list[int]] = {}
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        # The disk tier: its counters, and the request whose loads are in flight.
+        self.offload_stats = KVOffloadStats() if self.kv.disk is not None else None
+        self._loading: Request | None = None
 
     @property
     def waiting(self) -> list[Request]:
@@ -202,6 +224,7 @@ class Scheduler:
 
         # 3. Describe the step and advance the computed counts.
         scheduled = []
+        kv_stores = []
         admitted = {r.request_id for r in self.running} - running_before
         for request in self.running:
             if request.request_id not in num_new_by_req:
@@ -229,13 +252,17 @@ class Scheduler:
                     token_type_ids=request.token_type_ids,
                 )
             )
+            kv_stores += self.kv.stores(request, start, num_real)
             request.num_computed_tokens += num_new
         out = SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
             finished_req_ids=self.finished_req_ids,
+            kv_stores=kv_stores,
+            kv_loads=self.kv.take_loads(),
         )
+        self.kv.release_held()  # (admission has taken the blocks loaded last step)
         self.finished_req_ids = []
         self.drafts.clear()  # used now or never
         return out
@@ -270,6 +297,11 @@ class Scheduler:
             if request is None:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self.kv.load_from_disk(request, hits, budget):
+                # Admitted next step, its loaded blocks then prefix-cache hits: a
+                # failed load has then cost a step, never a wrong token.
+                self._loading = request
+                break
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if request.whole_prompt and num_new < request.num_tokens - num_hit_tokens:
                 break  # (an encoder's prompt waits for a step with room for all of it)
@@ -297,6 +329,11 @@ class Scheduler:
         """Move a request whose blocks are allocated (and that has left the queue) to running."""
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
+        if self.offload_stats is not None:
+            self.offload_stats.queries += request.disk_query_tokens
+            self.offload_stats.hits += request.disk_hit_tokens
+        request.disk_query_tokens = request.disk_hit_tokens = 0
+        request.skip_disk_lookup = False
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_hit_tokens
@@ -322,6 +359,13 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stop conditions, free finished requests."""
+        if scheduler_output.kv_loads:
+            num_loaded = self.kv.finish_loads(runner_output.kv_loaded_block_ids)
+            if self._loading is not None:
+                self._loading.disk_hit_tokens = num_loaded * self.block_size
+            self._loading = None
+        if runner_output.kv_transfers is not None and self.offload_stats is not None:
+            self.offload_stats.transfers.add(runner_output.kv_transfers)
         outputs: list[EngineCoreOutput] = []
         num_drafts_by_req = {
             r.request_id: r.num_draft_tokens for r in scheduler_output.scheduled if r.num_draft_tokens
@@ -420,6 +464,8 @@ class Scheduler:
                 self.spec_stats,
                 num_accepted_tokens_per_pos=list(self.spec_stats.num_accepted_tokens_per_pos),
             ) if self.spec_stats is not None else None,
+            kv_offload=None if self.offload_stats is None else dataclasses.replace(
+                self.offload_stats, transfers=dataclasses.replace(self.offload_stats.transfers)),
         )
 
     def check_integrity(self) -> None:

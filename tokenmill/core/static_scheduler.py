@@ -21,6 +21,7 @@ from tokenmill.core.contracts import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from tokenmill.core.kv_disk import BlockFiles
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 
@@ -169,6 +170,7 @@ def make_scheduler(
     num_blocks: int,
     max_model_len: int,
     num_spec_tokens: int = 0,
+    disk: BlockFiles | None = None,
 ) -> Scheduler:
     """The scheduler for `scheduler_config.policy`: static batching is its own class
     (without speculative decoding: it is the baseline); FCFS and priority differ
@@ -177,5 +179,9 @@ def make_scheduler(
         if num_spec_tokens:
             raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
+        if disk is not None:
+            raise ValueError("kv_offload_dir cannot be used with scheduling_policy='static' "
+                             "(the static-batching baseline); use 'fcfs' or 'priority'")
         return StaticBatchScheduler(scheduler_config, cache_config, num_blocks, max_model_len)
-    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, num_spec_tokens)
+    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, num_spec_tokens,
+                     disk)

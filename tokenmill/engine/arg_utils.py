@@ -15,6 +15,7 @@ from typing import Any
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import (
     CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_KV_OFFLOAD_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_ALLOCATIONS,
     QUANTIZATIONS,
@@ -49,6 +50,9 @@ class EngineArgs:
     # tokenmill's own (vLLM only pages): "paged", or "reserved" (config.CacheConfig).
     kv_allocation: str = "paged"
     kv_reserve_output_tokens: int | None = None  # reserved only (config.CacheConfig)
+    # The prefix cache's second tier (config.CacheConfig): a directory, and its bound.
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
     scheduling_policy: str = "fcfs"
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
@@ -91,6 +95,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_allocation=self.kv_allocation,
                 kv_reserve_output_tokens=self.kv_reserve_output_tokens,
+                kv_offload_dir=self.kv_offload_dir,
+                kv_offload_bytes=self.kv_offload_bytes,
             ),
             SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -183,6 +189,16 @@ class EngineArgs:
             help="with --kv-allocation reserved: the output tokens every request reserves "
                  "(its max_tokens where larger), as a server that cannot know an answer's "
                  "length reserves for the longest; default: each request's own max_tokens")
+        parser.add_argument(
+            "--kv-offload-dir", default=None,
+            help="the prefix cache's second tier: full KV blocks are written here as computed "
+                 "and loaded back for a later request with the same prefix once evicted from RAM "
+                 "(this server's, a restarted one's, or another's on this host naming the "
+                 "directory); off by default")
+        parser.add_argument(
+            "--kv-offload-bytes", type=int, default=DEFAULT_KV_OFFLOAD_BYTES,
+            help="the most bytes of block files in --kv-offload-dir (every engine's), least "
+                 f"recently used removed first (default: {DEFAULT_KV_OFFLOAD_BYTES >> 30} GiB)")
         parser.add_argument("--skip-tokenizer-init", action="store_true",
                             help="no tokenizer: prompts and outputs are token ids")
         parser.add_argument(

@@ -28,6 +28,7 @@ from tokenmill.config import (
     SpeculativeConfig,
 )
 from tokenmill.core.contracts import DRAFT_PLACEHOLDER, SchedulerOutput
+from tokenmill.core.kv_disk import BlockFiles
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
@@ -48,6 +49,7 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.cache_sizing import num_kv_blocks
+from tokenmill.worker.kv_offload import fingerprint
 from tokenmill.worker.model_runner import ModelRunner, chosen_forward
 from tokenmill.worker.step_timer import StepPhase
 
@@ -191,6 +193,7 @@ class LLMEngine:
             assert isinstance(model, LlamaForCausalLM)  # (_serves refused hf_overrides for an encoder)
             classifier_head = model.head_rows(ids)
         forward = chosen_forward(model, self.dtype, self.device, self.cpu_options)
+        disk = self._kv_offload(model.spec, type(forward).__name__)
         if self.tp is not None:  # every forward goes to the other ranks too
             forward = self.tp.driver(forward)
         speculative_config = self.speculative_config
@@ -204,10 +207,11 @@ class LLMEngine:
             model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device, self.cpu_options,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
             drafter=drafter, pooler_config=self.pooler_config, classifier_head=classifier_head,
+            kv_offload=disk,
         )
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
-                                        num_spec_tokens)
+                                        num_spec_tokens, disk)
         self.ngram: NgramProposer | None = None
         if speculative_config is not None and speculative_config.method == "ngram":
             assert speculative_config.prompt_lookup_min and speculative_config.prompt_lookup_max
@@ -262,6 +266,28 @@ class LLMEngine:
         num_blocks = -(-budget // cache.block_size) + config.max_num_seqs
         return (dataclasses.replace(config, max_num_batched_tokens=budget),
                 dataclasses.replace(cache, enable_prefix_caching=False), num_blocks)
+
+    def _kv_offload(self, spec: ModelSpec, forward_kind: str) -> BlockFiles | None:
+        """The disk tier's files under this engine's fingerprint, or None (off)."""
+        cache_config = self.cache_config
+        if cache_config.kv_offload_dir is None:
+            return None
+        if spec.encoder_only:
+            raise ValueError(f"kv_offload_dir holds KV cache blocks, and {spec.architecture} (an "
+                             "encoder) keeps none; drop it")
+        if self.tp is not None:
+            raise ValueError("kv_offload_dir runs on one process (each tensor-parallel rank holds "
+                             "its own heads' K/V); drop it or --tensor-parallel-size")
+        options = self.cpu_options
+        forward = (f"{forward_kind} {self.device.type} cpp_kernels={options.cpp_kernels} "
+                   f"batch_invariant={options.batch_invariant}")
+        fp = fingerprint(self.source.path, spec, self.dtype, cache_config.block_size,
+                         self.model_config.quantization, forward)
+        try:
+            return BlockFiles(cache_config.kv_offload_dir, fp, cache_config.kv_offload_bytes)
+        except OSError as e:
+            raise ValueError(f"kv_offload_dir {cache_config.kv_offload_dir!r} cannot be used: {e}; "
+                             "name a directory this process can create and write") from e
 
     def _reranker_config(self, overrides: Mapping[str, Any]) -> PoolerConfig:
         """The pooler of a yes/no reranker (config.check_hf_overrides checked the

@@ -110,6 +110,27 @@ class _SchedulerCollector(Collector):
             for pos, num in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(pos)], num)
             yield per_pos
+        offload = stats.kv_offload
+        if offload is not None:  # the disk tier (kv_offload_dir): vLLM's KV connector families
+            yield counter("external_prefix_cache_queries", "Prompt tokens the prefix cache in "
+                          "RAM lacked, looked up in the disk tier (kv_offload_dir).", offload.queries)
+            yield counter("external_prefix_cache_hits", "Of those, tokens loaded from the disk "
+                          "tier; misses are queries - hits.", offload.hits)
+            t = offload.transfers
+            for name, doc, (load, store) in (
+                    ("kv_offload_total_bytes", "Bytes moved between the KV cache and the disk "
+                     "tier, by direction.", (t.bytes_loaded, t.bytes_stored)),
+                    ("kv_offload_total_time", "Seconds spent moving blocks between the KV cache "
+                     "and the disk tier (in the step, before the forward), by direction.",
+                     (t.load_s, t.store_s))):
+                by_type = CounterMetricFamily(prefix + name, doc,
+                                              labels=[*label_names, "transfer_type"])
+                by_type.add_metric([*labels, "disk_to_cpu"], load)
+                by_type.add_metric([*labels, "cpu_to_disk"], store)
+                yield by_type
+            yield counter("kv_offload_failed_loads", "Block files found but not loaded: "
+                          "missing by then, truncated, corrupt or another engine's (each a "
+                          "miss, recomputed).", t.num_failed_loads)
         info = GaugeMetricFamily(prefix + "cache_config_info", "Information of the engine's "
                                  "CacheConfig", labels=list(self.cache_info))
         info.add_metric(list(self.cache_info.values()), 1)

@@ -36,17 +36,20 @@ from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelSpec, PoolerConfig
 from tokenmill.core.contracts import (
     DRAFT_PLACEHOLDER,
+    KVTransferStats,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
+from tokenmill.core.kv_disk import BlockFiles
 from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.bert import EncoderModel
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
 from tokenmill.worker.grammar import GrammarMask, RequestGrammar
+from tokenmill.worker.kv_offload import KVOffloader
 from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
@@ -131,6 +134,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         pooler_config: PoolerConfig | None = None,
         classifier_head: torch.Tensor | None = None,
+        kv_offload: BlockFiles | None = None,
     ) -> None:
         """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
         once). `forward`: what runs the model (default: pick_forward's choice for
@@ -139,7 +143,8 @@ class ModelRunner:
         `pooler_config`: how pooling requests pool (default: the last token);
         `classifier_head`: a yes/no reranker's two head rows (model.head_rows,
         taken before the CPU plan packs the head). An encoder (EncoderModel) keeps
-        no KV cache, and its forward takes each request's token types."""
+        no KV cache, and its forward takes each request's token types. `kv_offload`:
+        the disk tier's files (the scheduler's SchedulerOutput says which blocks move)."""
         self.model = model
         self.encoder = model if isinstance(model, EncoderModel) else None
         self.drafter = drafter
@@ -156,6 +161,7 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [] if self.encoder is not None else [
             zeros(shape, dtype, device) for _ in range(spec.num_layers)]
+        self.offloader = KVOffloader(self.kv_caches, kv_offload) if kv_offload is not None else None
         self.sampler = Sampler(device, seed, ops=ops)
         # EOS ids found at load time: masked until a request reaches min_tokens.
         self.eos_token_ids = tuple(eos_token_ids)
@@ -182,6 +188,20 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             self.pending_grammars.pop(request_id, None)
             self.pooler.forget(request_id)
+        offloader = self.offloader
+        if offloader is None or not (scheduler_output.kv_loads or scheduler_output.kv_stores):
+            return self._execute(scheduler_output)
+        # The disk tier: loads before the forward, stores of what it computed after.
+        transfers = KVTransferStats()
+        with self.timer.phase(StepPhase.PREPARE_INPUTS):
+            loaded = offloader.load(scheduler_output.kv_loads, transfers)
+        out = self._execute(scheduler_output)
+        with self.timer.phase(StepPhase.UPDATE):
+            offloader.store(scheduler_output.kv_stores, transfers)
+        out.kv_loaded_block_ids, out.kv_transfers = loaded, transfers
+        return out
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], runs=[])
         # Decodes first (a request verifying drafts is decodes too, one a row):
