@@ -85,3 +85,11 @@ def test_the_kv_prefetch_option_comes_from_its_variable_and_refuses_other_modes(
     monkeypatch.setenv("TOKENMILL_KV_PREFETCH", "sometimes")
     with pytest.raises(ValueError, match=r"auto, off, on.*TOKENMILL_KV_PREFETCH"):
         CpuBackendOptions.from_env()
+
+
+def test_lora_rows_take_the_python_loop() -> None:
+    """A step with LoRA rows runs the Python loop (their deltas between the
+    kernels), whatever else it would take; without, the table above holds."""
+    for meta in (DECODES, MIXED):
+        assert choose_path(meta, FACTS, profiling=False, all_rows=True, threads=2, shm_group=False,
+                           lora=True).path is Path.PYTHON

@@ -13,6 +13,7 @@ from tokenmill.outputs import (
     ScoringRequestOutput,
 )
 from tokenmill.sampling_params import (
+    LoRARequest,
     PoolingParams,
     RequestOutputKind,
     SamplingParams,
@@ -28,6 +29,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",

@@ -306,6 +306,31 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (`enable_lora`), vLLM's options: at most `max_loras` distinct
+    adapters in one step (the scheduler's limit), ranks up to `max_lora_rank`,
+    `max_cpu_loras` adapters kept loaded (None: max_loras), the least recently
+    used idle one dropped beyond that."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}): a step's adapters are all loaded")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (vLLM's names): the model split over
     `tensor_parallel_size` ranks, processes on `nnodes` machines that meet at

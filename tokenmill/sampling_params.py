@@ -290,3 +290,23 @@ class PoolingParams:
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise ParamError(f"use_activation must be true, false or null, got "
                              f"{self.use_activation!r}", "use_activation")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A request's LoRA adapter, as vLLM's LoRARequest: `lora_name` (what the
+    server lists and a request's `model` names), `lora_int_id` (>= 1, unique per
+    adapter: it keys the loaded weights and the prefix cache's blocks),
+    `lora_path` (a PEFT directory: adapter_config.json + adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not is_integer(self.lora_int_id) or self.lora_int_id < 1:
+            raise ParamError(f"lora_int_id must be an integer >= 1 (0 is the base model), "
+                             f"got {self.lora_int_id!r}", "lora_request")
+        if not self.lora_name:
+            raise ParamError("lora_name must not be empty", "lora_request")

@@ -52,6 +52,7 @@ class ScheduledRequest:
     # An encoder's request (Request.whole_prompt: admitted and run whole in one
     # step): its token types, one per token of token_ids; None: all 0.
     token_type_ids: list[int] | None = None
+    lora_int_id: int = 0  # its LoRA adapter's id (0: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -19,9 +19,13 @@ from tokenmill.core.request import Request
 ROOT_HASH = 0
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[int, ...] = ()) -> int:
     """Chain a block's token ids onto its parent's hash, so equal hashes mean
-    equal whole prefixes (up to 64-bit collisions), not just equal blocks."""
+    equal whole prefixes (up to 64-bit collisions), not just equal blocks.
+    `extra_keys`: what else decides the block's K/V (a LoRA adapter's id, as
+    vLLM's extra keys): two adapters' equal prompts never share a block."""
+    if extra_keys:
+        return hash((parent_hash, tuple(token_ids), extra_keys))
     return hash((parent_hash, tuple(token_ids)))
 
 
@@ -29,9 +33,10 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     """Extend `request.block_hashes` to cover every full block of its tokens."""
     tokens = request.all_token_ids
     hashes = request.block_hashes
+    extra_keys = (request.lora_int_id,) if request.lora_int_id else ()
     for i in range(len(hashes), len(tokens) // block_size):
         parent = hashes[-1] if hashes else ROOT_HASH
-        hashes.append(hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size]))
+        hashes.append(hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra_keys))
 
 
 class KVCacheManager:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenmill.sampling_params import PoolingParams, SamplingParams
+from tokenmill.sampling_params import LoRARequest, PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +57,7 @@ class Request:
     # An encoder's token types (segment ids: a text pair's 0s then 1s), one per
     # prompt token; None: all 0.
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
@@ -80,6 +81,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

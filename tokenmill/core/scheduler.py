@@ -106,10 +106,14 @@ class Scheduler:
         max_model_len: int,
         num_spec_tokens: int = 0,
         disk: BlockFiles | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`disk`: the prefix cache's second tier (cache_config.kv_offload_dir,
         under the engine's fingerprint), or None."""
         self.config = scheduler_config
+        # LoRA adapters: at most this many distinct ones among the running requests
+        # (so in any step); 0 without enable_lora, where no request has one.
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         # A request must always fit alone in the pool, or preemption could loop.
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
@@ -246,6 +250,7 @@ class Scheduler:
                     do_sample=ends and request.pooling_params is None,
                     pooling_params=request.pooling_params,
                     do_pool=ends and request.pooling_params is not None,
+                    lora_int_id=request.lora_int_id,
                     prompt_token_ids=(
                         request.prompt_token_ids if request.request_id in admitted else None
                     ),
@@ -317,11 +322,22 @@ class Scheduler:
 
     def _next_ready(self) -> Request | None:
         """The queue's first request that can run: one whose grammar is still
-        compiling is passed over, so it holds up nobody behind it."""
+        compiling is passed over, so it holds up nobody behind it. So is one
+        whose LoRA adapter would be one past `max_loras` running adapters; and
+        once one is, every adapter request behind it is too (base requests still
+        run): the running adapters then drain, and it gets the first free slot."""
         head = self.queue.peek()
-        if head.grammar_ready:
+        if head.grammar_ready and not head.lora_int_id:
             return head
-        return next((r for r in self.queue if r.grammar_ready), None)
+        active = {r.lora_int_id for r in self.running} - {0}
+        blocked = False
+        for request in self.queue:
+            lora = request.lora_int_id
+            if lora and (blocked or (lora not in active and len(active) >= self.max_loras)):
+                blocked = True
+            elif request.grammar_ready:
+                return request
+        return None
 
     def _admit(
         self, request: Request, num_hit_tokens: int, num_new: int, num_new_by_req: dict[str, int]

@@ -171,6 +171,7 @@ def make_scheduler(
     max_model_len: int,
     num_spec_tokens: int = 0,
     disk: BlockFiles | None = None,
+    max_loras: int = 0,
 ) -> Scheduler:
     """The scheduler for `scheduler_config.policy`: static batching is its own class
     (without speculative decoding: it is the baseline); FCFS and priority differ
@@ -182,6 +183,9 @@ def make_scheduler(
         if disk is not None:
             raise ValueError("kv_offload_dir cannot be used with scheduling_policy='static' "
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
+        if max_loras:
+            raise ValueError("LoRA adapters cannot be used with scheduling_policy='static' "
+                             "(the static-batching baseline); use 'fcfs' or 'priority'")
         return StaticBatchScheduler(scheduler_config, cache_config, num_blocks, max_model_len)
     return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, num_spec_tokens,
-                     disk)
+                     disk, max_loras)

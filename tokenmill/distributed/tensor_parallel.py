@@ -25,6 +25,7 @@ from tokenmill.distributed.group import RankGroup, TensorParallelError
 from tokenmill.distributed.launch import RankProcesses, RayRanks
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.lora import LoRABatch
 from tokenmill.model.parallel import ShardLayout, shard_model, vocab_widths
 from tokenmill.worker.cache_sizing import default_kv_cache_bytes
 from tokenmill.worker.model_runner import ModelForward
@@ -155,7 +156,9 @@ class DriverForward:
         self.last: torch.Tensor | None = None  # the last forward's output
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 meta: AttentionMetadata, output_rows: torch.Tensor | None = None,
+                 lora: LoRABatch | None = None) -> torch.Tensor:
+        assert lora is None, "LoRA adapters run on one process (EngineArgs refuses them with TP)"
         with self._guard():
             self.last = None
             self.tp.group.send(("forward", input_ids.cpu(), positions.cpu(), meta_to_wire(meta),

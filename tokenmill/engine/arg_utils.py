@@ -23,6 +23,7 @@ from tokenmill.config import (
     SCHEDULING_POLICIES,
     SUPPORTED_DTYPES,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -75,6 +76,11 @@ class EngineArgs:
     # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
     # ["no", "yes"], "is_original_qwen3_reranker": true} serves Qwen3-Reranker.
     hf_overrides: dict[str, Any] | None = None
+    # LoRA adapters (vLLM's names; config.LoRAConfig): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The frozen configs an LLMEngine is built from (ValueError on a bad value)."""
@@ -131,6 +137,23 @@ class EngineArgs:
             raise ValueError("speculative_config cannot be used with scheduling_policy='static' "
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
         return SpeculativeConfig.from_dict(self.speculative_config)
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRA config under enable_lora, else None (ValueError on a bad value)."""
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run on one process; drop --tensor-parallel-size "
+                             "or --enable-lora")
+        if self.scheduling_policy == "static":
+            raise ValueError("LoRA adapters cannot be used with scheduling_policy='static' "
+                             "(the static-batching baseline); use 'fcfs' or 'priority'")
+        if self.kv_offload_dir is not None:
+            # (Blocks are keyed by the adapter's id, which names another adapter after a restart.)
+            raise ValueError("LoRA adapters cannot be used with kv_offload_dir yet (the disk tier "
+                             "outlives the adapter ids its blocks are keyed by); drop one")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
+
     def create_cpu_options(self) -> CpuBackendOptions:
         """The CPU backend's options, built here once per engine and passed down
         (runner, plan, the other tensor-parallel ranks): no engine arg sets them
@@ -227,6 +250,16 @@ class EngineArgs:
             help='vLLM\'s: a JSON object; a causal LM scoring with a yes/no token pair (a reranker '
                  'for /score and /rerank): \'{"architectures": ["Qwen3ForSequenceClassification"], '
                  '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (PEFT directories) beside the base model, "
+                                 "batched in the same steps (the reference forward runs)")
+        parser.add_argument("--max-loras", type=int, default=1,
+                            help="distinct LoRA adapters in one step")
+        parser.add_argument("--max-lora-rank", type=int, default=16,
+                            help="the largest LoRA rank an adapter may have")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="LoRA adapters kept loaded (default: --max-loras); the least "
+                                 "recently used idle one is dropped beyond it")
         add_parallel_args(parser)
         parser.add_argument("--node-rank", type=int, default=0,
                             help="this machine's place among --nnodes (0: the one that schedules)")

@@ -24,7 +24,7 @@ from tokenmill.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tokenmill.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import ChatMessage, Tokenizer
 
 
@@ -109,10 +109,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; results come
         back in input order. All prompts are checked before any is queued, so a
-        bad one raises ValueError and nothing runs."""
+        bad one raises ValueError and nothing runs. `lora_request`: one LoRA
+        adapter for every prompt, or one per prompt (None: the base model);
+        the engine needs enable_lora=True."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -121,7 +124,11 @@ class LLM:
             dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             for p in self._params_per_prompt(sampling_params, len(prompts))
         ]
-        outputs = self._run(self._add_all(prompts, params_list, priority), use_tqdm)
+        loras = (list(lora_request) if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        outputs = self._run(self._add_all(prompts, params_list, priority, loras), use_tqdm)
         return [out for out in outputs if isinstance(out, RequestOutput)]
 
     def encode(
@@ -242,7 +249,8 @@ class LLM:
         ]
 
     def _add_all(self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams],
-                 priority: Sequence[int] | None) -> list[str]:
+                 priority: Sequence[int] | None,
+                 loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue every prompt, checked before any is queued, so a bad one raises
         ValueError and nothing runs; their request ids."""
         if priority is not None and len(priority) != len(prompts):
@@ -261,7 +269,8 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = engine.new_request_id()
                 engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority is not None else 0
+                    request_id, prompt, params, priority=priority[i] if priority is not None else 0,
+                    lora_request=loras[i] if loras is not None else None,
                 )
                 request_ids.append(request_id)
         except BaseException:

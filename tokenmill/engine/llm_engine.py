@@ -20,6 +20,7 @@ import torch
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ModelSpec,
     ParallelConfig,
@@ -44,7 +45,13 @@ from tokenmill.model.loader import load_model
 from tokenmill.model.pooler_config import cross_encoder_pooler_config, read_pooler_config
 from tokenmill.model.source import ModelSource, resolve_model_source
 from tokenmill.outputs import EngineOutput
-from tokenmill.sampling_params import ParamError, PoolingParams, SamplingParams, is_integer
+from tokenmill.sampling_params import (
+    LoRARequest,
+    ParamError,
+    PoolingParams,
+    SamplingParams,
+    is_integer,
+)
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
@@ -99,7 +106,8 @@ class LLMEngine:
         return cls(*engine_args.create_engine_configs(), check_integrity=check_integrity,
                    speculative_config=engine_args.create_speculative_config(),
                    parallel_config=engine_args.create_parallel_config(),
-                   cpu_options=engine_args.create_cpu_options())
+                   cpu_options=engine_args.create_cpu_options(),
+                   lora_config=engine_args.create_lora_config())
 
     def __init__(
         self,
@@ -111,8 +119,10 @@ class LLMEngine:
         parallel_config: ParallelConfig | None = None,
         *,
         cpu_options: CpuBackendOptions,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config  # LoRA adapters (enable_lora): they live in the runner
         self.cpu_options = cpu_options  # (EngineArgs.create_cpu_options: built once, passed down)
         self.speculative_config = speculative_config
         self.cache_config = cache_config
@@ -208,10 +218,14 @@ class LLMEngine:
             seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,
             drafter=drafter, pooler_config=self.pooler_config, classifier_head=classifier_head,
             kv_offload=disk,
+            lora_config=self.lora_config,
         )
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
-                                        num_spec_tokens, disk)
+                                        num_spec_tokens, disk,
+                                        self.lora_config.max_loras if self.lora_config else 0)
+        # Adapters removed while requests still ran on them: dropped once idle.
+        self._retired_loras: set[int] = set()
         self.ngram: NgramProposer | None = None
         if speculative_config is not None and speculative_config.method == "ngram":
             assert speculative_config.prompt_lookup_min and speculative_config.prompt_lookup_max
@@ -381,11 +395,17 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises ValueError (with what to do) if it can never run.
         With params.n > 1 it runs as n child requests (see parallel_sampling.py).
         With PoolingParams it is a pooling request: its prompt runs, and its one
-        output is a PoolingRequestOutput with the pooled hidden state."""
+        output is a PoolingRequestOutput with the pooled hidden state.
+        `lora_request`: the LoRA adapter it runs with, loaded now if it is not
+        (a LoRAError, a ValueError, if it cannot be served)."""
+        if lora_request is not None and isinstance(params, PoolingParams):
+            raise ParamError("pooling requests run on the base model; drop the LoRA adapter",
+                             "model")
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
             return
@@ -403,6 +423,8 @@ class LLMEngine:
         text, prompt_ids = self.tokenize_prompt(prompt)
         params, bad_words_token_ids = self.resolve_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if lora_request is not None:
+            self.add_lora(lora_request)
 
         grammar = None
         if params.structured_outputs is not None:
@@ -419,6 +441,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 priority=priority,
+                lora_request=lora_request,
             )
             if grammar is not None:
                 req.grammar_ready = False
@@ -438,6 +461,41 @@ class LLMEngine:
         self.output_processor.add_parent_request(
             request_id, text, prompt_ids, params, arrival, children
         )
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (or mark a loaded one most recently used); ValueError
+        (model/lora.py's LoRAError) saying why one cannot be served."""
+        if self.runner.loras is None:
+            raise ParamError("this engine was started without LoRA adapters; start it with "
+                             "enable_lora=True (--enable-lora)", "model")
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        self.runner.loras.load(lora_request, in_use)
+        self._retired_loras.discard(lora_request.lora_int_id)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter: now if no unfinished request runs on it, else once
+        the last one ends (those finish on it). False if it is not loaded."""
+        if self.runner.loras is None or lora_int_id not in self.runner.loras.adapters:
+            return False
+        self._retired_loras.add(lora_int_id)
+        self._drop_retired_loras()
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters (retired ones still finishing excluded)."""
+        if self.runner.loras is None:
+            return set()
+        return set(self.runner.loras.adapters) - self._retired_loras
+
+    def _drop_retired_loras(self) -> None:
+        assert self.runner.loras is not None
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        for lora_int_id in self._retired_loras - in_use:
+            self.runner.loras.remove(lora_int_id)
+            self._retired_loras.discard(lora_int_id)
 
     def _check_priority(self, priority: int) -> None:
         if not is_integer(priority):
@@ -646,6 +704,8 @@ class LLMEngine:
             outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._retired_loras:
+            self._drop_retired_loras()
         if self._failed_compiles:  # (rare: a grammar that parsed but did not compile)
             outputs.extend(self.abort_request(list(self._failed_compiles)))
             self._failed_compiles.clear()

@@ -30,6 +30,7 @@ from torch.profiler import record_function
 from tokenmill.config import ModelSpec
 from tokenmill.model.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.lora import LoRABatch
 from tokenmill.model.quantization import dense_weight, embed_rows, is_quantized
 from tokenmill.model.rope import RotaryEmbedding, apply_rotary_emb
 
@@ -80,6 +81,14 @@ class Linear(nn.Linear):
             with record_function("tokenmill::linear"):
                 return linear(x, weight, self.bias, self.batch_invariant)
         return linear(x, weight, self.bias, self.batch_invariant)
+
+
+def project(linear: nn.Module, x: torch.Tensor, lora: LoRABatch | None, layer: int,
+            name: str) -> torch.Tensor:
+    """A decoder projection: the base Linear (any weight format), plus the
+    step's LoRA deltas on their rows (LoRABatch.add_delta, the one place)."""
+    out: torch.Tensor = linear(x)
+    return out if lora is None else lora.add_delta(out, x, layer, name)
 
 
 class Embedding(nn.Embedding):
@@ -183,6 +192,7 @@ class LlamaAttention(nn.Module):
         self.sliding_window = spec.layer_window(layer)
         self.logit_softcap = spec.attn_logit_softcapping
         self.backend = backend
+        self.layer = layer  # (LoRA adapters' weights are per layer)
         self.qkv_proj = MergedLinear(
             spec.hidden_size,
             {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -205,9 +215,10 @@ class LlamaAttention(nn.Module):
         rope: RopeBatch,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = project(self.qkv_proj, hidden, lora, self.layer, "qkv_proj")  # [num_tokens, q + 2 kv]
         cos, sin = rope.cos_sin()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -221,14 +232,15 @@ class LlamaAttention(nn.Module):
         with record_function("tokenmill::attention"):
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                                        self.logit_softcap)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return project(self.o_proj, out.reshape(num_tokens, self.q_size), lora, self.layer, "o_proj")
 
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, spec: ModelSpec, device: torch.device | str | None, dtype: torch.dtype
+        self, spec: ModelSpec, device: torch.device | str | None, dtype: torch.dtype, layer: int = 0
     ) -> None:
         super().__init__()
+        self.layer = layer
         self.intermediate_size = spec.intermediate_size
         self.geglu = spec.hidden_act == "gelu_pytorch_tanh"  # Gemma (else SwiGLU)
         self.gate_up_proj = MergedLinear(
@@ -246,11 +258,11 @@ class LlamaMLP(nn.Module):
             dtype=dtype,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        if self.geglu:
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+        gate_up = project(self.gate_up_proj, x, lora, self.layer, "gate_up_proj")
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
+        return project(self.down_proj, act * up, lora, self.layer, "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -270,7 +282,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(spec, backend, device, dtype, layer)
         self.post_attention_layernorm = norm()  # Llama: before the MLP; Gemma: after the attention
-        self.mlp = LlamaMLP(spec, device, dtype)
+        self.mlp = LlamaMLP(spec, device, dtype, layer)
         self.local_rope = spec.layer_local_rope(layer)  # Gemma 3's sliding layers: their own base
         self.sandwich = spec.sandwich_norms
         if self.sandwich:  # Gemma: a norm before the MLP and one after it
@@ -284,6 +296,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: RopeBatch,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, residual before it)
         # HF's h = h + attn(norm(h)); h = h + mlp(norm(h)), with each residual add
         # done together with the norm that follows it (as vLLM does).
@@ -292,13 +305,13 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, meta)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta, lora)
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-            return self.mlp(hidden), residual
+            return self.mlp(hidden, lora), residual
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm.add_forward(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.post_feedforward_layernorm(self.mlp(hidden, lora)), residual
 
 
 class LlamaModel(nn.Module):
@@ -335,6 +348,7 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,  # see LlamaForCausalLM.forward
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden]
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
@@ -345,7 +359,8 @@ class LlamaModel(nn.Module):
             local = RopeBatch(self.local_rotary_emb, positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, local if layer.local_rope else rope, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, local if layer.local_rope else rope, kv_cache, meta,
+                                     lora)
         if output_rows is not None:  # (the CPU plan skips the other rows' last layer)
             hidden = hidden[output_rows]
             residual = None if residual is None else residual[output_rows]
@@ -406,11 +421,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], or [len(output_rows), hidden]
         """The last hidden states of every token, or only of the rows in
         `output_rows` (int64 indices; e.g. the rows that are sampled): the
-        K/V of every token are written all the same."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
+        K/V of every token are written all the same. `lora`: the step's
+        adapters and their rows (model/lora.py), added to every projection."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows, lora)
 
     def head_rows(self, token_ids: tuple[int, ...]) -> torch.Tensor:
         """The head's rows of `token_ids` as float32 [len, hidden]: their logits

@@ -33,7 +33,7 @@ from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.memory import mapped_zeros
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.backends.cpu.plan import CpuPlan, unsupported
-from tokenmill.config import ModelSpec, PoolerConfig
+from tokenmill.config import LoRAConfig, ModelSpec, PoolerConfig
 from tokenmill.core.contracts import (
     DRAFT_PLACEHOLDER,
     KVTransferStats,
@@ -47,9 +47,11 @@ from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.bert import EncoderModel
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.lora import LoRABatch
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
 from tokenmill.worker.grammar import GrammarMask, RequestGrammar
 from tokenmill.worker.kv_offload import KVOffloader
+from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
@@ -76,7 +78,8 @@ class ModelForward(Protocol):
     """What the runner calls: LlamaForCausalLM (the reference) or a CpuPlan built from it."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor: ...
+                 meta: AttentionMetadata, output_rows: torch.Tensor | None = None,
+                 lora: LoRABatch | None = None) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -135,6 +138,7 @@ class ModelRunner:
         pooler_config: PoolerConfig | None = None,
         classifier_head: torch.Tensor | None = None,
         kv_offload: BlockFiles | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
         once). `forward`: what runs the model (default: pick_forward's choice for
@@ -144,7 +148,8 @@ class ModelRunner:
         `classifier_head`: a yes/no reranker's two head rows (model.head_rows,
         taken before the CPU plan packs the head). An encoder (EncoderModel) keeps
         no KV cache, and its forward takes each request's token types. `kv_offload`:
-        the disk tier's files (the scheduler's SchedulerOutput says which blocks move)."""
+        the disk tier's files (the scheduler's SchedulerOutput says which blocks move).
+        `lora_config`: LoRA adapters may run (enable_lora); they live here, in `loras`."""
         self.model = model
         self.encoder = model if isinstance(model, EncoderModel) else None
         self.drafter = drafter
@@ -152,6 +157,7 @@ class ModelRunner:
         ops = kernels.load() if self.cpu_options.cpp_kernels and device.type == "cpu" else None
         # Chosen once: the CPU plan or the reference model, for every step.
         self.forward = forward if forward is not None else chosen_forward(model, dtype, device, self.cpu_options)
+        self.loras = LoRAManager(spec, lora_config, device) if lora_config is not None else None
         self.timer = StepTimer()  # the engine times its own parts of a step on it too
         self.spec = spec
         self.num_blocks = num_blocks
@@ -250,6 +256,8 @@ class ModelRunner:
         # (Made only where used: each small torch op costs a cold-cache step ~10 us.)
         rows = None if all_rows and not wants_prompt_logprobs else torch.tensor(
             row_list, dtype=torch.int64, device=self.device)
+        # Each LoRA adapter's rows (model/lora.py adds its delta to every projection).
+        lora = self.loras.batch([r.lora_int_id for r in reqs], starts) if self.loras is not None else None
         with self.timer.phase(StepPhase.FORWARD):
             if self.encoder is not None:
                 hidden = self.encoder(input_ids, positions, self.kv_caches, meta,
@@ -257,7 +265,7 @@ class ModelRunner:
                                       token_type_ids=self._token_types(reqs))
             else:
                 hidden = self.forward(input_ids, positions, self.kv_caches, meta,
-                                      output_rows=None if all_rows else rows)
+                                      output_rows=None if all_rows else rows, lora=lora)
 
         for j in wants_prompt_logprobs:
             self._gather_prompt_logprobs(reqs[j], states[j], hidden, starts[j])

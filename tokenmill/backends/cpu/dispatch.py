@@ -60,12 +60,13 @@ def one_attention_call(meta: AttentionMetadata) -> bool:
 
 
 def choose_path(meta: AttentionMetadata, facts: PathFacts, *, profiling: bool, all_rows: bool,
-                threads: int, shm_group: bool) -> Route:
+                threads: int, shm_group: bool, lora: bool = False) -> Route:
     """The path of one forward. Per forward: `profiling` (the autograd
     profiler is on: the per-op rows of `bench --profile`), `all_rows` (no
     `output_rows`: every row is sampled), `threads` (the forward's OpenMP
-    threads), `shm_group` (a shard's group all-reduces over shared memory now)."""
-    if profiling or not facts.has_layers or not one_attention_call(meta):
+    threads), `shm_group` (a shard's group all-reduces over shared memory now),
+    `lora` (rows of LoRA adapters: their deltas run between the kernels)."""
+    if profiling or lora or not facts.has_layers or not one_attention_call(meta):
         return Route(Path.PYTHON)
     if facts.shard:
         return Route(Path.TP_LOOP if shm_group and facts.tp_layer_loop else Path.PYTHON)

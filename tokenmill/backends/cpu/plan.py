@@ -46,6 +46,7 @@ from tokenmill.backends.cpu.kernels import CppPackedWeight, CpuOps
 from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.model.lora import LoRABatch
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
 from tokenmill.model.quantization import KQUANT_FORMATS, is_kquant_part, q8_0_of
 
@@ -248,21 +249,24 @@ class CpuPlan:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [num_tokens or len(output_rows), hidden] after the final norm
         """LlamaForCausalLM.forward: with `output_rows`, the last layer writes
         every token's K/V but takes only those rows on through attention,
-        o_proj and the MLP. Each row's numbers are the same bits either way."""
+        o_proj and the MLP. Each row's numbers are the same bits either way.
+        `lora`: the step's LoRA adapters; such a step takes the Python loop,
+        which adds their deltas after each projection's kernel."""
         hidden = self.embed(input_ids)
         profiling = torch.autograd._profiler_enabled()  # (read once a forward)
         native = getattr(self.all_reduce, "native", None)  # a shard's live shared-memory group, or None
         route = choose_path(meta, self.path_facts, profiling=profiling, all_rows=output_rows is None,
-                            threads=threads(), shm_group=native is not None)
+                            threads=threads(), shm_group=native is not None, lora=lora is not None)
         if route.path is not self.last_path:
             logger.debug("CPU plan: %s path (%d rows, %d decodes of %d sequences)", route.path.value,
                          meta.num_tokens, meta.num_decodes, meta.num_reqs)
             self.last_path = route.path
         if route.path is Path.PYTHON:
-            return self._python_loop(hidden, positions, kv_caches, meta, output_rows, profiling)
+            return self._python_loop(hidden, positions, kv_caches, meta, output_rows, profiling, lora)
         call = self.attention.kernel_call(hidden, kv_caches[0], meta)
         assert call is not None, "choose_path gave a C++ path: one attention call serves the step"
         # (model, hidden, positions, kv_caches, slot_mapping, tables, seq_lens, seq_ids): every C++ path's first arguments
@@ -290,7 +294,7 @@ class CpuPlan:
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,
-                     profiling: bool) -> torch.Tensor:
+                     profiling: bool, lora: LoRABatch | None = None) -> torch.Tensor:
         ops = self.ops
         n = hidden.shape[0]
 
@@ -339,12 +343,15 @@ class CpuPlan:
                 ops.fused_add_rms_norm(hidden, residual, layer.norm1, eps)
                 x = hidden
             qkv = gemm(x, layer.qkv)
+            if lora is not None:  # (before RoPE and the cache write, as the reference adds it)
+                qkv = lora.add_delta(qkv, x, i, "qkv_proj")
             ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
                                kv_cache, meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             if i == 0:
                 call = self.attention.kernel_call(q, kv_cache, meta)
-            if i == last and output_rows is not None and call is not None:
+            # (With LoRA every row goes on: the segments' rows index the whole step.)
+            if i == last and output_rows is not None and call is not None and lora is None:
                 # Every K/V is written: the rest of the layer for the rows out only.
                 call = call.rows(output_rows)
                 q, residual, n = q[output_rows], residual[output_rows], output_rows.numel()
@@ -354,9 +361,16 @@ class CpuPlan:
                     out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window)
                 else:
                     out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
-            hidden = gemm_out(out.reshape(n, self.q_size), layer.o)
+            attn = out.reshape(n, self.q_size)
+            hidden = gemm_out(attn, layer.o)
+            if lora is not None:
+                hidden = lora.add_delta(hidden, attn, i, "o_proj")
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            hidden = gemm_out(gemm_act(hidden, layer.gate_up), layer.down)
+            if lora is None:
+                hidden = gemm_out(gemm_act(hidden, layer.gate_up), layer.down)
+            else:  # (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
+                act = ops.silu_and_mul(lora.add_delta(gemm(hidden, layer.gate_up), hidden, i, "gate_up_proj"))
+                hidden = lora.add_delta(gemm_out(act, layer.down), act, i, "down_proj")
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:
