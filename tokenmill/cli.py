@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -51,6 +52,20 @@ def load_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry: NAME=PATH, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.startswith("{"):
+        entry = json.loads(text)
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
+                entry.get("path"), str):
+            raise ValueError(f"--lora-modules {text!r}: a JSON entry needs string name and path")
+        return entry["name"], entry["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text!r}: give NAME=PATH")
+    return name, path
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -72,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, dashboard=args.dashboard,
+        lora_modules=tuple(args.lora_modules or ()),
     )
     from tokenmill.server.reasoning import check_reasoning_parser
     from tokenmill.server.tools import check_tool_call_parser
@@ -83,8 +99,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args.create_speculative_config()
     if args.command == "serve-ray":
         return cmd_serve_ray(args, engine_args, config)
+    if config.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+
+    def build_engine() -> LLMEngine:
+        """The engine, with --lora-modules' adapters loaded (a bad one fails the
+        start, naming it), under the ids Serving gives them: 1, 2, ... in order."""
+        from tokenmill.sampling_params import LoRARequest
+
+        llm_engine = LLMEngine.from_engine_args(engine_args)
+        for i, (name, path) in enumerate(config.lora_modules):
+            llm_engine.add_lora(LoRARequest(name, i + 1, path))
+        return llm_engine
+
     # Built on the engine thread: the only thread that runs the model (see AsyncEngine).
-    engine = AsyncEngine(lambda: LLMEngine.from_engine_args(engine_args))
+    engine = AsyncEngine(build_engine)
     return run_server(engine, config, args.graceful_shutdown_timeout)
 
 
@@ -130,6 +159,10 @@ def add_serve_parser(
                        help="seconds running requests get to finish after SIGTERM")
     serve.add_argument("--dashboard", action="store_true",
                        help="serve a live view of the batch, the queue and the KV cache at /dashboard")
+    serve.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served by name, as vLLM's: each "
+                            "NAME=PATH or a JSON object with name and path; needs --enable-lora")
     EngineArgs.add_cli_args(serve)
     add_openmp_wait_arg(serve)
     serve.set_defaults(func=cmd_serve)

@@ -403,6 +403,9 @@ class ServerConfig:
     reasoning_parser: str | None = None
     # `serve --dashboard`: the live view at /dashboard (server/dashboard.py).
     dashboard: bool = False
+    # LoRA adapters served by name (vLLM's --lora-modules name=path; needs the
+    # engine's enable_lora), listed in /v1/models with the base model as parent.
+    lora_modules: tuple[tuple[str, str], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

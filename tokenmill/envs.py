@@ -49,6 +49,14 @@ def batch_invariant() -> bool:
     return _flag("TOKENMILL_BATCH_INVARIANT", True)
 
 
+def allow_runtime_lora_updating() -> bool:
+    """TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING=1: the server adds POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); default off, the adapters are those of
+    --lora-modules."""
+    return _flag("TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING", False)
+
+
 def tp_shm() -> bool:
     """TOKENMILL_TP_SHM=0 (on any rank): tensor parallelism over gloo even where
     every rank shares the machine (set but empty: gloo too); default 1, shared

@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,7 +42,7 @@ from tokenmill.engine.iteration_stats import FinishedRequestStats, IterationStat
 from tokenmill.engine.live_view import LiveView, take_snapshot
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from tokenmill.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill")
@@ -125,6 +126,15 @@ class _Add:
     priority: int
     arrival_time: float
     stream: _Stream
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class _LoRA:
+    """Load (a LoRARequest) or unload (an id) an adapter at a step boundary."""
+
+    what: LoRARequest | int
+    done: Future[bool]
 
 
 @dataclass
@@ -174,7 +184,7 @@ class AsyncEngine:
         self, engine: LLMEngine | Callable[[], LLMEngine], idle_poll_s: float = 0.5
     ) -> None:
         self.idle_poll_s = idle_poll_s
-        self._inbox: queue.Queue[_Add | _Abort | _Fail | _Stop] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Fail | _Stop | _LoRA] = queue.Queue()
         self._lock = threading.Lock()
         self._num_pending = 0  # adds in the inbox, not yet in the scheduler
         self._stat_loggers: list[StatLogger] = []
@@ -275,9 +285,10 @@ class AsyncEngine:
         prompt: PromptType,
         params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Queue a request; returns its stream of RequestOutput deltas once the
-        engine has taken it. Raises ValueError (the caller's fault, with what to
+        """Queue a request (on `lora_request`'s adapter, where given); returns
+        its stream of RequestOutput deltas once the engine has taken it. Raises ValueError (the caller's fault, with what to
         do) if the engine refuses it, EngineDeadError if the loop is down.
 
         Closing the stream before it finishes (or cancelling its consumer)
@@ -286,8 +297,24 @@ class AsyncEngine:
         has not started runs nothing when closed). Its blocks are freed at the
         next step boundary."""
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        stream = await self._submit(request_id, prompt, params, priority)
+        stream = await self._submit(request_id, prompt, params, priority, lora_request)
         return self._iterate(stream, RequestOutput)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter on the engine thread (ValueError saying why one
+        cannot be served)."""
+        return await self._lora_command(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (its running requests finish on it); False if not loaded."""
+        return await self._lora_command(lora_int_id)
+
+    async def _lora_command(self, what: LoRARequest | int) -> bool:
+        if not self.is_running:
+            raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+        done: Future[bool] = Future()
+        self._inbox.put(_LoRA(what, done))
+        return await asyncio.wrap_future(done)
 
     async def add_pooling_request(
         self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int = 0
@@ -298,14 +325,16 @@ class AsyncEngine:
         return self._iterate(stream, PoolingRequestOutput)
 
     async def _submit(self, request_id: str, prompt: PromptType,
-                      params: SamplingParams | PoolingParams, priority: int) -> _Stream:
+                      params: SamplingParams | PoolingParams, priority: int,
+                      lora_request: LoRARequest | None = None) -> _Stream:
         """Hand a request to the engine thread; its stream once it is accepted."""
         if not self.is_running:
             raise EngineDeadError(self._dead_reason or "the engine loop is not running")
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             self._num_pending += 1
-        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), stream))
+        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), stream,
+                             lora_request))
         try:
             first = await stream.get()
         except asyncio.CancelledError:
@@ -370,8 +399,8 @@ class AsyncEngine:
         self._abort_all()
         self._dead_reason = "the engine was shut down"
 
-    def _drain(self) -> list[_Add | _Abort | _Fail | _Stop]:
-        commands: list[_Add | _Abort | _Fail | _Stop] = []
+    def _drain(self) -> list[_Add | _Abort | _Fail | _Stop | _LoRA]:
+        commands: list[_Add | _Abort | _Fail | _Stop | _LoRA] = []
         if not self.engine.has_unfinished_requests():
             try:  # idle: sleep until a command comes
                 commands.append(self._inbox.get(timeout=self.idle_poll_s))
@@ -397,6 +426,8 @@ class AsyncEngine:
                 self._abort(command.request_id, stats)
             elif isinstance(command, _Fail):
                 self._fail_all(command.error)
+            elif isinstance(command, _LoRA):
+                self._lora(command)
             else:
                 stop = True
         if commands:  # (else nothing changed since the last step's stats)
@@ -413,11 +444,22 @@ class AsyncEngine:
         self._log(stats)
         return True
 
+    def _lora(self, command: _LoRA) -> None:
+        try:
+            what = command.what
+            done = (self.engine.remove_lora(what) if isinstance(what, int)
+                    else self.engine.add_lora(what))
+        except Exception as e:  # (a ValueError for a bad adapter: the caller's to report)
+            command.done.set_exception(e)
+        else:
+            command.done.set_result(done)
+
     def _add(self, command: _Add) -> None:
         try:
             self.engine.add_request(
                 command.request_id, command.prompt, command.params,
                 arrival_time=command.arrival_time, priority=command.priority,
+                lora_request=command.lora_request,
             )
         except ValueError as e:
             command.stream.put(e)
@@ -561,6 +603,8 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add):
                 command.stream.put(EngineDeadError("the engine is shutting down"))
+            elif isinstance(command, _LoRA):
+                command.done.set_exception(EngineDeadError("the engine is shutting down"))
         self._stats = self.engine.stats()
 
     def _log(self, stats: IterationStats) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from tokenmill.config import PoolerConfig
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
-from tokenmill.sampling_params import PoolingParams, SamplingParams
+from tokenmill.sampling_params import LoRARequest, PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -104,8 +104,17 @@ class EngineClient(Protocol):
     ) -> str | None: ...
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter (ValueError saying why one cannot be served)."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter; False if it was not loaded."""
+        ...
 
     async def add_pooling_request(
         self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int = 0

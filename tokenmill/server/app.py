@@ -5,12 +5,13 @@ from __future__ import annotations
 import secrets
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenmill import envs
 from tokenmill.config import ServerConfig
 from tokenmill.engine.client import EngineClient
 from tokenmill.server.chat import chat_prompt, create_chat_completion
@@ -36,9 +37,11 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response, not_found
 from tokenmill.server.scores import RerankRequest, ScoreRequest, create_rerank, create_score
@@ -141,8 +144,22 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=engine.facts.model_path,
-                                         max_model_len=engine.facts.max_model_len)])
+        max_model_len = engine.facts.max_model_len
+        return ModelList(data=[
+            ModelCard(id=model_name, root=engine.facts.model_path, max_model_len=max_model_len),
+            *(ModelCard(id=name, root=lora.lora_path, parent=model_name, max_model_len=max_model_len)
+              for name, lora in serving.loras.items())])
+
+    if envs.allow_runtime_lora_updating():  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            await serving.load_lora(request.lora_name, request.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            await serving.unload_lora(request.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     app.include_router(v1)
 
@@ -172,7 +189,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
-        serving.check_model(request.model)
+        serving.check_model(request.model, adapters=True)  # (an adapter's tokenizer is its base's)
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if request.messages is not None:
@@ -193,7 +210,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
-        serving.check_model(request.model)
+        serving.check_model(request.model, adapters=True)
         if len(request.tokens) > engine.facts.max_model_len:  # (bounded as a prompt is)
             raise APIError(
                 400, f"{len(request.tokens)} token ids are more than this model's maximum "

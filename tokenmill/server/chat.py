@@ -124,7 +124,7 @@ def chat_logprobs(serving: Serving, token_ids: list[int], entries: LogprobEntrie
 async def create_chat_completion(
     serving: Serving, request: ChatCompletionRequest, raw: Request
 ) -> Response:
-    serving.check_model(request.model)
+    lora_request = serving.lora_for(request.model)
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if request.stream and request.prompt_logprobs is not None:
@@ -145,18 +145,19 @@ async def create_chat_completion(
     constrain(plan, params)  # (tool_choice "required" or named: the calls' JSON schema)
     serving.hold_constraint_after_thinking(params, prompt)
     request_id = random_id("chatcmpl")
-    streams = await serving.start(request_id, [prompt], [params], request.priority)
+    streams = await serving.start(request_id, [prompt], [params], request.priority, lora_request)
     outputs = OutputAccumulator(streams)
     if request.stream:
         return SSEResponse(sse_stream(_stream(serving, request, request_id, outputs, top_k, plan,
                                               prompt), outputs))
-    return await json_answer(raw, _collect(serving, request_id, outputs, params.n, top_k,
+    return await json_answer(raw, _collect(serving, request_id, serving.answer_model(request.model), outputs, params.n, top_k,
                                            request.prompt_logprobs, plan, prompt))
 
 
 async def _collect(
     serving: Serving,
     request_id: str,
+    model: str,
     outputs: OutputAccumulator,
     n: int,
     top_k: int | None,
@@ -191,7 +192,7 @@ async def _collect(
                 choice.finish_reason = finish_reason(plan, bool(choice.message.tool_calls),
                                                      choice.finish_reason)
     return ChatCompletionResponse(
-        id=request_id, model=serving.model_name, choices=list(choices.values()),
+        id=request_id, model=model, choices=list(choices.values()),
         usage=outputs.usage(), prompt_logprobs=prompt_logprobs,
     ).model_dump_json()
 
@@ -205,7 +206,7 @@ async def _stream(
     plan: ToolPlan | None = None,
     prompt: Prompt | None = None,
 ) -> AsyncGenerator[str, None]:
-    model = serving.model_name
+    model = serving.answer_model(request.model)
     started: set[int] = set()
     answers: dict[int, AnswerStream] = {}
     split = plan is not None or serving.config.reasoning_parser is not None

@@ -128,7 +128,7 @@ def add_logprobs(
 
 
 async def create_completion(serving: Serving, request: CompletionRequest, raw: Request) -> Response:
-    serving.check_model(request.model)
+    lora_request = serving.lora_for(request.model)
     if request.suffix is not None:
         raise APIError(400, "suffix is not supported (no fill-in-the-middle); remove it", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -141,7 +141,7 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
     prompts = await parse_prompts(serving, request.prompt)
     params = [completion_params(serving, request, p) for p in prompts]
     request_id = random_id("cmpl")
-    streams = await serving.start(request_id, prompts, params, request.priority)
+    streams = await serving.start(request_id, prompts, params, request.priority, lora_request)
     echoes = _Echo(request, prompts, [
         (p.text if p.text is not None else serving.engine.decode(p.token_ids)) if request.echo else ""
         for p in prompts
@@ -151,11 +151,12 @@ async def create_completion(serving: Serving, request: CompletionRequest, raw: R
     if request.stream:
         return SSEResponse(sse_stream(_stream(serving, request, request_id, outputs, echoes, n),
                                        outputs))
-    return await json_answer(raw, _collect(serving, request_id, outputs, echoes, n))
+    return await json_answer(raw, _collect(serving, request_id, outputs, echoes, n,
+                                            serving.answer_model(request.model)))
 
 
 async def _collect(
-    serving: Serving, request_id: str, outputs: OutputAccumulator, echoes: _Echo, n: int,
+    serving: Serving, request_id: str, outputs: OutputAccumulator, echoes: _Echo, n: int, model: str,
 ) -> str:
     choices: dict[int, _Choice] = {}
     async for i, _, c in outputs.deltas():
@@ -177,7 +178,7 @@ async def _collect(
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(choice.logprobs, name).extend(getattr(new, name))
     return CompletionResponse(
-        id=request_id, model=serving.model_name, usage=outputs.usage(not echoes.only),
+        id=request_id, model=model, usage=outputs.usage(not echoes.only),
         choices=[
             CompletionChoice(
                 index=i, text=c.text, logprobs=c.logprobs,
@@ -197,7 +198,7 @@ async def _stream(
     echoes: _Echo,
     n: int,
 ) -> AsyncGenerator[str, None]:
-    model = serving.model_name
+    model = serving.answer_model(request.model)
     choices: dict[int, _Choice] = {}
     chunks = StreamChunks(request_id, model)
 

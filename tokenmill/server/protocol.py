@@ -328,7 +328,22 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_s)
     owned_by: str = "tokenmill"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's, with TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # (vLLM's field; the name decides)
 
 
 class ModelList(BaseModel):

@@ -24,7 +24,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import EngineDeadError, EngineError
 from tokenmill.engine.client import EngineClient
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
-from tokenmill.sampling_params import ParamError, PoolingParams, SamplingParams
+from tokenmill.sampling_params import LoRARequest, ParamError, PoolingParams, SamplingParams
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
 from tokenmill.server.protocol import now_s
 from tokenmill.server.reasoning import THINK_END, ReasoningParser, prompt_closes_reasoning
@@ -81,6 +81,11 @@ class Serving:
         self.engine = engine
         self.config = config
         self.model_name = model_name
+        # LoRA adapters served by name (--lora-modules, then runtime loads): each
+        # request naming one in `model` runs on it; ids from 1, in that order.
+        self.loras: dict[str, LoRARequest] = {
+            name: LoRARequest(name, i + 1, path, model_name) for i, (name, path) in enumerate(config.lora_modules)}
+        self._next_lora_id = len(self.loras) + 1
         self._token_text: dict[int, str] = {}
         self._reasoning_end_token_id: int | None = None  # (-1: not one token)
         # Only a server that runs request templates starts their worker process.
@@ -137,13 +142,54 @@ class Serving:
 
     # ---- admission ------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        # As vLLM: a 404 of type NotFoundError (clients tell it from a bad request).
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                param="model", code=404, error_type="NotFoundError",
-            )
+    def check_model(self, model: str | None, adapters: bool = False) -> None:
+        """The base model's name (or, with `adapters`, a LoRA adapter's), else a
+        404 of type NotFoundError, as vLLM's (clients tell it from a bad request).
+        An endpoint that runs no adapter refuses an adapter's name with a 400."""
+        if model is None or model == self.model_name or (adapters and model in self.loras):
+            return
+        if model in self.loras:
+            raise APIError(400, f"`{model}` is a LoRA adapter; this endpoint runs the base model "
+                           f"`{self.model_name}` only (adapters: /v1/completions and "
+                           "/v1/chat/completions)", param="model")
+        served = ", ".join(f"`{name}`" for name in (self.model_name, *self.loras))
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
+                       param="model", code=404, error_type="NotFoundError")
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model);
+        a 404 for a name this server does not serve."""
+        self.check_model(model, adapters=True)
+        return None if model is None else self.loras.get(model)
+
+    def answer_model(self, model: str | None) -> str:
+        """The `model` an answer names: the adapter's where the request ran on one."""
+        return model if model is not None and model in self.loras else self.model_name
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter at run time and serve it as `name` (a 400 saying why
+        not, for a name in use or an adapter that cannot be served)."""
+        if name == self.model_name or name in self.loras:
+            raise APIError(400, f"The lora adapter `{name}` has already been loaded (or names the "
+                           "base model); unload it first or pick another name", param="lora_name")
+        lora = LoRARequest(name, self._next_lora_id, path, self.model_name)
+        self._next_lora_id += 1
+        try:
+            await self.engine.add_lora(lora)
+        except ValueError as e:
+            raise APIError(400, f"LoRA adapter `{name}` could not be loaded: {e}",
+                           param="lora_path") from e
+        self.loras[name] = lora
+        return lora
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (its running requests finish on it; new
+        ones get a 404); a 404 if it is not served."""
+        lora = self.loras.pop(name, None)
+        if lora is None:
+            raise APIError(404, f"The lora adapter `{name}` is not loaded", param="lora_name",
+                           code=404, error_type="NotFoundError")
+        await self.engine.remove_lora(lora.lora_int_id)
 
     def check_queue(self, num_new: int) -> None:
         limit = self.config.max_queued_requests
@@ -243,12 +289,14 @@ class Serving:
         prompts: Sequence[Prompt],
         params: Sequence[SamplingParams],
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        """Queue every prompt; if one is refused, abort the ones already queued."""
+        """Queue every prompt (on `lora_request`'s adapter, where given); if one
+        is refused, abort the ones already queued."""
         self.check_queue(sum(p.n for p in params))  # each sample waits as a request
         return await self._start_all(request_id, [
             functools.partial(self.engine.add_request, f"{request_id}-{i}", engine_prompt(prompt), p,
-                              priority)
+                              priority, lora_request)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))])
 
     async def start_pooling(
