@@ -110,11 +110,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_mixed(case: dict[str, Any], refs_key: str, **engine: Any) -> LLM:
+def run_mixed(case: dict[str, Any], refs_key: str, path: str | None = None, **engine: Any) -> LLM:
     """All prompts in one generate call, each on its adapter (or none); greedy
     tokens equal the reference's and logprobs within 1e-4; at most max_loras
     adapters in any step."""
-    llm = LLM(case["path"], dtype="float32", skip_tokenizer_init=True, check_integrity=True,
+    llm = LLM(path or case["path"], dtype="float32", skip_tokenizer_init=True, check_integrity=True,
               enable_lora=True, max_loras=2, max_cpu_loras=NUM_LORAS, **engine)
     runner = llm.engine.runner
     execute = runner.execute
@@ -159,6 +159,31 @@ def test_q8_0_matches_peft_on_the_dequantized_weights(case: dict[str, Any]) -> N
     output; in float32 that is the dequantized weights exactly, so the bound
     is float32's 1e-4."""
     run_mixed(case, "q8_refs", quantization="q8_0", num_kv_blocks=512, max_num_batched_tokens=16)
+
+
+def test_gguf_blocks_match_peft_on_the_dequantized_weights(
+        case: dict[str, Any], tmp_path: Path) -> None:
+    """A GGUF file's own Q4_1 / Q4_0 / Q8_0 blocks (quantization="gguf"): in
+    float32 the plan computes on the values gguf-py dequantizes, so peft on
+    those values is the reference, within 1e-4."""
+    from tests.test_quantization_gguf import Q4_0, Q8_0, _dequantize_into, _write_gguf
+
+    base = build_hf_model("llama")
+    path = tmp_path / "tiny.gguf"
+    written = _write_gguf(base, path, {"attn_k": Q4_0, "ffn_down": Q8_0})
+    _dequantize_into(base, written)
+    refs = {}
+    for k in range(NUM_LORAS):
+        model = peft.PeftModel.from_pretrained(copy.deepcopy(base), case["loras"][k].lora_path).eval()
+        for i in range(len(PROMPTS)):
+            if lora_of(i) == k + 1:
+                refs[i] = hf_greedy(model, PROMPTS[i], MAX_TOKENS[i])
+    for i in range(len(PROMPTS)):
+        if lora_of(i) == 0:
+            refs[i] = hf_greedy(base, PROMPTS[i], MAX_TOKENS[i])
+    llm = run_mixed({**case, "gguf_refs": refs}, "gguf_refs", str(path), quantization="gguf",
+                    num_kv_blocks=512, max_num_batched_tokens=16)
+    assert "gguf" in str(llm.engine.model_config.quantization)
 
 
 # bfloat16 against the float32 reference: the largest prompt-logprob error
