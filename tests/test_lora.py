@@ -224,3 +224,25 @@ def test_speculative_decoding_with_adapters(case: dict[str, Any]) -> None:
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     spec = llm.engine.scheduler.stats().spec_decoding
     assert spec is not None and spec.num_accepted_tokens > 0, spec
+
+
+def test_base_rows_keep_their_bits_beside_adapter_rows(case: dict[str, Any]) -> None:
+    """bf16: base requests give the same tokens and logprobs alone and in steps
+    with adapter rows (which take the plan's Python loop: the same kernels)."""
+    llm = LLM(case["path"], dtype="bfloat16", skip_tokenizer_init=True, enable_lora=True,
+              max_loras=NUM_LORAS, max_cpu_loras=NUM_LORAS, num_kv_blocks=512,
+              enable_prefix_caching=False)
+    base = [i for i in range(len(PROMPTS)) if lora_of(i) == 0]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True, logprobs=0)
+              for i in range(len(PROMPTS))]
+    alone = llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in base], [params[i] for i in base],
+                         use_tqdm=False)
+    loras = [None if lora_of(i) == 0 else case["loras"][lora_of(i) - 1] for i in range(len(PROMPTS))]
+    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                         lora_request=loras)
+    for k, i in enumerate(base):
+        ours, theirs = mixed[i].outputs[0], alone[k].outputs[0]
+        assert ours.token_ids == theirs.token_ids, f"prompt {i}"
+        assert ours.logprobs is not None and theirs.logprobs is not None
+        assert [e[t].logprob for e, t in zip(ours.logprobs, ours.token_ids, strict=True)] == [
+            e[t].logprob for e, t in zip(theirs.logprobs, theirs.token_ids, strict=True)], f"prompt {i}"
