@@ -71,3 +71,18 @@ def test_at_most_max_loras_adapters_run_and_none_starves() -> None:
                 admitted_order.append(s.request_id)
     assert admitted_order == ["a", "base", "b", "a-later"]
     assert not sched.has_unfinished_requests()
+
+
+def test_lora_is_refused_where_it_cannot_run() -> None:
+    """Tensor parallelism, static batching and the disk tier (whose blocks
+    outlive the adapter ids they are keyed by) refuse enable_lora, saying so."""
+    import pytest
+
+    from tokenmill.engine.arg_utils import EngineArgs
+
+    for option, value, phrase in (("tensor_parallel_size", 2, "one process"),
+                                  ("scheduling_policy", "static", "static"),
+                                  ("kv_offload_dir", "/tmp/kv", "kv_offload_dir")):
+        with pytest.raises(ValueError, match=phrase):
+            EngineArgs(enable_lora=True, **{option: value}).create_lora_config()  # type: ignore[arg-type]
+    assert EngineArgs().create_lora_config() is None
