@@ -8,7 +8,8 @@ model and the same pooling recipe. Every prompt is compared twice: all 32
 together (one step of many prompts) and each alone. Cross-encoders: scores
 equal transformers' *ForSequenceClassification logits, through sigmoid as
 vLLM scores a one-label model (the raw logits with use_activation=False), the
-pair tokenized as the tokenizer's text pair (token types 0 then 1). Through
+pair tokenized as the tokenizer's text pair (token types 0 then 1; XLM-R's
+SentencePiece tokenizer joins it as <s> A </s></s> B </s>, no types). Through
 the server: /v1/embeddings, /rerank, a prompt past the context and a
 generation request (each a 400 saying what to do).
 """
@@ -60,10 +61,11 @@ def spread_norms(model: torch.nn.Module) -> None:
 def save_bert(path: Path, cls: str = "BertModel", **overrides: Any) -> tuple[str, Any]:
     """A tiny random BERT and its WordPiece tokenizer in `path`."""
     path.mkdir(parents=True, exist_ok=True)
-    vocab = path / "vocab.txt"
-    vocab.write_text("\n".join(SPECIALS + WORDS) + "\n")
-    tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True,
-                                               model_max_length=MAX_POSITIONS)
+    # (The vocabulary as a dict: transformers 5 takes a vocab.txt path as `vocab`, and
+    # ignores `vocab_file`, leaving every word [UNK].)
+    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(SPECIALS + WORDS)},
+                                           do_lower_case=True, model_max_length=MAX_POSITIONS)
+    assert tokenizer.unk_token_id not in tokenizer(" ".join(WORDS))["input_ids"]
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     model = getattr(transformers, cls)(transformers.BertConfig(**{**BERT_COMMON, **overrides})).eval()
@@ -211,6 +213,46 @@ def test_xlm_roberta_cross_encoder_logits_equal_transformers(tmp_path: Path) -> 
     np.testing.assert_allclose([o.outputs.data for o in outs], expected, atol=ATOL, rtol=0)
     probs = llm.encode([{"prompt_token_ids": prompts[0]}], use_tqdm=False)[0].outputs.data
     np.testing.assert_allclose(probs, torch.softmax(torch.tensor(expected[0]), -1).numpy(), atol=ATOL)
+
+
+def save_sentencepiece_tokenizer(path: str) -> Any:
+    """XLM-R's tokenizer layout on the test's words: a SentencePiece Unigram model
+    (Metaspace pieces), <s> <pad> </s> <unk> first and <mask> last, and XLM-R's
+    pair template <s> A </s></s> B </s>, as transformers converts xlm-roberta's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    pieces = [(t, 0.0) for t in ("<s>", "<pad>", "</s>", "<unk>")]
+    pieces += [(f"\u2581{w}", -1.0 - 0.01 * i) for i, w in enumerate(WORDS)] + [("<mask>", 0.0)]
+    backend = Tokenizer(models.Unigram(pieces, unk_id=3))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tokenizer = transformers.XLMRobertaTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>", model_max_length=MAX_POSITIONS)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def test_xlm_roberta_reranker_scores_text_pairs_through_its_tokenizer(tmp_path: Path) -> None:
+    """bge-reranker's layout: an XLM-R cross-encoder of one label, text pairs joined
+    by its SentencePiece tokenizer (no token types), scores = transformers' logits
+    through sigmoid."""
+    path, hf = save_xlm_roberta(tmp_path / "rr", "XLMRobertaForSequenceClassification", num_labels=1)
+    tokenizer = save_sentencepiece_tokenizer(path)
+    llm = engine_llm(path)
+    # (pairs within the 64 positions: a query of at most 12 words, a document of at most 40)
+    queries, documents = [" ".join(t.split()[:12]) for t in texts(7, 8)], texts(8, 8)
+    logits = []
+    for q, d in zip(queries, documents, strict=True):
+        enc = tokenizer(q, d)
+        assert "token_type_ids" not in enc and [2, 2] in [enc["input_ids"][i:i + 2]
+                                                           for i in range(len(enc["input_ids"]))]
+        assert 3 not in enc["input_ids"]  # every word a piece: no <unk>
+        logits.append(hf_logits(hf, input_ids=enc["input_ids"])[0])
+    scores = [o.outputs.score for o in llm.score(queries, documents, use_tqdm=False)]
+    np.testing.assert_allclose(scores, 1 / (1 + np.exp(-np.array(logits))), atol=ATOL, rtol=0)
 
 
 def test_encoder_refusals(tmp_path: Path) -> None:
