@@ -87,9 +87,15 @@ def test_the_kv_prefetch_option_comes_from_its_variable_and_refuses_other_modes(
         CpuBackendOptions.from_env()
 
 
-def test_lora_rows_take_the_python_loop() -> None:
-    """A step with LoRA rows runs the Python loop (their deltas between the
-    kernels), whatever else it would take; without, the table above holds."""
+def test_lora_rows_take_the_layer_loop() -> None:
+    """A step with LoRA rows runs the C++ layer loop (their deltas after each
+    projection), never the split stack, whatever rows it returns; the Python
+    loop where the loop cannot serve (the profiler, several attention calls)."""
     for meta in (DECODES, MIXED):
-        assert choose_path(meta, FACTS, profiling=False, all_rows=True, threads=2, shm_group=False,
-                           lora=True).path is Path.PYTHON
+        for all_rows in (True, False):
+            assert choose_path(meta, FACTS, profiling=False, all_rows=all_rows, threads=2, shm_group=False,
+                               lora=True).path is Path.LOOP
+    assert choose_path(DECODES, FACTS, profiling=True, all_rows=True, threads=2, shm_group=False,
+                       lora=True).path is Path.PYTHON
+    assert choose_path(_meta([1, 32], per_token=False), FACTS, profiling=False, all_rows=True, threads=2,
+                       shm_group=False, lora=True).path is Path.PYTHON

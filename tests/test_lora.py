@@ -228,7 +228,7 @@ def test_speculative_decoding_with_adapters(case: dict[str, Any]) -> None:
 
 def test_base_rows_keep_their_bits_beside_adapter_rows(case: dict[str, Any]) -> None:
     """bf16: base requests give the same tokens and logprobs alone and in steps
-    with adapter rows (which take the plan's Python loop: the same kernels)."""
+    with adapter rows (their deltas added between the same kernels)."""
     llm = LLM(case["path"], dtype="bfloat16", skip_tokenizer_init=True, enable_lora=True,
               max_loras=NUM_LORAS, max_cpu_loras=NUM_LORAS, num_kv_blocks=512,
               enable_prefix_caching=False)
@@ -246,3 +246,47 @@ def test_base_rows_keep_their_bits_beside_adapter_rows(case: dict[str, Any]) -> 
         assert ours.logprobs is not None and theirs.logprobs is not None
         assert [e[t].logprob for e, t in zip(ours.logprobs, ours.token_ids, strict=True)] == [
             e[t].logprob for e, t in zip(theirs.logprobs, theirs.token_ids, strict=True)], f"prompt {i}"
+
+
+def test_adapter_rows_give_the_same_bits_on_the_layer_loop_and_the_python_loop(
+        case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16: the plan's C++ layer loop and its Python loop add the deltas with one
+    kernel (csrc lora_delta): every request's tokens and logprobs, base and
+    adapter rows, equal on the plan's LOOP and on its Python loop (the profiler
+    forces it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenmill.backends.cpu import plan as plan_module
+    from tokenmill.backends.cpu.dispatch import Path as Route
+
+    llm = LLM(case["path"], dtype="bfloat16", skip_tokenizer_init=True, enable_lora=True,
+              max_loras=NUM_LORAS, max_cpu_loras=NUM_LORAS, num_kv_blocks=512, enable_prefix_caching=False)
+    if not isinstance(llm.engine.runner.forward, plan_module.CpuPlan):
+        pytest.skip("the C++ kernels are not built here")
+    routes: list[Route] = []
+    choose = plan_module.choose_path
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        route = choose(*args, **kwargs)
+        if kwargs["lora"]:
+            routes.append(route.path)
+        return route
+
+    monkeypatch.setattr(plan_module, "choose_path", recorded)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
+    loras = [None if lora_of(i) == 0 else case["loras"][lora_of(i) - 1] for i in range(len(PROMPTS))]
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                            lora_request=loras)
+        return [(o.outputs[0].token_ids, [e[t].logprob for e, t in zip(o.outputs[0].logprobs or [],
+                                                                         o.outputs[0].token_ids, strict=True)])
+                for o in outs]
+
+    looped = run()
+    assert Route.LOOP in routes, set(routes)
+    routes.clear()
+    with profile(activities=[ProfilerActivity.CPU]):
+        python = run()
+    assert routes and set(routes) == {Route.PYTHON}, set(routes)
+    assert looped == python

@@ -1,5 +1,6 @@
-"""LoRA adapters: PEFT's files read into per-projection weights, and the one
-place their delta is added to a projection's output.
+"""LoRA adapters: PEFT's files (or llama.cpp's GGUF LoRA files) read into
+per-projection weights, and the one place their delta is added to a
+projection's output.
 
 An adapter of rank r on a Linear W adds `x @ A.T @ B.T * scale` to `x @ W.T`
 (A: [r, in], B: [out, r]; scale = lora_alpha / r, or lora_alpha / sqrt(r) with
@@ -150,27 +151,87 @@ def _parse_name(name: str, path: Path) -> tuple[int, str, str]:
     return layer, target, which
 
 
-def load_adapter(lora_int_id: int, lora_name: str, lora_path: str, spec: ModelSpec,
-                 max_lora_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT adapter directory against the model; LoRAError
-    (saying what is wrong) for anything the engine cannot serve."""
-    directory = Path(lora_path)
-    if not directory.is_dir():
-        raise LoRAError(f"LoRA adapter path {lora_path!r} is not a directory")
+# A GGUF LoRA's tensors: llama.cpp's name of the base weight + ".lora_a" / ".lora_b".
+_GGUF_SUFFIXES = {".lora_a": "lora_A", ".lora_b": "lora_B"}
+# A part of one adapter before it is stacked: (layer, target) -> lora_A / lora_B.
+Pairs = dict[tuple[int, str], dict[str, torch.Tensor]]
+
+
+def _peft_pairs(directory: Path) -> tuple[Pairs, Path, Any, bool]:
+    """A PEFT directory's A/B pairs, its weights file, lora_alpha and use_rslora."""
     config = _read_config(directory)
     weights = _read_tensors(directory)
     path = directory / ADAPTER_WEIGHTS
-    alpha = config.get("lora_alpha", config.get("r", 8))
-    rslora = bool(config.get("use_rslora", False))
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise LoRAError(f"{directory / ADAPTER_CONFIG}: lora_alpha must be a number, got {alpha!r}")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    pairs: Pairs = {}
     for name, tensor in weights.items():
         layer, target, which = _parse_name(name, path)
-        if not 0 <= layer < spec.num_layers:
-            raise LoRAError(f"{path}: tensor {name!r} is for layer {layer}; the model has "
-                            f"{spec.num_layers} layers")
         pairs.setdefault((layer, target), {})[which] = tensor
+    return pairs, path, config.get("lora_alpha", config.get("r", 8)), bool(config.get("use_rslora", False))
+
+
+def _gguf_pairs(path: Path, spec: ModelSpec) -> tuple[Pairs, float | None]:
+    """A GGUF LoRA file's A/B pairs (as llama.cpp's convert_lora_to_gguf.py writes
+    them: general.type "adapter", adapter.type "lora", adapter.lora.alpha, tensors
+    named after the base weight) and its alpha (None: llama.cpp's scale 1). The
+    converter permuted lora_B's q/k rows as it permutes the base's: undone here."""
+    from tokenmill.model.gguf_families import gguf_family
+    from tokenmill.model.gguf_file import GGUFFile, GGUFFormatError
+    from tokenmill.model.loader import dequantize_gguf_tensor, unpermute_rope_rows
+
+    try:
+        reader = GGUFFile(str(path))
+    except (GGUFFormatError, OSError) as e:
+        raise LoRAError(f"LoRA adapter {str(path)!r} could not be read as GGUF ({e})") from e
+    fields = reader.fields
+    if fields.get("general.type") != "adapter" or fields.get("adapter.type") != "lora":
+        raise LoRAError(f"{path} is a GGUF file but not a LoRA adapter (general.type "
+                        f"{fields.get('general.type')!r}, adapter.type {fields.get('adapter.type')!r}); "
+                        "convert the adapter with llama.cpp's convert_lora_to_gguf.py")
+    try:
+        family = gguf_family(fields.get("general.architecture"), str(path))
+    except ValueError as e:
+        raise LoRAError(str(e)) from e
+    if family.architecture != spec.architecture:
+        raise LoRAError(f"{path} adapts a {family.architecture} model; this model is "
+                        f"{spec.architecture}: the adapter was trained for another model")
+    heads = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads} if family.permuted_qk else {}
+    pairs: Pairs = {}
+    for tensor in reader.tensors:
+        stem, dot, suffix = tensor.name.rpartition(".")
+        which = _GGUF_SUFFIXES.get(dot + suffix)
+        if which is None or not stem.endswith(".weight"):
+            raise LoRAError(f"{path}: tensor {tensor.name!r} is not a LoRA A or B weight "
+                            "(embedding and norm adapters are not supported)")
+        layer, target, _ = _parse_name(f"{family.hf_name(stem)[:-len('.weight')]}.{which}.weight", path)
+        weight = dequantize_gguf_tensor(tensor)
+        if which == "lora_B" and target in heads:
+            weight = unpermute_rope_rows(weight, heads[target])
+        pairs.setdefault((layer, target), {})[which] = weight
+    alpha = fields.get("adapter.lora.alpha")
+    return pairs, None if not alpha else float(alpha)
+
+
+def load_adapter(lora_int_id: int, lora_name: str, lora_path: str, spec: ModelSpec,
+                 max_lora_rank: int) -> LoRAAdapter:
+    """Read and check an adapter against the model: a PEFT directory, or a GGUF
+    LoRA file (scaled as llama.cpp scales it: alpha / rank, or 1 where alpha is
+    0; rsLoRA is not recorded in GGUF). LoRAError (saying what is wrong) for
+    anything the engine cannot serve."""
+    source = Path(lora_path)
+    if source.is_file() and source.suffix == ".gguf":
+        pairs, gguf_alpha = _gguf_pairs(source, spec)
+        path, alpha, rslora = source, gguf_alpha, False
+    elif source.is_dir():
+        pairs, path, alpha, rslora = _peft_pairs(source)
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+            raise LoRAError(f"{source / ADAPTER_CONFIG}: lora_alpha must be a number, got {alpha!r}")
+    else:
+        raise LoRAError(f"LoRA adapter path {lora_path!r} is not a directory (PEFT's adapter) "
+                        "or a .gguf file (llama.cpp's)")
+    for layer, target in pairs:
+        if not 0 <= layer < spec.num_layers:
+            raise LoRAError(f"{path}: {target} of layer {layer} is adapted; the model has "
+                            f"{spec.num_layers} layers")
     if not pairs:
         raise LoRAError(f"{path} holds no LoRA weights")
     if spec.rotary_dim is not None and any(t in ("q_proj", "k_proj", "qkv_proj") for _, t in pairs):
@@ -198,7 +259,7 @@ def load_adapter(lora_int_id: int, lora_name: str, lora_path: str, spec: ModelSp
                             f"max_lora_rank={max_lora_rank}; start the engine with "
                             f"--max-lora-rank {rank} or more")
         max_rank = max(max_rank, rank)
-        scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+        scale = 1.0 if alpha is None else alpha / math.sqrt(rank) if rslora else alpha / rank
         parts.setdefault((layer, projection), []).append(((lo, hi), a.float(), b.float(), scale))
     layers: list[dict[str, LoRAWeights]] = [{} for _ in range(spec.num_layers)]
     for (layer, projection), items in parts.items():

@@ -69,6 +69,11 @@ class CppModelWeights(Protocol):
     prefill_tiles: bool  # the attention kernel's opt-out of batch invariance
 
 
+class CppLoraAdapterWeights(Protocol):
+    """One LoRA adapter for layer_loop (csrc/layer_stack.h): per layer, per fused
+    projection (model/lora.py's PROJECTIONS order), its A, B and scale; built once."""
+
+
 class CppShmGroup(Protocol):
     """A tensor-parallel group's shared-memory all-reduce (csrc/distributed.h ShmGroup)."""
 
@@ -128,7 +133,14 @@ class CpuOps(Protocol):
     def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                    seq_lens: torch.Tensor, seq_ids: torch.Tensor, output_rows: torch.Tensor,
-                   all_rows: bool, kv_prefetch: int) -> torch.Tensor: ...
+                   all_rows: bool, kv_prefetch: int, lora_adapters: list[CppLoraAdapterWeights] = ...,
+                   lora_rows: list[torch.Tensor] = ...) -> torch.Tensor: ...
+
+    def LoraAdapterWeights(self, *, a: list[torch.Tensor], b: list[torch.Tensor],
+                           scale: list[torch.Tensor]) -> CppLoraAdapterWeights: ...
+
+    def lora_delta(self, out: torch.Tensor, x: torch.Tensor, lora_adapters: list[CppLoraAdapterWeights],
+                   lora_rows: list[torch.Tensor], layer: int, projection: int) -> None: ...
 
     def ShmGroup(self, *, region: torch.Tensor, rank: int, size: int, capacity: int, pids: list[int],
                  timeout_s: float) -> CppShmGroup: ...

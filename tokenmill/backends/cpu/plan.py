@@ -42,17 +42,19 @@ from tokenmill.backends.cpu import kernels
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.dispatch import SPLIT_ROWS_PER_WEIGHT_BYTE, Path, PathFacts, choose_path
 from tokenmill.backends.cpu.formats import pack_module
-from tokenmill.backends.cpu.kernels import CppPackedWeight, CpuOps
+from tokenmill.backends.cpu.kernels import CppLoraAdapterWeights, CppPackedWeight, CpuOps
 from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from tokenmill.model.lora import LoRABatch
+from tokenmill.model.lora import PROJECTIONS as LORA_PROJECTIONS
+from tokenmill.model.lora import LoRAAdapter, LoRABatch
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
 from tokenmill.model.quantization import KQUANT_FORMATS, is_kquant_part, q8_0_of
 
 logger = logging.getLogger("tokenmill")
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
+_MAX_LORA_WEIGHTS = 64  # adapters' packed weights kept before those not in the step are dropped
 _NO_NORM = torch.empty(0)  # a layer without q/k norms (the C++ takes an empty tensor for none)
 
 
@@ -151,6 +153,8 @@ class CpuPlan:
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
         self.last_path: Path | None = None  # the path of the last forward (logged when it changes)
+        # LoRA adapters as the layer loop takes them, by id: (the adapter, its weights).
+        self._lora_weights: dict[int, tuple[LoRAAdapter, CppLoraAdapterWeights]] = {}
         self._pack(release)
 
     @classmethod
@@ -254,8 +258,9 @@ class CpuPlan:
         """LlamaForCausalLM.forward: with `output_rows`, the last layer writes
         every token's K/V but takes only those rows on through attention,
         o_proj and the MLP. Each row's numbers are the same bits either way.
-        `lora`: the step's LoRA adapters; such a step takes the Python loop,
-        which adds their deltas after each projection's kernel."""
+        `lora`: the step's LoRA adapters, whose deltas are added after each
+        projection's kernel (in the C++ layer loop, or the Python loop where
+        that cannot serve), every row running to the end."""
         hidden = self.embed(input_ids)
         profiling = torch.autograd._profiler_enabled()  # (read once a forward)
         native = getattr(self.all_reduce, "native", None)  # a shard's live shared-memory group, or None
@@ -276,6 +281,11 @@ class CpuPlan:
             assert route.split_bounds is not None
             return self.ops.layer_stack(*step, route.split_bounds, kv_prefetch=self.kv_prefetch)
         rows = _NO_ROWS if output_rows is None else output_rows
+        if route.path is Path.LOOP and lora is not None:
+            adapters, lora_rows = self._lora_step(lora)
+            out = self.ops.layer_loop(*step, _NO_ROWS, True, kv_prefetch=self.kv_prefetch,
+                                      lora_adapters=adapters, lora_rows=lora_rows)
+            return out if output_rows is None else out[output_rows]
         if route.path is Path.LOOP:
             return self.ops.layer_loop(*step, rows, output_rows is None, kv_prefetch=self.kv_prefetch)
         assert native is not None  # Path.TP_LOOP
@@ -284,6 +294,27 @@ class CpuPlan:
         except RuntimeError as e:  # a peer gone or stuck: the group's error (its ranks are out of step)
             stopped = getattr(self.all_reduce, "stopped", None)
             raise (stopped(e) if stopped is not None else e) from e
+
+    def _lora_step(self, lora: LoRABatch) -> tuple[list[CppLoraAdapterWeights], list[torch.Tensor]]:
+        """The step's adapters as layer_loop takes them (each built once, kept
+        while it stays loaded) and each one's rows as indices."""
+        adapters: list[CppLoraAdapterWeights] = []
+        rows: list[torch.Tensor] = []
+        for segment, adapter in lora.segments:
+            entry = self._lora_weights.get(adapter.lora_int_id)
+            if entry is None or entry[0] is not adapter:  # (new, or reloaded under its id)
+                empty = torch.empty(0)
+                parts = [layer.get(name) for layer in adapter.layers for name in LORA_PROJECTIONS]
+                entry = (adapter, self.ops.LoraAdapterWeights(
+                    a=[empty if w is None else w.a for w in parts], b=[empty if w is None else w.b for w in parts],
+                    scale=[empty if w is None else w.scale for w in parts]))
+                self._lora_weights[adapter.lora_int_id] = entry
+            adapters.append(entry[1])
+            rows.append(torch.arange(segment.start, segment.stop) if isinstance(segment, slice) else segment)
+        if len(self._lora_weights) > _MAX_LORA_WEIGHTS:  # unloaded adapters' go; the step's stay
+            step = {adapter.lora_int_id for _, adapter in lora.segments}
+            self._lora_weights = {k: v for k, v in self._lora_weights.items() if k in step}
+        return adapters, rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab] from
@@ -327,6 +358,14 @@ class CpuPlan:
             all_reduce(out)
             return out.to(x.dtype)
 
+        # The step's adapters' deltas: the layer loop's kernel (csrc lora_delta), the same bits.
+        lora_step = None if lora is None else self._lora_step(lora)
+
+        def delta(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
+            assert lora_step is not None
+            ops.lora_delta(out, x, lora_step[0], lora_step[1], layer, LORA_PROJECTIONS.index(projection))
+            return out
+
         gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
         gemm_out = gemm if all_reduce is None else linear_row(row_parallel)
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
@@ -343,15 +382,15 @@ class CpuPlan:
                 ops.fused_add_rms_norm(hidden, residual, layer.norm1, eps)
                 x = hidden
             qkv = gemm(x, layer.qkv)
-            if lora is not None:  # (before RoPE and the cache write, as the reference adds it)
-                qkv = lora.add_delta(qkv, x, i, "qkv_proj")
+            if lora_step is not None:  # (before RoPE and the cache write, as the reference adds it)
+                qkv = delta(qkv, x, i, "qkv_proj")
             ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
                                kv_cache, meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             if i == 0:
                 call = self.attention.kernel_call(q, kv_cache, meta)
             # (With LoRA every row goes on: the segments' rows index the whole step.)
-            if i == last and output_rows is not None and call is not None and lora is None:
+            if i == last and output_rows is not None and call is not None and lora_step is None:
                 # Every K/V is written: the rest of the layer for the rows out only.
                 call = call.rows(output_rows)
                 q, residual, n = q[output_rows], residual[output_rows], output_rows.numel()
@@ -363,14 +402,14 @@ class CpuPlan:
                     out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
             attn = out.reshape(n, self.q_size)
             hidden = gemm_out(attn, layer.o)
-            if lora is not None:
-                hidden = lora.add_delta(hidden, attn, i, "o_proj")
+            if lora_step is not None:
+                hidden = delta(hidden, attn, i, "o_proj")
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            if lora is None:
+            if lora_step is None:
                 hidden = gemm_out(gemm_act(hidden, layer.gate_up), layer.down)
             else:  # (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
-                act = ops.silu_and_mul(lora.add_delta(gemm(hidden, layer.gate_up), hidden, i, "gate_up_proj"))
-                hidden = lora.add_delta(gemm_out(act, layer.down), act, i, "down_proj")
+                act = ops.silu_and_mul(delta(gemm(hidden, layer.gate_up), hidden, i, "gate_up_proj"))
+                hidden = delta(gemm_out(act, layer.down), act, i, "down_proj")
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:

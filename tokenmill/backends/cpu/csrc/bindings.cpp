@@ -70,6 +70,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("head_dim", &ModelWeights::head_dim)
       .def_readonly("prefill_tiles", &ModelWeights::prefill_tiles);
 
+  py::class_<LoraAdapterWeights>(m, "LoraAdapterWeights")
+      .def(py::init([](std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> scale) {
+             TORCH_CHECK(a.size() == b.size() && a.size() == scale.size() && a.size() % kLoraProjections == 0,
+                         "LoraAdapterWeights: a, b and scale for each of 4 projections of every layer");
+             LoraAdapterWeights w;
+             for (size_t i = 0; i < a.size(); ++i) {
+               if (a[i].numel() == 0) {  // not adapted
+                 w.projections.push_back(LoraProjection{});
+                 continue;
+               }
+               TORCH_CHECK(a[i].scalar_type() == at::kFloat && b[i].scalar_type() == at::kFloat &&
+                               scale[i].scalar_type() == at::kFloat,
+                           "LoraAdapterWeights: float32 A, B and scale");
+               TORCH_CHECK(a[i].dim() == 2 && b[i].dim() == 2 && b[i].size(1) == a[i].size(0) &&
+                               scale[i].numel() == a[i].size(0),
+                           "LoraAdapterWeights: A [R, in], B [out, R], scale [R]");
+               // (A^T [in, R] and B^T [R, out]: lora_delta's loops run along R and along the outputs)
+               w.projections.push_back(
+                   LoraProjection{a[i].t().contiguous(), b[i].t().contiguous(), scale[i].contiguous()});
+             }
+             return w;
+           }),
+           py::kw_only(), py::arg("a"), py::arg("b"), py::arg("scale"));
+
   py::class_<ShmGroup>(m, "ShmGroup")
       .def(py::init([](at::Tensor region, int64_t rank, int64_t size, int64_t capacity, std::vector<int64_t> pids,
                        double timeout_s) { return ShmGroup{region, rank, size, capacity, std::move(pids), timeout_s}; }),
@@ -100,7 +124,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_formats", torch::wrap_pybind_function(weight_formats));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
-                py::arg("output_rows"), py::arg("all_rows"), py::arg("kv_prefetch"));
+                py::arg("output_rows"), py::arg("all_rows"), py::arg("kv_prefetch"),
+                py::arg("lora_adapters") = std::vector<const LoraAdapterWeights*>{},
+                py::arg("lora_rows") = std::vector<at::Tensor>{});
+  TOKENMILL_DEF(lora_delta, py::arg("out"), py::arg("x"), py::arg("lora_adapters"), py::arg("lora_rows"),
+                py::arg("layer"), py::arg("projection"));
   TOKENMILL_DEF(layer_loop_tp, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
                 py::arg("output_rows"), py::arg("all_rows"), py::arg("group"), py::arg("kv_prefetch"));

@@ -76,10 +76,88 @@ at::Tensor row_parallel(const at::Tensor& x, const PackedWeight& w, const ShmGro
 
 }  // namespace
 
+// out[r] += ((x[r] A^T) * scale) B^T for each row r of each adapter of the step
+// (a segmented GEMM: each adapter's rows against its own A and B). Per row, in
+// float32, in one fixed order (x's inputs in turn into the R partial sums, then
+// the R ranks in turn into the outputs), rounded once to out's dtype: a row's
+// bits do not depend on the other rows of the step. The inner loops run along
+// R and along the outputs, so they vectorise without reordering any sum.
+namespace {
+template <typename T>
+void lora_rows(T* out, int64_t out_ld, const T* x, int64_t x_ld, const int64_t* rows, int64_t n,
+               const float* a_tr, const float* b_tr, const float* scale, int64_t R, int64_t I, int64_t O) {
+#pragma omp parallel if (n > 1)
+  {
+    std::vector<float> h(R), acc(O);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const T* xr = x + rows[i] * x_ld;
+      float* __restrict hp = h.data();
+      std::fill(h.begin(), h.end(), 0.f);
+      for (int64_t k = 0; k < I; ++k) {
+        const float xk = static_cast<float>(xr[k]);
+        const float* __restrict ak = a_tr + k * R;
+        for (int64_t j = 0; j < R; ++j) hp[j] += xk * ak[j];
+      }
+      for (int64_t j = 0; j < R; ++j) hp[j] *= scale[j];
+      float* __restrict ap = acc.data();
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < R; ++j) {
+        const float hj = hp[j];
+        const float* __restrict bj = b_tr + j * O;
+        for (int64_t o = 0; o < O; ++o) ap[o] += hj * bj[o];
+      }
+      T* outr = out + rows[i] * out_ld;
+      for (int64_t o = 0; o < O; ++o) outr[o] = static_cast<T>(static_cast<float>(outr[o]) + ap[o]);
+    }
+  }
+}
+}  // namespace
+
+LoraStep lora_step(std::vector<const LoraAdapterWeights*> adapters, std::vector<at::Tensor> rows, size_t layers,
+                   int64_t num_rows) {
+  TORCH_CHECK(adapters.size() == rows.size(), "lora: one row index tensor per adapter");
+  for (size_t g = 0; g < adapters.size(); ++g) {
+    TORCH_CHECK(adapters[g] && adapters[g]->projections.size() == layers * kLoraProjections,
+                "lora: an adapter of ", layers, " layers");
+    rows[g] = rows[g].to(at::kLong).contiguous();
+    const int64_t* r = rows[g].data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows[g].numel(); ++i)
+      TORCH_CHECK(r[i] >= 0 && r[i] < num_rows, "lora: row ", r[i], " of a step of ", num_rows, " rows");
+  }
+  return LoraStep{std::move(adapters), std::move(rows)};
+}
+
+void lora_delta_step(at::Tensor& out, const at::Tensor& x, const LoraStep& lora, size_t layer, int projection) {
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  x.stride(1) == 1 && out.scalar_type() == x.scalar_type(),
+              "lora_delta: out [n, O] and x [n, I] of one dtype, rows contiguous");
+  for (size_t g = 0; g < lora.adapters.size(); ++g) {
+    const LoraProjection& w = lora.adapters[g]->projections[layer * kLoraProjections + projection];
+    if (!w.a.defined()) continue;
+    const int64_t R = w.a.size(1), I = w.a.size(0), O = w.b.size(1);
+    TORCH_CHECK(I == x.size(1) && O == out.size(1), "lora_delta: adapter of ", I, " inputs and ", O,
+                " outputs, rows of ", x.size(1), " and ", out.size(1));
+    const at::Tensor& rows = lora.rows[g];
+    const int64_t n = rows.numel();
+    if (out.scalar_type() == at::kBFloat16) {
+      lora_rows(out.data_ptr<at::BFloat16>(), out.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0),
+                rows.data_ptr<int64_t>(), n, w.a.data_ptr<float>(), w.b.data_ptr<float>(),
+                w.scale.data_ptr<float>(), R, I, O);
+    } else {
+      TORCH_CHECK(out.scalar_type() == at::kFloat, "lora_delta: float32 or bfloat16 rows");
+      lora_rows(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), rows.data_ptr<int64_t>(),
+                n, w.a.data_ptr<float>(), w.b.data_ptr<float>(), w.scale.data_ptr<float>(), R, I, O);
+    }
+  }
+}
+
 // Rows h through every layer (layer_loop.h says how).
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
                       const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
-                      const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch, const ShmGroup* tp) {
+                      const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch, const ShmGroup* tp,
+                      const LoraStep* lora) {
+  TORCH_CHECK(!lora || (!out_rows && !tp), "layer_loop: LoRA rows run with every row, unsharded");
   const size_t layers = kv_caches.size();
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
@@ -106,6 +184,7 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       x = h;
     }
     at::Tensor qkv = packed_gemm(x, w.qkv, false, KvStreams{});  // (streams are filled after attention)
+    if (lora) lora_delta_step(qkv, x, *lora, i, kLoraQkv);  // (before RoPE and the cache write)
     rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots, w.q_norm,
                    w.k_norm, s.eps);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
@@ -130,13 +209,22 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       }
       kv = KvStreams{streams.data(), nth};
     }
-    h = row_parallel(out.view({m, q_size}), w.o, tp, kv);
+    const at::Tensor attn = out.view({m, q_size});
+    h = row_parallel(attn, w.o, tp, kv);
+    if (lora) lora_delta_step(h, attn, *lora, i, kLoraO);
     fused_add_rms_norm(h, residual, w.norm2, s.eps);
-    // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
-    const bool fused_silu = w.gate_up.n % 32 == 0;
-    const at::Tensor act =
-        fused_silu ? packed_gemm_silu(h, w.gate_up, kv) : silu_and_mul(packed_gemm(h, w.gate_up, false, kv));
+    at::Tensor act;
+    if (lora) {  // (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
+      at::Tensor gate_up = packed_gemm(h, w.gate_up, false, kv);
+      lora_delta_step(gate_up, h, *lora, i, kLoraGateUp);
+      act = silu_and_mul(gate_up);
+    } else {
+      // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
+      const bool fused_silu = w.gate_up.n % 32 == 0;
+      act = fused_silu ? packed_gemm_silu(h, w.gate_up, kv) : silu_and_mul(packed_gemm(h, w.gate_up, false, kv));
+    }
     h = row_parallel(act, w.down, tp, kv);
+    if (lora) lora_delta_step(h, act, *lora, i, kLoraDown);
   }
   fused_add_rms_norm(h, residual, s.final_norm, s.eps);
   return h;
@@ -152,7 +240,7 @@ namespace {
 at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                            std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
                            at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
-                           KvPrefetchMode kv_prefetch, const ShmGroup* tp) {
+                           KvPrefetchMode kv_prefetch, const ShmGroup* tp, const LoraStep* lora = nullptr) {
   NoGil no_gil;
   const ModelWeights& s = model;
   const int64_t head_dim = s.head_dim;
@@ -176,16 +264,20 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
     for (int64_t i = 1; i < r.numel() && prefetch; ++i) prefetch = q[i] != q[i - 1];
   }
   return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids, tables,
-                    all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone, tp);
+                    all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone, tp, lora);
 }
 }  // namespace
 
 at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                       std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
                       at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
-                      int64_t kv_prefetch) {
+                      int64_t kv_prefetch, std::vector<const LoraAdapterWeights*> lora_adapters,
+                      std::vector<at::Tensor> lora_rows) {
+  TORCH_CHECK(lora_adapters.empty() || all_rows, "layer_loop: LoRA steps return every row");
+  const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), kv_caches.size(), hidden.size(0));
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         seq_ids, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), nullptr);
+                         seq_ids, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), nullptr,
+                         step.adapters.empty() ? nullptr : &step);
 }
 
 // layer_loop on a tensor-parallel shard whose ranks share this machine: the
@@ -213,4 +305,17 @@ at::Tensor kv_prefetch_rows(at::Tensor kv_cache, at::Tensor tables, at::Tensor s
   std::vector<int64_t> slots;
   while (p.q < p.q_end) slots.push_back((p.take_row() - p.k) / p.row_bytes);
   return at::tensor(slots, at::kLong);
+}
+
+// lora_delta_step from Python (the plan's Python loop): the same kernel.
+void lora_delta(at::Tensor out, at::Tensor x, std::vector<const LoraAdapterWeights*> lora_adapters,
+                std::vector<at::Tensor> lora_rows, int64_t layer, int64_t projection) {
+  TORCH_CHECK(projection >= 0 && projection < kLoraProjections, "lora_delta: projection 0 to 3");
+  TORCH_CHECK(!lora_adapters.empty() && layer >= 0 &&
+                  static_cast<size_t>(layer) < lora_adapters[0]->projections.size() / kLoraProjections,
+              "lora_delta: a layer of the adapters");
+  const size_t layers = lora_adapters[0]->projections.size() / kLoraProjections;
+  const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), layers, out.size(0));
+  NoGil no_gil;
+  lora_delta_step(out, x, step, static_cast<size_t>(layer), static_cast<int>(projection));
 }

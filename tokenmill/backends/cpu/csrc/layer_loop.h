@@ -21,11 +21,13 @@
 enum class Prefetch { kNone, kOwn, kTeam };
 
 // With `tp` (a tensor-parallel shard's group), o_proj and down_proj are
-// row-parallel: their float32 sums are all-reduced, then rounded once.
+// row-parallel: their float32 sums are all-reduced, then rounded once. With
+// `lora` (never with out_rows or tp), each projection's output gets the step's
+// adapters' deltas (lora_delta) before it goes on.
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
                       const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
                       const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch = Prefetch::kNone,
-                      const ShmGroup* tp = nullptr);
+                      const ShmGroup* tp = nullptr, const LoraStep* lora = nullptr);
 
 // Throws unless the stack's arguments have a K/V cache per layer and a position,
 // slot and seq_len per row.

@@ -30,3 +30,24 @@ struct ModelWeights {
   at::Tensor cos, sin;  // the rotary tables [max_positions, head_dim / 2]
   bool prefill_tiles = false;  // paged_attention's opt-out of batch invariance (paged_attention.cpp)
 };
+
+// One LoRA adapter (model/lora.py's LoRAAdapter) as layer_loop takes it: for
+// layer L and fused projection P (LoraProjectionIndex), projections[L * 4 + P]
+// holds its stacked A transposed [in, R], block-diagonal B transposed [R, out]
+// and per-rank scale [R], float32; an undefined A: that projection is not
+// adapted. Built once per adapter by the CPU plan.
+enum LoraProjectionIndex : int { kLoraQkv = 0, kLoraO = 1, kLoraGateUp = 2, kLoraDown = 3, kLoraProjections = 4 };
+
+struct LoraProjection {
+  at::Tensor a, b, scale;
+};
+
+struct LoraAdapterWeights {
+  std::vector<LoraProjection> projections;
+};
+
+// A step's adapters and each one's rows of the step (int64 indices).
+struct LoraStep {
+  std::vector<const LoraAdapterWeights*> adapters;
+  std::vector<at::Tensor> rows;
+};
