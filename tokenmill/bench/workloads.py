@@ -93,3 +93,20 @@ def sizes(streams: tuple[int, ...] = (1, 4, 16), requests_one: int = 2, long_len
         start += n
     long = np.random.default_rng(5).integers(100, 49000, size=(num_long, long_len)).tolist()
     return Sizes(warmup=prompts[-1][:16], phases=phases, long=long, tg_prompt=prompts[-1][:1])
+
+
+# embed-A's ids are in the vocabulary bench/embed.py writes for its model: these
+# five specials first (BERT's order of them), then words.
+EMBED_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+EMBED_CLS, EMBED_SEP = EMBED_SPECIALS.index("[CLS]"), EMBED_SPECIALS.index("[SEP]")
+
+
+def embed_a(num_inputs: int = 256, min_len: int = 16, max_len: int = 512,
+            vocab_size: int = 30522) -> list[list[int]]:
+    """Retrieval chunks to embed, all at once: lengths uniform in [min_len, max_len]
+    (default_rng(52).integers, drawn first), each [CLS] + random word ids + [SEP]."""
+    rng = np.random.default_rng(52)
+    lens = rng.integers(min_len, max_len + 1, size=num_inputs)
+    first_word = len(EMBED_SPECIALS)
+    return [[EMBED_CLS, *rng.integers(first_word, vocab_size, size=int(n) - 2).tolist(), EMBED_SEP]
+            for n in lens]
