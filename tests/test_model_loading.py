@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from tests.hf_models import finish_gguf, gguf_tensors, gguf_writer
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.gguf_tensors import _longer_rows
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import (
     WeightLoadError,
-    _longer_rows,
     dequantize_gguf_tensor,
     load_model,
     resolve_dtype,

@@ -176,7 +176,7 @@ def _gguf_pairs(path: Path, spec: ModelSpec) -> tuple[Pairs, float | None]:
     converter permuted lora_B's q/k rows as it permutes the base's: undone here."""
     from tokenmill.model.gguf_families import gguf_family
     from tokenmill.model.gguf_file import GGUFFile, GGUFFormatError
-    from tokenmill.model.loader import dequantize_gguf_tensor, unpermute_rope_rows
+    from tokenmill.model.gguf_tensors import dequantize_gguf_tensor, unpermute_rope_rows
 
     try:
         reader = GGUFFile(str(path))
