@@ -9,12 +9,15 @@ qkv_proj holds q_proj's, k_proj's and v_proj's (each its own rows of the
 output), gate_up_proj gate_proj's and up_proj's. Per fused projection the parts'
 A are stacked into one [R, in] matrix and their B into one block-diagonal
 [out, R] matrix, so a segment of rows costs one shrink GEMM and one expand GEMM
-however many parts the adapter targets.
+however many parts the adapter targets; `parts` says which outputs and ranks
+each part holds (the CPU kernel keeps each part's B apart, without the zeros).
 
 The delta is computed in float32 and added to the base output in float32, then
 rounded to the model's dtype: PEFT's order (it keeps adapter weights in float32
 and casts x up), whatever the base weight's format (bf16, float32, Q8_0, a
-GGUF's blocks: the base projection's output is all the delta sees).
+GGUF's blocks: the base projection's output is all the delta sees). The CPU
+plan keeps the weights themselves in the model's dtype (vLLM's lora_dtype
+"auto"), the sums still float32.
 
 Adapters are never merged into the base weights: a step mixes base rows and
 rows of several adapters (`LoRABatch`: each adapter's rows, the segments).
@@ -72,6 +75,7 @@ class LoRAWeights:
     a: torch.Tensor  # [R, in] float32: the parts' A, stacked
     b: torch.Tensor  # [out, R] float32: the parts' B, block-diagonal in the output's rows
     scale: torch.Tensor  # [R] float32: each rank's part's scale
+    parts: tuple[tuple[int, int, int, int], ...]  # each part's (out_lo, out_hi, rank_lo, rank_hi)
 
 
 @dataclass(frozen=True)
@@ -266,14 +270,17 @@ def load_adapter(lora_int_id: int, lora_name: str, lora_path: str, spec: ModelSp
         out = shapes[projection][1][None][1]
         total = sum(a.shape[0] for _, a, _, _ in items)
         b_all = torch.zeros(out, total)
+        spans = []  # each part's (out_lo, out_hi, rank_lo, rank_hi)
         col = 0
         for (lo, hi), a, b, _ in items:
             b_all[lo:hi, col:col + a.shape[0]] = b
+            spans.append((lo, hi, col, col + a.shape[0]))
             col += a.shape[0]
         layers[layer][projection] = LoRAWeights(
             a=torch.cat([a for _, a, _, _ in items]).contiguous(),
             b=b_all,
             scale=torch.cat([torch.full((a.shape[0],), s) for _, a, _, s in items]),
+            parts=tuple(spans),
         )
     return LoRAAdapter(lora_int_id, lora_name, max_rank, tuple(layers))
 

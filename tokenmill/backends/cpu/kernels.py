@@ -31,7 +31,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "packed_gemm.cpp", "q8_gemm.cpp",
                                       "q4_gemm.cpp", "kq_gemm.cpp", "parts_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
-                                      "layer_loop.cpp", "layer_stack.cpp", "bindings.cpp")]
+                                      "layer_loop.cpp", "layer_stack.cpp", "lora_delta.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
                                       "act_quant.h", "formats.h", "block_gemm.h", "cpu_features.h",
                                       "distributed.h", "layer_loop.h")]
@@ -71,7 +71,8 @@ class CppModelWeights(Protocol):
 
 class CppLoraAdapterWeights(Protocol):
     """One LoRA adapter for layer_loop (csrc/layer_stack.h): per layer, per fused
-    projection (model/lora.py's PROJECTIONS order), its A, B and scale; built once."""
+    projection (model/lora.py's PROJECTIONS order), its A, each part's B and the
+    scales, packed in the model's dtype; built once (plan.lora_weights)."""
 
 
 class CppShmGroup(Protocol):
@@ -136,8 +137,8 @@ class CpuOps(Protocol):
                    all_rows: bool, kv_prefetch: int, lora_adapters: list[CppLoraAdapterWeights] = ...,
                    lora_rows: list[torch.Tensor] = ...) -> torch.Tensor: ...
 
-    def LoraAdapterWeights(self, *, a: list[torch.Tensor], b: list[torch.Tensor],
-                           scale: list[torch.Tensor]) -> CppLoraAdapterWeights: ...
+    def LoraAdapterWeights(self, *, a: list[torch.Tensor], b: list[torch.Tensor], scale: list[torch.Tensor],
+                           parts: list[torch.Tensor], dtype: torch.dtype) -> CppLoraAdapterWeights: ...
 
     def lora_delta(self, out: torch.Tensor, x: torch.Tensor, lora_adapters: list[CppLoraAdapterWeights],
                    lora_rows: list[torch.Tensor], layer: int, projection: int) -> None: ...

@@ -303,11 +303,7 @@ class CpuPlan:
         for segment, adapter in lora.segments:
             entry = self._lora_weights.get(adapter.lora_int_id)
             if entry is None or entry[0] is not adapter:  # (new, or reloaded under its id)
-                empty = torch.empty(0)
-                parts = [layer.get(name) for layer in adapter.layers for name in LORA_PROJECTIONS]
-                entry = (adapter, self.ops.LoraAdapterWeights(
-                    a=[empty if w is None else w.a for w in parts], b=[empty if w is None else w.b for w in parts],
-                    scale=[empty if w is None else w.scale for w in parts]))
+                entry = (adapter, lora_weights(self.ops, adapter, self.dtype))
                 self._lora_weights[adapter.lora_int_id] = entry
             adapters.append(entry[1])
             rows.append(torch.arange(segment.start, segment.stop) if isinstance(segment, slice) else segment)
@@ -416,6 +412,18 @@ class CpuPlan:
             return ops.rms_norm(hidden, self.final_norm, eps)
         ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
         return hidden
+
+
+def lora_weights(ops: CpuOps, adapter: LoRAAdapter, dtype: torch.dtype) -> CppLoraAdapterWeights:
+    """`adapter` packed for the layer loop's lora_delta, its weights in `dtype`
+    (the model's: vLLM's lora_dtype "auto"; a bf16 model's adapters read half
+    the bytes), every layer's four projections in LORA_PROJECTIONS' order."""
+    empty = torch.empty(0)
+    ws = [layer.get(name) for layer in adapter.layers for name in LORA_PROJECTIONS]
+    return ops.LoraAdapterWeights(
+        a=[empty if w is None else w.a for w in ws], b=[empty if w is None else w.b for w in ws],
+        scale=[empty if w is None else w.scale for w in ws],
+        parts=[empty if w is None else torch.tensor(w.parts, dtype=torch.int64) for w in ws], dtype=dtype)
 
 
 def _data_numel(weight: CppPackedWeight) -> int:

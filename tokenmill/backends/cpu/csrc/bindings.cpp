@@ -71,28 +71,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("prefill_tiles", &ModelWeights::prefill_tiles);
 
   py::class_<LoraAdapterWeights>(m, "LoraAdapterWeights")
-      .def(py::init([](std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> scale) {
-             TORCH_CHECK(a.size() == b.size() && a.size() == scale.size() && a.size() % kLoraProjections == 0,
-                         "LoraAdapterWeights: a, b and scale for each of 4 projections of every layer");
+      .def(py::init([](std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> scale,
+                       std::vector<at::Tensor> parts, at::ScalarType dtype) {
+             TORCH_CHECK(a.size() == b.size() && a.size() == scale.size() && a.size() == parts.size() &&
+                             a.size() % kLoraProjections == 0,
+                         "LoraAdapterWeights: a, b, scale and parts for each of 4 projections of every layer");
              LoraAdapterWeights w;
-             for (size_t i = 0; i < a.size(); ++i) {
-               if (a[i].numel() == 0) {  // not adapted
-                 w.projections.push_back(LoraProjection{});
-                 continue;
-               }
-               TORCH_CHECK(a[i].scalar_type() == at::kFloat && b[i].scalar_type() == at::kFloat &&
-                               scale[i].scalar_type() == at::kFloat,
-                           "LoraAdapterWeights: float32 A, B and scale");
-               TORCH_CHECK(a[i].dim() == 2 && b[i].dim() == 2 && b[i].size(1) == a[i].size(0) &&
-                               scale[i].numel() == a[i].size(0),
-                           "LoraAdapterWeights: A [R, in], B [out, R], scale [R]");
-               // (A^T [in, R] and B^T [R, out]: lora_delta's loops run along R and along the outputs)
-               w.projections.push_back(
-                   LoraProjection{a[i].t().contiguous(), b[i].t().contiguous(), scale[i].contiguous()});
-             }
+             for (size_t i = 0; i < a.size(); ++i)  // (an empty A: that projection is not adapted)
+               w.projections.push_back(a[i].numel() == 0 ? LoraProjection{}
+                                                         : pack_lora_projection(a[i], b[i], scale[i], parts[i], dtype));
              return w;
            }),
-           py::kw_only(), py::arg("a"), py::arg("b"), py::arg("scale"));
+           py::kw_only(), py::arg("a"), py::arg("b"), py::arg("scale"), py::arg("parts"), py::arg("dtype"));
 
   py::class_<ShmGroup>(m, "ShmGroup")
       .def(py::init([](at::Tensor region, int64_t rank, int64_t size, int64_t capacity, std::vector<int64_t> pids,

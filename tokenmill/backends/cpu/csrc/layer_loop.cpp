@@ -76,82 +76,6 @@ at::Tensor row_parallel(const at::Tensor& x, const PackedWeight& w, const ShmGro
 
 }  // namespace
 
-// out[r] += ((x[r] A^T) * scale) B^T for each row r of each adapter of the step
-// (a segmented GEMM: each adapter's rows against its own A and B). Per row, in
-// float32, in one fixed order (x's inputs in turn into the R partial sums, then
-// the R ranks in turn into the outputs), rounded once to out's dtype: a row's
-// bits do not depend on the other rows of the step. The inner loops run along
-// R and along the outputs, so they vectorise without reordering any sum.
-namespace {
-template <typename T>
-void lora_rows(T* out, int64_t out_ld, const T* x, int64_t x_ld, const int64_t* rows, int64_t n,
-               const float* a_tr, const float* b_tr, const float* scale, int64_t R, int64_t I, int64_t O) {
-#pragma omp parallel if (n > 1)
-  {
-    std::vector<float> h(R), acc(O);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const T* xr = x + rows[i] * x_ld;
-      float* __restrict hp = h.data();
-      std::fill(h.begin(), h.end(), 0.f);
-      for (int64_t k = 0; k < I; ++k) {
-        const float xk = static_cast<float>(xr[k]);
-        const float* __restrict ak = a_tr + k * R;
-        for (int64_t j = 0; j < R; ++j) hp[j] += xk * ak[j];
-      }
-      for (int64_t j = 0; j < R; ++j) hp[j] *= scale[j];
-      float* __restrict ap = acc.data();
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < R; ++j) {
-        const float hj = hp[j];
-        const float* __restrict bj = b_tr + j * O;
-        for (int64_t o = 0; o < O; ++o) ap[o] += hj * bj[o];
-      }
-      T* outr = out + rows[i] * out_ld;
-      for (int64_t o = 0; o < O; ++o) outr[o] = static_cast<T>(static_cast<float>(outr[o]) + ap[o]);
-    }
-  }
-}
-}  // namespace
-
-LoraStep lora_step(std::vector<const LoraAdapterWeights*> adapters, std::vector<at::Tensor> rows, size_t layers,
-                   int64_t num_rows) {
-  TORCH_CHECK(adapters.size() == rows.size(), "lora: one row index tensor per adapter");
-  for (size_t g = 0; g < adapters.size(); ++g) {
-    TORCH_CHECK(adapters[g] && adapters[g]->projections.size() == layers * kLoraProjections,
-                "lora: an adapter of ", layers, " layers");
-    rows[g] = rows[g].to(at::kLong).contiguous();
-    const int64_t* r = rows[g].data_ptr<int64_t>();
-    for (int64_t i = 0; i < rows[g].numel(); ++i)
-      TORCH_CHECK(r[i] >= 0 && r[i] < num_rows, "lora: row ", r[i], " of a step of ", num_rows, " rows");
-  }
-  return LoraStep{std::move(adapters), std::move(rows)};
-}
-
-void lora_delta_step(at::Tensor& out, const at::Tensor& x, const LoraStep& lora, size_t layer, int projection) {
-  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
-                  x.stride(1) == 1 && out.scalar_type() == x.scalar_type(),
-              "lora_delta: out [n, O] and x [n, I] of one dtype, rows contiguous");
-  for (size_t g = 0; g < lora.adapters.size(); ++g) {
-    const LoraProjection& w = lora.adapters[g]->projections[layer * kLoraProjections + projection];
-    if (!w.a.defined()) continue;
-    const int64_t R = w.a.size(1), I = w.a.size(0), O = w.b.size(1);
-    TORCH_CHECK(I == x.size(1) && O == out.size(1), "lora_delta: adapter of ", I, " inputs and ", O,
-                " outputs, rows of ", x.size(1), " and ", out.size(1));
-    const at::Tensor& rows = lora.rows[g];
-    const int64_t n = rows.numel();
-    if (out.scalar_type() == at::kBFloat16) {
-      lora_rows(out.data_ptr<at::BFloat16>(), out.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0),
-                rows.data_ptr<int64_t>(), n, w.a.data_ptr<float>(), w.b.data_ptr<float>(),
-                w.scale.data_ptr<float>(), R, I, O);
-    } else {
-      TORCH_CHECK(out.scalar_type() == at::kFloat, "lora_delta: float32 or bfloat16 rows");
-      lora_rows(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), rows.data_ptr<int64_t>(),
-                n, w.a.data_ptr<float>(), w.b.data_ptr<float>(), w.scale.data_ptr<float>(), R, I, O);
-    }
-  }
-}
-
 // Rows h through every layer (layer_loop.h says how).
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
                       const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
@@ -307,15 +231,3 @@ at::Tensor kv_prefetch_rows(at::Tensor kv_cache, at::Tensor tables, at::Tensor s
   return at::tensor(slots, at::kLong);
 }
 
-// lora_delta_step from Python (the plan's Python loop): the same kernel.
-void lora_delta(at::Tensor out, at::Tensor x, std::vector<const LoraAdapterWeights*> lora_adapters,
-                std::vector<at::Tensor> lora_rows, int64_t layer, int64_t projection) {
-  TORCH_CHECK(projection >= 0 && projection < kLoraProjections, "lora_delta: projection 0 to 3");
-  TORCH_CHECK(!lora_adapters.empty() && layer >= 0 &&
-                  static_cast<size_t>(layer) < lora_adapters[0]->projections.size() / kLoraProjections,
-              "lora_delta: a layer of the adapters");
-  const size_t layers = lora_adapters[0]->projections.size() / kLoraProjections;
-  const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), layers, out.size(0));
-  NoGil no_gil;
-  lora_delta_step(out, x, step, static_cast<size_t>(layer), static_cast<int>(projection));
-}

@@ -32,15 +32,32 @@ struct ModelWeights {
 };
 
 // One LoRA adapter (model/lora.py's LoRAAdapter) as layer_loop takes it: for
-// layer L and fused projection P (LoraProjectionIndex), projections[L * 4 + P]
-// holds its stacked A transposed [in, R], block-diagonal B transposed [R, out]
-// and per-rank scale [R], float32; an undefined A: that projection is not
-// adapted. Built once per adapter by the CPU plan.
+// layer L and fused projection P (LoraProjectionIndex), projections[L * 4 + P];
+// an undefined `a`: that projection is not adapted. Built once per adapter by
+// the CPU plan (pack_lora_projection), in the model's dtype (float32 or bf16:
+// vLLM's lora_dtype "auto"), packed for lora_delta's tiles:
+// - a: every part's A stacked, transposed, in panels of kLoraRanks ranks
+//   ([ceil(R / 16)][in][16], zero-padded), so a tile reads its panel in order;
+// - b: each part's own B (no block-diagonal zeros), transposed, in panels of
+//   kLoraOuts outputs ([chunks][rank][64], zero-padded), at parts[i].offset;
+// - scale [R] float32 (padded to the panels with zeros).
 enum LoraProjectionIndex : int { kLoraQkv = 0, kLoraO = 1, kLoraGateUp = 2, kLoraDown = 3, kLoraProjections = 4 };
+constexpr int64_t kLoraRanks = 16, kLoraOuts = 64;
+
+struct LoraPart {
+  int64_t out_lo, out_hi, rank_lo, rank_hi, offset;  // its outputs, its ranks, its B panels in b
+};
 
 struct LoraProjection {
   at::Tensor a, b, scale;
+  std::vector<LoraPart> parts;
+  int64_t in = 0, rank = 0, out = 0;  // rank: R, the parts' ranks together
 };
+
+// A [R, in], block-diagonal B [out, R], scale [R] (float32) and parts [P, 4]
+// int64 (out_lo, out_hi, rank_lo, rank_hi) packed as above in `dtype`.
+LoraProjection pack_lora_projection(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale,
+                                    const at::Tensor& parts, at::ScalarType dtype);
 
 struct LoraAdapterWeights {
   std::vector<LoraProjection> projections;
@@ -51,3 +68,9 @@ struct LoraStep {
   std::vector<const LoraAdapterWeights*> adapters;
   std::vector<at::Tensor> rows;
 };
+
+// The step's adapters checked against `layers` layers and `num_rows` rows.
+LoraStep lora_step(std::vector<const LoraAdapterWeights*> adapters, std::vector<at::Tensor> rows, size_t layers,
+                   int64_t num_rows);
+// out [n, O] += each adapter's delta of x [n, I] on its rows, for one layer's projection (lora_delta.cpp).
+void lora_delta_step(at::Tensor& out, const at::Tensor& x, const LoraStep& lora, size_t layer, int projection);

@@ -1,0 +1,331 @@
+// LoRA adapters' delta (model/lora.py says what it computes): each adapter of
+// a step on its own rows, after a projection's kernel, inside the layer loop
+// (lora_delta_step) or from the plan's Python loop (lora_delta), one kernel.
+#include <torch/extension.h>
+
+#include "layer_stack.h"
+#include "no_gil.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TOKENMILL_LORA_AVX512 1
+#endif
+
+// out[r] += ((x[r] A^T) * scale) B^T for each row r of each adapter of the step
+// (a segmented GEMM: each adapter's rows against its own A and B), in two
+// passes over the whole team: the shrink (h = x A^T * scale, a tile of up to
+// kLoraRows rows by one panel of 16 ranks) and, after a barrier, the expand
+// (a tile of rows by one part's panel of 64 outputs, out += h B^T). Each value
+// is one float32 sum in one fixed order (each half of the inputs as
+// lora_shrink_rows sums it, the halves added, then the part's ranks in turn),
+// rounded once to out's dtype: a row's bits do not depend on
+// the other rows of the step, on the tiles, or on the number of threads.
+namespace {
+constexpr int kLoraRows = 4;
+
+#if TOKENMILL_LORA_AVX512
+inline __m512 lora_load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 lora_load(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// out[0..m) += v, m <= 16, rounded to bf16 (nearest even) where out is bf16.
+inline void lora_add_out(float* out, __m512 v, int m) {
+  const __mmask16 k = static_cast<__mmask16>((1u << m) - 1);
+  _mm512_mask_storeu_ps(out, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, out), v));
+}
+inline void lora_add_out(at::BFloat16* out, __m512 v, int m) {
+  const __mmask16 k = static_cast<__mmask16>((1u << m) - 1);
+  const __m512 o = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, out)), 16));
+  const __m512i u = _mm512_castps_si512(_mm512_add_ps(o, v));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  _mm256_mask_storeu_epi16(out, k, _mm512_cvtepi32_epi16(r));  // (no NaN here: the sums are finite)
+}
+#endif
+
+// h[r][0..16) = x[rows[r]][k0..k1) A_panel[k0..k1), for r < NR: the even
+// inputs in turn and the odd inputs in turn (two chains of FMAs), then their sum.
+template <int NR, typename T, typename W>
+void lora_shrink_rows(const T* x, int64_t x_ld, const int64_t* rows, const W* a, int64_t k0, int64_t k1,
+                      float* h, int64_t h_ld) {
+  x += k0;
+  a += k0 * kLoraRanks;
+  const int64_t I = k1 - k0;
+#if TOKENMILL_LORA_AVX512
+  // bf16 rows widened once into a thread's scratch, so each step of k broadcasts from memory.
+  const float* xr[NR];
+  if constexpr (std::is_same_v<T, float>) {
+    for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * x_ld;
+  } else {
+    thread_local std::vector<float> wide;
+    wide.resize(static_cast<size_t>(kLoraRows * I));
+    for (int r = 0; r < NR; ++r) {
+      float* dst = wide.data() + r * I;
+      const T* src = x + rows[r] * x_ld;
+      int64_t k = 0;
+      for (; k + 16 <= I; k += 16) _mm512_storeu_ps(dst + k, lora_load(src + k));
+      for (; k < I; ++k) dst[k] = static_cast<float>(src[k]);
+      xr[r] = dst;
+    }
+  }
+  __m512 even[NR], odd[NR];
+  for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= I; k += 2) {
+    const __m512 w0 = lora_load(a + k * kLoraRanks), w1 = lora_load(a + (k + 1) * kLoraRanks);
+    for (int r = 0; r < NR; ++r) {
+      even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w0, even[r]);
+      odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k + 1]), w1, odd[r]);
+    }
+  }
+  if (k < I) {
+    const __m512 w0 = lora_load(a + k * kLoraRanks);
+    for (int r = 0; r < NR; ++r) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w0, even[r]);
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(h + r * h_ld, _mm512_add_ps(even[r], odd[r]));
+#else
+  for (int r = 0; r < NR; ++r) {
+    const T* xr = x + rows[r] * x_ld;
+    float even[kLoraRanks] = {}, odd[kLoraRanks] = {};
+    for (int64_t k = 0; k < I; ++k) {
+      const float xk = static_cast<float>(xr[k]);
+      float* acc = k % 2 ? odd : even;
+      for (int j = 0; j < kLoraRanks; ++j) acc[j] += xk * static_cast<float>(a[k * kLoraRanks + j]);
+    }
+    for (int j = 0; j < kLoraRanks; ++j) h[r * h_ld + j] = even[j] + odd[j];
+  }
+#endif
+}
+
+// out[rows[r]][0..m) += h[r][0..R) B_panel, m <= 64, for r < NR (the ranks in
+// turn), where h = (the first half's sum + the second's) * scale.
+template <int NR, typename T, typename W>
+void lora_expand_rows(T* out, int64_t out_ld, const int64_t* rows, const W* b, int64_t R, const float* h0,
+                      const float* h1, const float* scale, int64_t h_ld, int m) {
+#if TOKENMILL_LORA_AVX512
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < R; ++j) {
+    __m512 w[4];
+    for (int q = 0; q < 4; ++q) w[q] = lora_load(b + j * kLoraOuts + 16 * q);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 hj = _mm512_set1_ps((h0[r * h_ld + j] + h1[r * h_ld + j]) * scale[j]);
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_fmadd_ps(hj, w[q], acc[r][q]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int q = 0; q < 4 && 16 * q < m; ++q)
+      lora_add_out(out + rows[r] * out_ld + 16 * q, acc[r][q], std::min(16, m - 16 * q));
+#else
+  for (int r = 0; r < NR; ++r) {
+    float acc[kLoraOuts] = {};
+    for (int64_t j = 0; j < R; ++j) {
+      const float hj = (h0[r * h_ld + j] + h1[r * h_ld + j]) * scale[j];
+      for (int o = 0; o < kLoraOuts; ++o) acc[o] += hj * static_cast<float>(b[j * kLoraOuts + o]);
+    }
+    T* o = out + rows[r] * out_ld;
+    for (int c = 0; c < m; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + acc[c]);
+  }
+#endif
+}
+
+// The tiles above for nr (1 to kLoraRows) rows: a constant count, so the
+// accumulators stay in registers.
+template <typename T, typename W>
+void lora_shrink(const T* x, int64_t x_ld, const int64_t* rows, int nr, const W* a, int64_t k0, int64_t k1,
+                 float* h, int64_t h_ld) {
+  switch (nr) {
+    case 1: return lora_shrink_rows<1>(x, x_ld, rows, a, k0, k1, h, h_ld);
+    case 2: return lora_shrink_rows<2>(x, x_ld, rows, a, k0, k1, h, h_ld);
+    case 3: return lora_shrink_rows<3>(x, x_ld, rows, a, k0, k1, h, h_ld);
+    default: return lora_shrink_rows<kLoraRows>(x, x_ld, rows, a, k0, k1, h, h_ld);
+  }
+}
+
+template <typename T, typename W>
+void lora_expand(T* out, int64_t out_ld, const int64_t* rows, int nr, const W* b, int64_t R, const float* h0,
+                 const float* h1, const float* scale, int64_t h_ld, int m) {
+  switch (nr) {
+    case 1: return lora_expand_rows<1>(out, out_ld, rows, b, R, h0, h1, scale, h_ld, m);
+    case 2: return lora_expand_rows<2>(out, out_ld, rows, b, R, h0, h1, scale, h_ld, m);
+    case 3: return lora_expand_rows<3>(out, out_ld, rows, b, R, h0, h1, scale, h_ld, m);
+    default: return lora_expand_rows<kLoraRows>(out, out_ld, rows, b, R, h0, h1, scale, h_ld, m);
+  }
+}
+
+int64_t panels(int64_t n, int64_t width) { return (n + width - 1) / width; }
+
+// The shrink's inputs in two fixed halves, [0, mid) and [mid, in), each its
+// own tile (so one row's shrink runs on two threads), summed by the expand.
+int64_t lora_half(int64_t in) { return in / 2; }
+
+struct LoraShrinkTile {  // adapter g's rows [row, row + 4) by its ranks' panel, one half of the inputs
+  size_t g;
+  int64_t row, panel;
+  int half;
+};
+struct LoraExpandTile {  // adapter g's rows [row, row + 4) by its part's outputs' chunk
+  size_t g;
+  int64_t row;
+  size_t part;
+  int64_t chunk;
+};
+
+template <typename T, typename W>
+void lora_projection_delta(T* out, int64_t out_ld, const T* x, int64_t x_ld,
+                           const std::vector<const LoraProjection*>& ws, const std::vector<const at::Tensor*>& rows) {
+  // The tiles of both passes, and each adapter's two halves of h [2][n][R padded] in one buffer.
+  std::vector<LoraShrinkTile> shrinks;
+  std::vector<LoraExpandTile> expands;
+  std::vector<int64_t> h_at(ws.size());
+  int64_t h_size = 0;
+  for (size_t g = 0; g < ws.size(); ++g) {
+    const int64_t n = rows[g]->numel(), rp = panels(ws[g]->rank, kLoraRanks);
+    h_at[g] = h_size;
+    h_size += 2 * n * rp * kLoraRanks;
+    for (int64_t t = 0; t < n; t += kLoraRows) {
+      for (int64_t p = 0; p < rp; ++p)
+        for (int half = 0; half < 2; ++half) shrinks.push_back({g, t, p, half});
+      for (size_t i = 0; i < ws[g]->parts.size(); ++i)
+        for (int64_t c = 0; c < panels(ws[g]->parts[i].out_hi - ws[g]->parts[i].out_lo, kLoraOuts); ++c)
+          expands.push_back({g, t, i, c});
+    }
+  }
+  std::vector<float> h(h_size);
+  const int64_t n_shrink = static_cast<int64_t>(shrinks.size()), n_expand = static_cast<int64_t>(expands.size());
+#pragma omp parallel if (n_shrink + n_expand > 4)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_shrink; ++i) {
+      const LoraShrinkTile& s = shrinks[i];
+      const LoraProjection& w = *ws[s.g];
+      const int64_t n = rows[s.g]->numel(), h_ld = panels(w.rank, kLoraRanks) * kLoraRanks;
+      const int64_t mid = lora_half(w.in), k0 = s.half ? mid : 0, k1 = s.half ? w.in : mid;
+      lora_shrink(x, x_ld, rows[s.g]->data_ptr<int64_t>() + s.row,
+                  static_cast<int>(std::min<int64_t>(kLoraRows, n - s.row)),
+                  w.a.data_ptr<W>() + s.panel * w.in * kLoraRanks, k0, k1,
+                  h.data() + h_at[s.g] + (s.half * n + s.row) * h_ld + s.panel * kLoraRanks, h_ld);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_expand; ++i) {
+      const LoraExpandTile& e = expands[i];
+      const LoraProjection& w = *ws[e.g];
+      const LoraPart& part = w.parts[e.part];
+      const int64_t n = rows[e.g]->numel(), h_ld = panels(w.rank, kLoraRanks) * kLoraRanks;
+      const int64_t rank = part.rank_hi - part.rank_lo, lo = part.out_lo + e.chunk * kLoraOuts;
+      const float* h0 = h.data() + h_at[e.g] + e.row * h_ld + part.rank_lo;
+      lora_expand(out + lo, out_ld, rows[e.g]->data_ptr<int64_t>() + e.row,
+                  static_cast<int>(std::min<int64_t>(kLoraRows, n - e.row)),
+                  w.b.data_ptr<W>() + part.offset + e.chunk * rank * kLoraOuts, rank, h0, h0 + n * h_ld,
+                  w.scale.data_ptr<float>() + part.rank_lo, h_ld,
+                  static_cast<int>(std::min<int64_t>(kLoraOuts, part.out_hi - lo)));
+    }
+  }
+}
+}  // namespace
+
+LoraProjection pack_lora_projection(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale,
+                                    const at::Tensor& parts, at::ScalarType dtype) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat,
+              "LoraAdapterWeights: float32 A, B and scale");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && b.size(1) == a.size(0) && scale.numel() == a.size(0),
+              "LoraAdapterWeights: A [R, in], B [out, R], scale [R]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "LoraAdapterWeights: float32 or bfloat16 weights");
+  const int64_t R = a.size(0), I = a.size(1), O = b.size(0), rp = panels(R, kLoraRanks);
+  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 4 && parts.size(0) > 0,
+              "LoraAdapterWeights: parts [P, 4] (out_lo, out_hi, rank_lo, rank_hi)");
+  LoraProjection w;
+  w.in = I, w.rank = R, w.out = O;
+  const at::Tensor pt = parts.to(at::kLong).contiguous();
+  int64_t b_size = 0;
+  for (int64_t i = 0; i < pt.size(0); ++i) {
+    const int64_t* q = pt.data_ptr<int64_t>() + 4 * i;
+    TORCH_CHECK(0 <= q[0] && q[0] < q[1] && q[1] <= O && 0 <= q[2] && q[2] < q[3] && q[3] <= R,
+                "LoraAdapterWeights: a part's outputs or ranks out of range");
+    w.parts.push_back({q[0], q[1], q[2], q[3], b_size});
+    b_size += panels(q[1] - q[0], kLoraOuts) * (q[3] - q[2]) * kLoraOuts;
+  }
+  // A^T in panels: a_packed[p][k][j] = A[16 p + j][k]; B_i^T in panels: [c][j][o] = B[lo + 64 c + o][rank_lo + j].
+  at::Tensor ap = at::zeros({rp * kLoraRanks, I}, a.options());
+  ap.narrow(0, 0, R).copy_(a);
+  w.a = ap.view({rp, kLoraRanks, I}).transpose(1, 2).contiguous().to(dtype);
+  at::Tensor bp = at::empty({b_size}, b.options());
+  for (const LoraPart& part : w.parts) {
+    const int64_t chunks = panels(part.out_hi - part.out_lo, kLoraOuts), rank = part.rank_hi - part.rank_lo;
+    at::Tensor bt = at::zeros({chunks * kLoraOuts, rank}, b.options());
+    bt.narrow(0, 0, part.out_hi - part.out_lo).copy_(b.slice(0, part.out_lo, part.out_hi).slice(1, part.rank_lo, part.rank_hi));
+    bp.narrow(0, part.offset, chunks * rank * kLoraOuts).copy_(bt.view({chunks, kLoraOuts, rank}).transpose(1, 2).reshape(-1));
+  }
+  w.b = bp.to(dtype);
+  w.scale = at::zeros({rp * kLoraRanks}, scale.options());
+  w.scale.narrow(0, 0, R).copy_(scale.reshape(-1));
+  return w;
+}
+
+LoraStep lora_step(std::vector<const LoraAdapterWeights*> adapters, std::vector<at::Tensor> rows, size_t layers,
+                   int64_t num_rows) {
+  TORCH_CHECK(adapters.size() == rows.size(), "lora: one row index tensor per adapter");
+  for (size_t g = 0; g < adapters.size(); ++g) {
+    TORCH_CHECK(adapters[g] && adapters[g]->projections.size() == layers * kLoraProjections,
+                "lora: an adapter of ", layers, " layers");
+    rows[g] = rows[g].to(at::kLong).contiguous();
+    const int64_t* r = rows[g].data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows[g].numel(); ++i)
+      TORCH_CHECK(r[i] >= 0 && r[i] < num_rows, "lora: row ", r[i], " of a step of ", num_rows, " rows");
+  }
+  return LoraStep{std::move(adapters), std::move(rows)};
+}
+
+void lora_delta_step(at::Tensor& out, const at::Tensor& x, const LoraStep& lora, size_t layer, int projection) {
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  x.stride(1) == 1 && out.scalar_type() == x.scalar_type(),
+              "lora_delta: out [n, O] and x [n, I] of one dtype, rows contiguous");
+  std::vector<const LoraProjection*> ws;
+  std::vector<const at::Tensor*> rows;
+  at::ScalarType wtype = at::kFloat;
+  for (size_t g = 0; g < lora.adapters.size(); ++g) {
+    const LoraProjection& w = lora.adapters[g]->projections[layer * kLoraProjections + projection];
+    if (!w.a.defined() || lora.rows[g].numel() == 0) continue;
+    TORCH_CHECK(w.in == x.size(1) && w.out == out.size(1), "lora_delta: adapter of ", w.in, " inputs and ", w.out,
+                " outputs, rows of ", x.size(1), " and ", out.size(1));
+    TORCH_CHECK(ws.empty() || w.a.scalar_type() == wtype, "lora_delta: the step's adapters in one dtype");
+    wtype = w.a.scalar_type();
+    ws.push_back(&w);
+    rows.push_back(&lora.rows[g]);
+  }
+  if (ws.empty()) return;
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || out.scalar_type() == at::kFloat, "lora_delta: float32 or bfloat16 rows");
+  if (bf16 && wtype == at::kBFloat16)
+    lora_projection_delta<at::BFloat16, at::BFloat16>(out.data_ptr<at::BFloat16>(), out.stride(0),
+                                                      x.data_ptr<at::BFloat16>(), x.stride(0), ws, rows);
+  else if (bf16)
+    lora_projection_delta<at::BFloat16, float>(out.data_ptr<at::BFloat16>(), out.stride(0),
+                                               x.data_ptr<at::BFloat16>(), x.stride(0), ws, rows);
+  else if (wtype == at::kBFloat16)
+    lora_projection_delta<float, at::BFloat16>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
+                                               x.stride(0), ws, rows);
+  else
+    lora_projection_delta<float, float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), ws,
+                                        rows);
+}
+
+// lora_delta_step from Python (the plan's Python loop): the same kernel.
+void lora_delta(at::Tensor out, at::Tensor x, std::vector<const LoraAdapterWeights*> lora_adapters,
+                std::vector<at::Tensor> lora_rows, int64_t layer, int64_t projection) {
+  TORCH_CHECK(projection >= 0 && projection < kLoraProjections, "lora_delta: projection 0 to 3");
+  TORCH_CHECK(!lora_adapters.empty() && layer >= 0 &&
+                  static_cast<size_t>(layer) < lora_adapters[0]->projections.size() / kLoraProjections,
+              "lora_delta: a layer of the adapters");
+  const size_t layers = lora_adapters[0]->projections.size() / kLoraProjections;
+  const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), layers, out.size(0));
+  NoGil no_gil;
+  lora_delta_step(out, x, step, static_cast<size_t>(layer), static_cast<int>(projection));
+}
