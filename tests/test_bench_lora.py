@@ -29,4 +29,8 @@ def test_bench_lora_on_a_tiny_model(tmp_path: Path) -> None:
     assert ratio["adapters / base requests"] == round(
         lora.best(result["rows"], "tokenmill none: adapters")
         / lora.best(result["rows"], "tokenmill none: base requests"), 3)
+    assert ratio["adapters / base engine"] == round(
+        lora.best(result["rows"], "tokenmill none: adapters")
+        / lora.best(result["rows"], "tokenmill none: base engine"), 3)
     assert ratio["one stream, adapter / base"] > 0
+    assert "| tokenmill none | " in lora.format_table(result["rows"], ["tokenmill none"])

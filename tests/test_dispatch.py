@@ -87,14 +87,20 @@ def test_the_kv_prefetch_option_comes_from_its_variable_and_refuses_other_modes(
         CpuBackendOptions.from_env()
 
 
-def test_lora_rows_take_the_layer_loop() -> None:
-    """A step with LoRA rows runs the C++ layer loop (their deltas after each
-    projection), never the split stack, whatever rows it returns; the Python
-    loop where the loop cannot serve (the profiler, several attention calls)."""
+def test_lora_rows_take_the_paths_of_base_rows() -> None:
+    """A step with LoRA rows takes the path a step without them would (the
+    layer loop, or the split stack's threads each on their own rows, add the
+    deltas after each projection); the Python loop where no C++ path serves
+    (the profiler, several attention calls) and on a tensor-parallel shard."""
     for meta in (DECODES, MIXED):
         for all_rows in (True, False):
+            base = choose_path(meta, FACTS, profiling=False, all_rows=all_rows, threads=2, shm_group=False)
             assert choose_path(meta, FACTS, profiling=False, all_rows=all_rows, threads=2, shm_group=False,
-                               lora=True).path is Path.LOOP
+                               lora=True) == base
+    assert choose_path(DECODES, FACTS, profiling=False, all_rows=True, threads=2, shm_group=False,
+                       lora=True).path is Path.SPLIT
+    assert choose_path(DECODES, dataclasses.replace(FACTS, shard=True, tp_layer_loop=True), profiling=False,
+                       all_rows=True, threads=2, shm_group=True, lora=True).path is Path.PYTHON
     assert choose_path(DECODES, FACTS, profiling=True, all_rows=True, threads=2, shm_group=False,
                        lora=True).path is Path.PYTHON
     assert choose_path(_meta([1, 32], per_token=False), FACTS, profiling=False, all_rows=True, threads=2,

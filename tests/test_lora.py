@@ -15,6 +15,7 @@ effect).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -250,10 +251,11 @@ def test_base_rows_keep_their_bits_beside_adapter_rows(case: dict[str, Any]) -> 
 
 def test_adapter_rows_give_the_same_bits_on_the_layer_loop_and_the_python_loop(
         case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: the plan's C++ layer loop and its Python loop add the deltas with one
+    """bf16: the plan's C++ paths and its Python loop add the deltas with one
     kernel (csrc lora_delta): every request's tokens and logprobs, base and
-    adapter rows, equal on the plan's LOOP and on its Python loop (the profiler
-    forces it)."""
+    adapter rows, equal on the plan's LOOP, with its decodes on SPLIT (each
+    thread its own rows; forced on every decode-only step here), and on its
+    Python loop (the profiler forces it)."""
     from torch.profiler import ProfilerActivity, profile
 
     from tokenmill.backends.cpu import plan as plan_module
@@ -266,8 +268,9 @@ def test_adapter_rows_give_the_same_bits_on_the_layer_loop_and_the_python_loop(
     routes: list[Route] = []
     choose = plan_module.choose_path
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        route = choose(*args, **kwargs)
+    def recorded(meta: Any, facts: Any, **kwargs: Any) -> Any:
+        # (any two rows a thread may split: this case's steps are small)
+        route = choose(meta, dataclasses.replace(facts, split_min_rows=1, split_max_share=1.0), **kwargs)
         if kwargs["lora"]:
             routes.append(route.path)
         return route
@@ -284,7 +287,7 @@ def test_adapter_rows_give_the_same_bits_on_the_layer_loop_and_the_python_loop(
                 for o in outs]
 
     looped = run()
-    assert Route.LOOP in routes, set(routes)
+    assert {Route.LOOP, Route.SPLIT} <= set(routes), set(routes)
     routes.clear()
     with profile(activities=[ProfilerActivity.CPU]):
         python = run()

@@ -146,20 +146,32 @@ def best(rows: list[dict[str, Any]], name: str) -> float:
 
 
 def ratios(rows: list[dict[str, Any]], engines: list[str]) -> dict[str, dict[str, float]]:
-    """Per engine: adapters / base requests, and one stream's adapter / base."""
-    return {e: {"adapters / base requests": round(best(rows, f"{e}: adapters") / best(rows, f"{e}: base requests"), 3),
-                "one stream, adapter / base": round(best(rows, f"{e}: one stream, adapter 0")
-                                                    / best(rows, f"{e}: one stream, base"), 3)}
-            for e in engines}
+    """Per engine: adapters / base requests (the same engine), adapters / the
+    base engine (without enable_lora, where the engine has that row), and one
+    stream's adapter / base."""
+    out = {}
+    for e in engines:
+        adapters = best(rows, f"{e}: adapters")
+        r = {"adapters / base requests": round(adapters / best(rows, f"{e}: base requests"), 3),
+             "one stream, adapter / base": round(best(rows, f"{e}: one stream, adapter 0")
+                                                 / best(rows, f"{e}: one stream, base"), 3)}
+        if any(row["name"] == f"{e}: base engine" for row in rows):
+            r["adapters / base engine"] = round(adapters / best(rows, f"{e}: base engine"), 3)
+        out[e] = r
+    return out
 
 
 def format_table(rows: list[dict[str, Any]], engines: list[str]) -> str:
     names = ("base requests", "adapters", "one stream, base", "one stream, adapter 0")
-    lines = ["| engine | " + " | ".join(names) + " | adapters / base | one stream adapter / base |",
-             "|" + "---|" * (len(names) + 3)]
+    lines = ["| engine | base engine | " + " | ".join(names)
+             + " | adapters / base | adapters / base engine | one stream adapter / base |",
+             "|" + "---|" * (len(names) + 5)]
     for e, r in ratios(rows, engines).items():
-        lines.append(f"| {e} | " + " | ".join(f"{best(rows, f'{e}: {n}'):.1f}" for n in names)
-                     + f" | {r['adapters / base requests']:.2f}x | {r['one stream, adapter / base']:.2f}x |")
+        engine_row = f"{best(rows, f'{e}: base engine'):.1f}" if "adapters / base engine" in r else "-"
+        vs_engine = f"{r['adapters / base engine']:.2f}x" if "adapters / base engine" in r else "-"
+        lines.append(f"| {e} | {engine_row} | " + " | ".join(f"{best(rows, f'{e}: {n}'):.1f}" for n in names)
+                     + f" | {r['adapters / base requests']:.2f}x | {vs_engine}"
+                     + f" | {r['one stream, adapter / base']:.2f}x |")
     return "\n".join(lines)
 
 

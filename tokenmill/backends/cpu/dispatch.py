@@ -65,12 +65,13 @@ def choose_path(meta: AttentionMetadata, facts: PathFacts, *, profiling: bool, a
     profiler is on: the per-op rows of `bench --profile`), `all_rows` (no
     `output_rows`: every row is sampled), `threads` (the forward's OpenMP
     threads), `shm_group` (a shard's group all-reduces over shared memory now),
-    `lora` (rows of LoRA adapters: the layer loop adds their deltas after each
-    projection, on every row; never split, never on a shard)."""
+    `lora` (rows of LoRA adapters: the layer loop, or each thread of the split
+    stack on its own rows, adds their deltas after each projection, on every
+    row; never on a shard)."""
     if profiling or not facts.has_layers or not one_attention_call(meta):
         return Route(Path.PYTHON)
-    if lora:
-        return Route(Path.PYTHON if facts.shard else Path.LOOP)
+    if lora and facts.shard:
+        return Route(Path.PYTHON)
     if facts.shard:
         return Route(Path.TP_LOOP if shm_group and facts.tp_layer_loop else Path.PYTHON)
     if all_rows:

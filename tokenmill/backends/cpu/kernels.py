@@ -163,7 +163,8 @@ class CpuOps(Protocol):
     def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
                     seq_lens: torch.Tensor, seq_ids: torch.Tensor,
-                    bounds: list[int], kv_prefetch: int) -> torch.Tensor: ...
+                    bounds: list[int], kv_prefetch: int, lora_adapters: list[CppLoraAdapterWeights] = ...,
+                    lora_rows: list[torch.Tensor] = ...) -> torch.Tensor: ...
 
     def kv_prefetch_rows(self, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                          seq_ids: torch.Tensor, window: int) -> torch.Tensor: ...

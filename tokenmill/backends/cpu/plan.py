@@ -279,7 +279,9 @@ class CpuPlan:
                 call.seq_ids)
         if route.path is Path.SPLIT:
             assert route.split_bounds is not None
-            return self.ops.layer_stack(*step, route.split_bounds, kv_prefetch=self.kv_prefetch)
+            adapters, lora_rows = ([], []) if lora is None else self._lora_step(lora)
+            return self.ops.layer_stack(*step, route.split_bounds, kv_prefetch=self.kv_prefetch,
+                                        lora_adapters=adapters, lora_rows=lora_rows)
         rows = _NO_ROWS if output_rows is None else output_rows
         if route.path is Path.LOOP and lora is not None:
             adapters, lora_rows = self._lora_step(lora)

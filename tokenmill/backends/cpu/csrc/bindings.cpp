@@ -128,7 +128,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(shm_receive, py::arg("group"));
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
-                py::arg("bounds"), py::arg("kv_prefetch"));
+                py::arg("bounds"), py::arg("kv_prefetch"),
+                py::arg("lora_adapters") = std::vector<const LoraAdapterWeights*>{},
+                py::arg("lora_rows") = std::vector<at::Tensor>{});
   TOKENMILL_DEF(kv_prefetch_rows, py::arg("kv_cache"), py::arg("tables"), py::arg("seq_lens"),
                 py::arg("seq_ids"), py::arg("window"));
 }

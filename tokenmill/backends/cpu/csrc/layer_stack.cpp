@@ -22,6 +22,9 @@
 //   bounds      [0, r1, ..., n]: thread t takes rows [bounds[t], bounds[t+1]),
 //               each a run of whole requests
 //   kv_prefetch the K/V prefetch's mode (cpu_features.h KvPrefetchMode)
+//   lora_adapters, lora_rows: the step's LoRA adapters and each one's rows
+//               (as layer_loop takes them; empty: none); each thread adds the
+//               deltas of its own rows
 #include <torch/extension.h>
 
 #include "cpu_features.h"
@@ -38,7 +41,8 @@
 
 at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                        std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> bounds, int64_t kv_prefetch) {
+                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> bounds, int64_t kv_prefetch,
+                       std::vector<const LoraAdapterWeights*> lora_adapters, std::vector<at::Tensor> lora_rows) {
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
   NoGil no_gil;
@@ -58,6 +62,20 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
   const bool prefetch_kv = avx512_bf16(hidden) && kv_prefetch_on(mode) && kv_fits_l3(kv_caches, s.layers, seq_lens);
   at::Tensor result = at::empty_like(hidden);
   const int threads = static_cast<int>(bounds.size() - 1);
+  // Each thread's share of the step's LoRA rows, as indices into its own rows.
+  std::vector<LoraStep> lora(lora_adapters.empty() ? 0 : threads);
+  if (!lora.empty()) {
+    const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), kv_caches.size(), n);
+    for (int t = 0; t < threads; ++t) {
+      for (size_t g = 0; g < step.adapters.size(); ++g) {
+        const at::Tensor& r = step.rows[g];
+        const at::Tensor mine = r.masked_select((r >= bounds[t]) & (r < bounds[t + 1])) - bounds[t];
+        if (mine.numel() == 0) continue;
+        lora[t].adapters.push_back(step.adapters[g]);
+        lora[t].rows.push_back(mine.contiguous());
+      }
+    }
+  }
   std::vector<std::exception_ptr> errors(threads);
   // Thread-local modes of the caller, for the other threads too.
   const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
@@ -77,7 +95,8 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
                                                  slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
                                                  seq, tab, nullptr,
                                                  prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
-                                                                                      : Prefetch::kNone));
+                                                                                      : Prefetch::kNone,
+                                                 nullptr, lora.empty() || lora[t].adapters.empty() ? nullptr : &lora[t]));
       }
     } catch (...) {
       errors[t] = std::current_exception();
