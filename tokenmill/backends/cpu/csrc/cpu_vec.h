@@ -1,7 +1,15 @@
-// Vector helpers shared by the AVX-512 kernels (paged_attention.cpp).
+// Vector helpers shared by the AVX-512 kernels (paged_attention.cpp, lora_delta.cpp).
 #pragma once
 #if defined(__AVX512F__)
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+// 16 float32 or bf16 values at p, as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 // r[j] = sum of the lanes of v[j], j = 0..15.
 inline __m512 hsum16(__m512* v) {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#include "cpu_vec.h"
 #define TOKENMILL_LORA_AVX512 1
 #endif
 
@@ -29,11 +29,6 @@ namespace {
 constexpr int kLoraRows = 4;
 
 #if TOKENMILL_LORA_AVX512
-inline __m512 lora_load(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 lora_load(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 // out[0..m) += v, m <= 16, rounded to bf16 (nearest even) where out is bf16.
 inline void lora_add_out(float* out, __m512 v, int m) {
   const __mmask16 k = static_cast<__mmask16>((1u << m) - 1);
@@ -69,7 +64,7 @@ void lora_shrink_rows(const T* x, int64_t x_ld, const int64_t* rows, const W* a,
       float* dst = wide.data() + r * I;
       const T* src = x + rows[r] * x_ld;
       int64_t k = 0;
-      for (; k + 16 <= I; k += 16) _mm512_storeu_ps(dst + k, lora_load(src + k));
+      for (; k + 16 <= I; k += 16) _mm512_storeu_ps(dst + k, load16(src + k));
       for (; k < I; ++k) dst[k] = static_cast<float>(src[k]);
       xr[r] = dst;
     }
@@ -78,14 +73,14 @@ void lora_shrink_rows(const T* x, int64_t x_ld, const int64_t* rows, const W* a,
   for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 2 <= I; k += 2) {
-    const __m512 w0 = lora_load(a + k * kLoraRanks), w1 = lora_load(a + (k + 1) * kLoraRanks);
+    const __m512 w0 = load16(a + k * kLoraRanks), w1 = load16(a + (k + 1) * kLoraRanks);
     for (int r = 0; r < NR; ++r) {
       even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w0, even[r]);
       odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k + 1]), w1, odd[r]);
     }
   }
   if (k < I) {
-    const __m512 w0 = lora_load(a + k * kLoraRanks);
+    const __m512 w0 = load16(a + k * kLoraRanks);
     for (int r = 0; r < NR; ++r) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w0, even[r]);
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(h + r * h_ld, _mm512_add_ps(even[r], odd[r]));
@@ -114,7 +109,7 @@ void lora_expand_rows(T* out, int64_t out_ld, const int64_t* rows, const W* b, i
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
   for (int64_t j = 0; j < R; ++j) {
     __m512 w[4];
-    for (int q = 0; q < 4; ++q) w[q] = lora_load(b + j * kLoraOuts + 16 * q);
+    for (int q = 0; q < 4; ++q) w[q] = load16(b + j * kLoraOuts + 16 * q);
     for (int r = 0; r < NR; ++r) {
       const __m512 hj = _mm512_set1_ps((h0[r * h_ld + j] + h1[r * h_ld + j]) * scale[j]);
       for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_fmadd_ps(hj, w[q], acc[r][q]);

@@ -135,11 +135,6 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
 #if defined(__AVX512F__)
 #include "cpu_vec.h"
 
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 template <typename scalar_t, int C>  // C = head_dim / 16
 static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
