@@ -113,8 +113,9 @@ inline void store_one(const BlockArgs<Term>& a, int64_t m, int64_t n, float acc)
 
 // y = x W^T (+ bias) on w in format F: x [M, K] bf16 or float32 -> [M, N] in
 // x's dtype, or float32 with float32_out (the logits).
+// side: GemmSide's work, in the tasks' region.
 template <typename F>
-at::Tensor gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
+at::Tensor gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const GemmSide* side) {
   using Term = typename F::Term;
   NoGil no_gil;
   const at::Tensor& packed = w.data;
@@ -138,7 +139,10 @@ at::Tensor gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
   }
   const bool out32 = float32_out || !bf16;
   at::Tensor y = at::empty({M, w.n}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
+  if (M == 0) {
+    if (side) side->alone(y);
+    return y;
+  }
   BlockArgs<Term> a{nullptr, nullptr, nullptr, nullptr, packed.data_ptr<uint8_t>(),
                     bias32.defined() ? bias32.data_ptr<float>() : nullptr,
                     out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
@@ -183,11 +187,16 @@ at::Tensor gemm(at::Tensor x, const PackedWeight& w, bool float32_out) {
   }
   // Each thread takes a contiguous share of the tasks (one address-ordered stream of its own).
   const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
-#pragma omp parallel if (tasks > 1)
+#pragma omp parallel if (tasks > 1 || (side && side->wants_team()))
   {
+    if (side) side->before();
     const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t t0 = tasks * id / team, t1 = tasks * (id + 1) / team;
     if (t0 < t1) F::tasks(a, M, t0, t1, groups, vnni);
+    if (side) {
+#pragma omp barrier
+      side->after(y);
+    }
   }
   return y;
 }
@@ -198,7 +207,7 @@ template <typename F>
 at::Tensor gemm_silu(at::Tensor x, const PackedWeight& w) {
   TORCH_CHECK(w.n % 2 == 0 && !(w.bias.defined() && w.bias.numel() > 0), F::kName,
               " GEMM: gate_up has an even number of outputs and no bias");
-  return silu_and_mul(gemm<F>(std::move(x), w, false));
+  return silu_and_mul(gemm<F>(std::move(x), w, false, nullptr));
 }
 
 }  // namespace block_gemm

@@ -44,11 +44,35 @@ struct PackedWeight {
   std::vector<PackedWeight> parts;  // kParts: the parts in row order (data and bias empty)
 };
 
+// Work a GEMM runs in its own parallel region besides its tiles, on the same
+// team (the LoRA delta of the projection, lora_delta.cpp): one region a
+// projection instead of two, each a wake-up of the team. before(): by every
+// thread, before its tiles (it reads x only); after(y): by every thread, once
+// every tile of y is written (after a barrier). Both share their work out
+// with orphaned `omp for`s, so a team of one runs it too.
+struct GemmSide {
+  virtual ~GemmSide() = default;
+  virtual void before() const = 0;
+  virtual void after(const at::Tensor& y) const = 0;
+  virtual bool wants_team() const = 0;  // enough work for a team where the GEMM has none
+  // Both in a region of their own, after y is complete (a GEMM that hosts no side work).
+  void alone(const at::Tensor& y) const {
+#pragma omp parallel if (wants_team())
+    {
+      before();
+#pragma omp barrier
+      after(y);
+    }
+  }
+};
+
 // y = x W^T (+ bias): [M, K] bf16 or float32 -> [M, N] in x's dtype, or float32 with float32_out.
 // kv: the K/V prefetch streams the call's tiles feed (kv_prefetch.h), empty
 // outside the layer calls; only the dense tiles feed them (the block formats'
 // entries take and ignore them: the prefetch was measured in bf16 only).
-using GemmFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+// side: work for the GEMM's region (GemmSide), or null; y is returned with it done.
+using GemmFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                              const GemmSide* side);
 // silu(gate) * up from gate_up weights ([gate; up], N = 2 inter) -> [M, inter].
 using GemmSiluFn = at::Tensor (*)(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
 
@@ -60,23 +84,32 @@ struct FormatRow {
 };
 
 // Each format's entries (defined in its own file).
-at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q4_1_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q4_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q4_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q4_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q5_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q5_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q5_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q4_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q4_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q4_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q5_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q5_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q5_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor q6_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor q6_k_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor q6_k_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
-at::Tensor parts_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv);
+at::Tensor parts_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                     const GemmSide* side);
 at::Tensor parts_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv);
 
 // Indexed by WeightFormat.
@@ -102,8 +135,9 @@ inline const FormatRow& format_row(const PackedWeight& w) {
 
 // y = x W^T (+ W's bias) in W's format: what every caller (the layer calls,
 // the plan's Python loop, the head) runs; kv as GemmFn says (bindings.cpp passes none).
-inline at::Tensor packed_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv) {
-  return format_row(w).gemm(std::move(x), w, float32_out, kv);
+inline at::Tensor packed_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                              const GemmSide* side = nullptr) {
+  return format_row(w).gemm(std::move(x), w, float32_out, kv, side);
 }
 inline at::Tensor packed_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams& kv) {
   return format_row(w).gemm_silu(std::move(x), w, kv);

@@ -429,8 +429,9 @@ struct KqFormat {
 };
 
 #define TOKENMILL_KQ_ENTRIES(lower, F)                                                               \
-  at::Tensor lower##_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&) { \
-    return block_gemm::gemm<KqFormat<F>>(std::move(x), w, float32_out);                              \
+  at::Tensor lower##_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&,  \
+                          const GemmSide* side) {                                                    \
+    return block_gemm::gemm<KqFormat<F>>(std::move(x), w, float32_out, side);                        \
   }                                                                                                  \
   at::Tensor lower##_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&) {              \
     return block_gemm::gemm_silu<KqFormat<F>>(std::move(x), w);                                      \

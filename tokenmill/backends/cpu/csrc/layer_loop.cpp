@@ -107,8 +107,8 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       fused_add_rms_norm(h, residual, w.norm1, s.eps);
       x = h;
     }
-    at::Tensor qkv = packed_gemm(x, w.qkv, false, KvStreams{});  // (streams are filled after attention)
-    if (lora) lora_delta_step(qkv, x, *lora, i, kLoraQkv);  // (before RoPE and the cache write)
+    // (the streams are filled after attention; the delta comes before RoPE and the cache write)
+    at::Tensor qkv = lora ? lora_gemm(x, w.qkv, KvStreams{}, *lora, i, kLoraQkv) : packed_gemm(x, w.qkv, false, KvStreams{});
     rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots, w.q_norm,
                    w.k_norm, s.eps);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
@@ -134,21 +134,17 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       kv = KvStreams{streams.data(), nth};
     }
     const at::Tensor attn = out.view({m, q_size});
-    h = row_parallel(attn, w.o, tp, kv);
-    if (lora) lora_delta_step(h, attn, *lora, i, kLoraO);
+    h = lora ? lora_gemm(attn, w.o, kv, *lora, i, kLoraO) : row_parallel(attn, w.o, tp, kv);
     fused_add_rms_norm(h, residual, w.norm2, s.eps);
     at::Tensor act;
     if (lora) {  // (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
-      at::Tensor gate_up = packed_gemm(h, w.gate_up, false, kv);
-      lora_delta_step(gate_up, h, *lora, i, kLoraGateUp);
-      act = silu_and_mul(gate_up);
+      act = silu_and_mul(lora_gemm(h, w.gate_up, kv, *lora, i, kLoraGateUp));
     } else {
       // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
       const bool fused_silu = w.gate_up.n % 32 == 0;
       act = fused_silu ? packed_gemm_silu(h, w.gate_up, kv) : silu_and_mul(packed_gemm(h, w.gate_up, false, kv));
     }
-    h = row_parallel(act, w.down, tp, kv);
-    if (lora) lora_delta_step(h, act, *lora, i, kLoraDown);
+    h = lora ? lora_gemm(act, w.down, kv, *lora, i, kLoraDown) : row_parallel(act, w.down, tp, kv);
   }
   fused_add_rms_norm(h, residual, s.final_norm, s.eps);
   return h;

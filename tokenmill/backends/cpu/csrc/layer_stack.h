@@ -72,5 +72,7 @@ struct LoraStep {
 // The step's adapters checked against `layers` layers and `num_rows` rows.
 LoraStep lora_step(std::vector<const LoraAdapterWeights*> adapters, std::vector<at::Tensor> rows, size_t layers,
                    int64_t num_rows);
-// out [n, O] += each adapter's delta of x [n, I] on its rows, for one layer's projection (lora_delta.cpp).
-void lora_delta_step(at::Tensor& out, const at::Tensor& x, const LoraStep& lora, size_t layer, int projection);
+// packed_gemm(x, w) plus each adapter's delta of x [n, I] on its rows, for one
+// layer's projection, the delta in the GEMM's own region (formats.h GemmSide; lora_delta.cpp).
+at::Tensor lora_gemm(const at::Tensor& x, const PackedWeight& w, const KvStreams& kv, const LoraStep& lora,
+                     size_t layer, int projection);

@@ -1,6 +1,7 @@
 // LoRA adapters' delta (model/lora.py says what it computes): each adapter of
-// a step on its own rows, after a projection's kernel, inside the layer loop
-// (lora_delta_step) or from the plan's Python loop (lora_delta), one kernel.
+// a step on its own rows, in the projection GEMM's own parallel region inside
+// the layer loop (lora_gemm), or after it from the plan's Python loop
+// (lora_delta), one kernel.
 #include <torch/extension.h>
 
 #include "layer_stack.h"
@@ -161,68 +162,142 @@ int64_t panels(int64_t n, int64_t width) { return (n + width - 1) / width; }
 // own tile (so one row's shrink runs on two threads), summed by the expand.
 int64_t lora_half(int64_t in) { return in / 2; }
 
-struct LoraShrinkTile {  // adapter g's rows [row, row + 4) by its ranks' panel, one half of the inputs
+struct LoraShrinkTile {  // segment g's rows [row, row + 4) by its ranks' panel, one half of the inputs
   size_t g;
   int64_t row, panel;
   int half;
 };
-struct LoraExpandTile {  // adapter g's rows [row, row + 4) by its part's outputs' chunk
+struct LoraExpandTile {  // segment g's rows [row, row + 4) by its part's outputs' chunk
   size_t g;
   int64_t row;
   size_t part;
   int64_t chunk;
 };
+// One adapter's rows of a call, with the raw pointers its tiles read (taken
+// once a call: a tensor's data_ptr checks its type each time, measurably so
+// at one row) and where its two halves of h [2][n][h_ld] start.
+template <typename W>
+struct LoraSegment {
+  const LoraProjection* w;
+  const int64_t* rows;
+  int64_t n;
+  const W *a, *b;
+  const float* scale;
+  int64_t h_at, h_ld;
+};
 
+// out[r] += the delta of x[r] for each adapter's rows r, as GemmSide work
+// (formats.h): the shrink tiles before the GEMM's tiles (x only), the expand
+// tiles after them, on y. Its segments, tiles and h in buffers the building
+// thread keeps (no allocation a call); one job a thread at a time.
 template <typename T, typename W>
-void lora_projection_delta(T* out, int64_t out_ld, const T* x, int64_t x_ld,
-                           const std::vector<const LoraProjection*>& ws, const std::vector<const at::Tensor*>& rows) {
-  // The tiles of both passes, and each adapter's two halves of h [2][n][R padded] in one buffer.
-  std::vector<LoraShrinkTile> shrinks;
-  std::vector<LoraExpandTile> expands;
-  std::vector<int64_t> h_at(ws.size());
-  int64_t h_size = 0;
-  for (size_t g = 0; g < ws.size(); ++g) {
-    const int64_t n = rows[g]->numel(), rp = panels(ws[g]->rank, kLoraRanks);
-    h_at[g] = h_size;
-    h_size += 2 * n * rp * kLoraRanks;
-    for (int64_t t = 0; t < n; t += kLoraRows) {
-      for (int64_t p = 0; p < rp; ++p)
-        for (int half = 0; half < 2; ++half) shrinks.push_back({g, t, p, half});
-      for (size_t i = 0; i < ws[g]->parts.size(); ++i)
-        for (int64_t c = 0; c < panels(ws[g]->parts[i].out_hi - ws[g]->parts[i].out_lo, kLoraOuts); ++c)
-          expands.push_back({g, t, i, c});
+class LoraDelta final : public GemmSide {
+ public:
+  LoraDelta(const T* x, int64_t x_ld, const std::vector<const LoraProjection*>& ws,
+            const std::vector<const at::Tensor*>& rows)
+      : x_(x), x_ld_(x_ld) {
+    thread_local std::vector<LoraSegment<W>> segs;
+    thread_local std::vector<LoraShrinkTile> shrinks;
+    thread_local std::vector<LoraExpandTile> expands;
+    thread_local std::vector<float> h;
+    segs.clear();
+    shrinks.clear();
+    expands.clear();
+    int64_t h_size = 0;
+    for (size_t g = 0; g < ws.size(); ++g) {
+      const LoraProjection& w = *ws[g];
+      const int64_t n = rows[g]->numel(), h_ld = panels(w.rank, kLoraRanks) * kLoraRanks;
+      segs.push_back({&w, rows[g]->data_ptr<int64_t>(), n, w.a.data_ptr<W>(), w.b.data_ptr<W>(),
+                      w.scale.data_ptr<float>(), h_size, h_ld});
+      h_size += 2 * n * h_ld;
+      for (int64_t t = 0; t < n; t += kLoraRows) {
+        for (int64_t p = 0; p < h_ld / kLoraRanks; ++p)
+          for (int half = 0; half < 2; ++half) shrinks.push_back({g, t, p, half});
+        for (size_t i = 0; i < w.parts.size(); ++i)
+          for (int64_t c = 0; c < panels(w.parts[i].out_hi - w.parts[i].out_lo, kLoraOuts); ++c)
+            expands.push_back({g, t, i, c});
+      }
+    }
+    h.resize(static_cast<size_t>(h_size));  // (every value is written by the shrink)
+    h_ = h.data();
+    seg_ = segs.data();
+    shrink_ = shrinks.data();
+    expand_ = expands.data();
+    n_shrink_ = static_cast<int64_t>(shrinks.size());
+    n_expand_ = static_cast<int64_t>(expands.size());
+  }
+
+  bool wants_team() const override { return n_shrink_ + n_expand_ > 4; }
+
+  void before() const override {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n_shrink_; ++i) {
+      const LoraShrinkTile& s = shrink_[i];
+      const LoraSegment<W>& sg = seg_[s.g];
+      const int64_t in = sg.w->in, mid = lora_half(in), k0 = s.half ? mid : 0, k1 = s.half ? in : mid;
+      lora_shrink(x_, x_ld_, sg.rows + s.row, static_cast<int>(std::min<int64_t>(kLoraRows, sg.n - s.row)),
+                  sg.a + s.panel * in * kLoraRanks, k0, k1,
+                  h_ + sg.h_at + (s.half * sg.n + s.row) * sg.h_ld + s.panel * kLoraRanks, sg.h_ld);
     }
   }
-  std::vector<float> h(h_size);
-  const int64_t n_shrink = static_cast<int64_t>(shrinks.size()), n_expand = static_cast<int64_t>(expands.size());
-#pragma omp parallel if (n_shrink + n_expand > 4)
-  {
+
+  void after(const at::Tensor& y) const override {
+    T* const out = y.data_ptr<T>();
+    const int64_t out_ld = y.stride(0);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n_shrink; ++i) {
-      const LoraShrinkTile& s = shrinks[i];
-      const LoraProjection& w = *ws[s.g];
-      const int64_t n = rows[s.g]->numel(), h_ld = panels(w.rank, kLoraRanks) * kLoraRanks;
-      const int64_t mid = lora_half(w.in), k0 = s.half ? mid : 0, k1 = s.half ? w.in : mid;
-      lora_shrink(x, x_ld, rows[s.g]->data_ptr<int64_t>() + s.row,
-                  static_cast<int>(std::min<int64_t>(kLoraRows, n - s.row)),
-                  w.a.data_ptr<W>() + s.panel * w.in * kLoraRanks, k0, k1,
-                  h.data() + h_at[s.g] + (s.half * n + s.row) * h_ld + s.panel * kLoraRanks, h_ld);
-    }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n_expand; ++i) {
-      const LoraExpandTile& e = expands[i];
-      const LoraProjection& w = *ws[e.g];
-      const LoraPart& part = w.parts[e.part];
-      const int64_t n = rows[e.g]->numel(), h_ld = panels(w.rank, kLoraRanks) * kLoraRanks;
+    for (int64_t i = 0; i < n_expand_; ++i) {
+      const LoraExpandTile& e = expand_[i];
+      const LoraSegment<W>& sg = seg_[e.g];
+      const LoraPart& part = sg.w->parts[e.part];
       const int64_t rank = part.rank_hi - part.rank_lo, lo = part.out_lo + e.chunk * kLoraOuts;
-      const float* h0 = h.data() + h_at[e.g] + e.row * h_ld + part.rank_lo;
-      lora_expand(out + lo, out_ld, rows[e.g]->data_ptr<int64_t>() + e.row,
-                  static_cast<int>(std::min<int64_t>(kLoraRows, n - e.row)),
-                  w.b.data_ptr<W>() + part.offset + e.chunk * rank * kLoraOuts, rank, h0, h0 + n * h_ld,
-                  w.scale.data_ptr<float>() + part.rank_lo, h_ld,
-                  static_cast<int>(std::min<int64_t>(kLoraOuts, part.out_hi - lo)));
+      const float* h0 = h_ + sg.h_at + e.row * sg.h_ld + part.rank_lo;
+      lora_expand(out + lo, out_ld, sg.rows + e.row, static_cast<int>(std::min<int64_t>(kLoraRows, sg.n - e.row)),
+                  sg.b + part.offset + e.chunk * rank * kLoraOuts, rank, h0, h0 + sg.n * sg.h_ld,
+                  sg.scale + part.rank_lo, sg.h_ld, static_cast<int>(std::min<int64_t>(kLoraOuts, part.out_hi - lo)));
     }
   }
+
+ private:
+  const T* x_;
+  int64_t x_ld_;
+  float* h_;
+  const LoraSegment<W>* seg_;
+  const LoraShrinkTile* shrink_;
+  const LoraExpandTile* expand_;
+  int64_t n_shrink_, n_expand_;
+};
+
+// The step's adapters with rows and weights for (layer, projection), checked
+// against x [n, in] and `out` outputs; f.template operator()<T, W>(job) with
+// their job, T x's dtype and W the adapters'. False where none is adapted.
+template <typename F>
+bool with_lora_delta(const at::Tensor& x, int64_t out, const LoraStep& lora, size_t layer, int projection, F f) {
+  std::vector<const LoraProjection*> ws;
+  std::vector<const at::Tensor*> rows;
+  at::ScalarType wtype = at::kFloat;
+  for (size_t g = 0; g < lora.adapters.size(); ++g) {
+    const LoraProjection& w = lora.adapters[g]->projections[layer * kLoraProjections + projection];
+    if (!w.a.defined() || lora.rows[g].numel() == 0) continue;
+    TORCH_CHECK(w.in == x.size(1) && w.out == out, "lora_delta: adapter of ", w.in, " inputs and ", w.out,
+                " outputs, rows of ", x.size(1), " and ", out);
+    TORCH_CHECK(ws.empty() || w.a.scalar_type() == wtype, "lora_delta: the step's adapters in one dtype");
+    wtype = w.a.scalar_type();
+    ws.push_back(&w);
+    rows.push_back(&lora.rows[g]);
+  }
+  if (ws.empty()) return false;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lora_delta: x [n, I], rows contiguous");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "lora_delta: float32 or bfloat16 rows");
+  if (bf16 && wtype == at::kBFloat16)
+    f(LoraDelta<at::BFloat16, at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0), ws, rows));
+  else if (bf16)
+    f(LoraDelta<at::BFloat16, float>(x.data_ptr<at::BFloat16>(), x.stride(0), ws, rows));
+  else if (wtype == at::kBFloat16)
+    f(LoraDelta<float, at::BFloat16>(x.data_ptr<float>(), x.stride(0), ws, rows));
+  else
+    f(LoraDelta<float, float>(x.data_ptr<float>(), x.stride(0), ws, rows));
+  return true;
 }
 }  // namespace
 
@@ -278,49 +353,27 @@ LoraStep lora_step(std::vector<const LoraAdapterWeights*> adapters, std::vector<
   return LoraStep{std::move(adapters), std::move(rows)};
 }
 
-void lora_delta_step(at::Tensor& out, const at::Tensor& x, const LoraStep& lora, size_t layer, int projection) {
-  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
-                  x.stride(1) == 1 && out.scalar_type() == x.scalar_type(),
-              "lora_delta: out [n, O] and x [n, I] of one dtype, rows contiguous");
-  std::vector<const LoraProjection*> ws;
-  std::vector<const at::Tensor*> rows;
-  at::ScalarType wtype = at::kFloat;
-  for (size_t g = 0; g < lora.adapters.size(); ++g) {
-    const LoraProjection& w = lora.adapters[g]->projections[layer * kLoraProjections + projection];
-    if (!w.a.defined() || lora.rows[g].numel() == 0) continue;
-    TORCH_CHECK(w.in == x.size(1) && w.out == out.size(1), "lora_delta: adapter of ", w.in, " inputs and ", w.out,
-                " outputs, rows of ", x.size(1), " and ", out.size(1));
-    TORCH_CHECK(ws.empty() || w.a.scalar_type() == wtype, "lora_delta: the step's adapters in one dtype");
-    wtype = w.a.scalar_type();
-    ws.push_back(&w);
-    rows.push_back(&lora.rows[g]);
-  }
-  if (ws.empty()) return;
-  const bool bf16 = out.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || out.scalar_type() == at::kFloat, "lora_delta: float32 or bfloat16 rows");
-  if (bf16 && wtype == at::kBFloat16)
-    lora_projection_delta<at::BFloat16, at::BFloat16>(out.data_ptr<at::BFloat16>(), out.stride(0),
-                                                      x.data_ptr<at::BFloat16>(), x.stride(0), ws, rows);
-  else if (bf16)
-    lora_projection_delta<at::BFloat16, float>(out.data_ptr<at::BFloat16>(), out.stride(0),
-                                               x.data_ptr<at::BFloat16>(), x.stride(0), ws, rows);
-  else if (wtype == at::kBFloat16)
-    lora_projection_delta<float, at::BFloat16>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
-                                               x.stride(0), ws, rows);
-  else
-    lora_projection_delta<float, float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), ws,
-                                        rows);
+at::Tensor lora_gemm(const at::Tensor& x, const PackedWeight& w, const KvStreams& kv, const LoraStep& lora,
+                     size_t layer, int projection) {
+  at::Tensor y;
+  const bool adapted = with_lora_delta(x, w.n, lora, layer, projection,
+                                       [&](const GemmSide& job) { y = packed_gemm(x, w, false, kv, &job); });
+  return adapted ? y : packed_gemm(x, w, false, kv);
 }
 
-// lora_delta_step from Python (the plan's Python loop): the same kernel.
+// out += the delta on its own (the plan's Python loop): the same kernel.
 void lora_delta(at::Tensor out, at::Tensor x, std::vector<const LoraAdapterWeights*> lora_adapters,
                 std::vector<at::Tensor> lora_rows, int64_t layer, int64_t projection) {
   TORCH_CHECK(projection >= 0 && projection < kLoraProjections, "lora_delta: projection 0 to 3");
   TORCH_CHECK(!lora_adapters.empty() && layer >= 0 &&
                   static_cast<size_t>(layer) < lora_adapters[0]->projections.size() / kLoraProjections,
               "lora_delta: a layer of the adapters");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type(),
+              "lora_delta: out [n, O] and x [n, I] of one dtype, rows contiguous");
   const size_t layers = lora_adapters[0]->projections.size() / kLoraProjections;
   const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), layers, out.size(0));
   NoGil no_gil;
-  lora_delta_step(out, x, step, static_cast<size_t>(layer), static_cast<int>(projection));
+  with_lora_delta(x, out.size(1), step, static_cast<size_t>(layer), static_cast<int>(projection),
+                  [&](const GemmSide& job) { job.alone(out); });
 }

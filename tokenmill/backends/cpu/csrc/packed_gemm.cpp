@@ -500,8 +500,10 @@ void rows_kv(const GemmArgs& a, int64_t m0, int64_t m1, const char* const* w, in
 // Rows are split only when there are too few groups to keep every thread busy
 // (few outputs, many rows). Each task feeds its thread's stream of kv where it
 // has rows to go (kv_prefetch.h KvStreams).
+// side, y: GemmSide's work in the tiles' region (null: none).
 template <bool BF16, bool SILU = false>
-void run(const GemmArgs& a_in, int64_t M, int64_t nblocks, const KvStreams& kv) {
+void run(const GemmArgs& a_in, int64_t M, int64_t nblocks, const KvStreams& kv, const GemmSide* side = nullptr,
+         const at::Tensor* y = nullptr) {
   GemmArgs a = a_in;
   constexpr int64_t GB = SILU ? 2 : kGroupBlocks;  // output blocks a group
   const int64_t blk = (BF16 ? a.K / 2 : a.K) * 64;
@@ -556,7 +558,10 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks, const KvStreams& kv) 
     }
     return nb;
   };
-#pragma omp parallel for schedule(static)
+#pragma omp parallel
+  {
+  if (side) side->before();
+#pragma omp for schedule(static)
   for (int64_t task = 0; task < groups * chunks; ++task) {
     const int64_t g = task / chunks, c = task % chunks;
     const char* w[2 * GB];
@@ -575,11 +580,13 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks, const KvStreams& kv) 
       else rows_kv<BF16, 1>(a, m0, m1, w, col, pf, stream);
     }
   }
+  if (side) side->after(*y);  // (after the loop's barrier)
+  }
 }
 
 // Each group of blocks reads all of its rows of x: past a few hundred rows x
 // no longer stays in cache between groups, so the rows go in stretches of 512.
-// f(part, rows).
+// f(part, first row, rows).
 template <typename F>
 void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::Tensor& y, F f) {
   constexpr int64_t stretch = 512;
@@ -589,7 +596,7 @@ void in_stretches(const GemmArgs& a, int64_t M, const at::Tensor& x, const at::T
     part.x = static_cast<const char*>(a.x) + m0 * x_row;
     if (part.y16) part.y16 = reinterpret_cast<uint16_t*>(reinterpret_cast<char*>(a.y16) + m0 * y_row);
     if (part.y32) part.y32 = reinterpret_cast<float*>(reinterpret_cast<char*>(a.y32) + m0 * y_row);
-    f(part, std::min(stretch, M - m0));
+    f(part, m0, std::min(stretch, M - m0));
   }
 }
 
@@ -613,7 +620,8 @@ void check_dense(const at::Tensor& x, const PackedWeight& w, const char* op) {
 
 std::vector<std::string> packed_gemm_dtypes() { return {"bfloat16", "float32"}; }
 
-at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv) {
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams& kv,
+                      const GemmSide* side) {
   NoGil no_gil;
   check_dense(x, w, "packed_gemm");
   const bool bf16 = w.format == WeightFormat::kBF16;
@@ -629,12 +637,19 @@ at::Tensor dense_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, con
   }
   const bool out32 = float32_out || !bf16;
   at::Tensor y = at::empty({M, n_out}, x.options().dtype(out32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
+  if (M == 0) {
+    if (side) side->alone(y);
+    return y;
+  }
   GemmArgs a{x.data_ptr(), packed.data_ptr(), bias32.defined() ? bias32.data_ptr<float>() : nullptr,
              out32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              out32 ? y.data_ptr<float>() : nullptr, K, n_out};
-  if (bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true>(part, rows, nblocks, kv); });
-  else in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false>(part, rows, nblocks, kv); });
+  // The side work in the last stretch's region, where every row of y is written by its end.
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t m0, int64_t rows) {
+    const GemmSide* s = m0 + rows == M ? side : nullptr;
+    if (bf16) run<true>(part, rows, nblocks, kv, s, &y);
+    else run<false>(part, rows, nblocks, kv, s, &y);
+  });
   return y;
 }
 
@@ -654,7 +669,7 @@ at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.data.size(0), inter = w.n / 2;
   TORCH_CHECK(w.n % 32 == 0 && !(w.bias.defined() && w.bias.numel() > 0),
               "packed_gemm_silu: gate_up needs N = 2 inter, inter a multiple of 16, and no bias");
-  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(dense_gemm(x, w, false, kv));
+  if (!bf16 && TOKENMILL_GEMM_BF16) return silu_and_mul(dense_gemm(x, w, false, kv, nullptr));
   x = x.contiguous();
   const at::Tensor packed = w.data.contiguous();
   at::Tensor y = at::empty({M, inter}, x.options());
@@ -664,15 +679,15 @@ at::Tensor dense_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&
              bf16 ? nullptr : y.data_ptr<float>(), K, inter};
   // (bf16 in both builds, float32 in the AVX2 one)
 #if !TOKENMILL_GEMM_BF16
-  if (!bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<false, true>(part, rows, nblocks, kv); });
+  if (!bf16) in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t, int64_t rows) { run<false, true>(part, rows, nblocks, kv); });
   else
 #endif
-  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t rows) { run<true, true>(part, rows, nblocks, kv); });
+  in_stretches(a, M, x, y, [&](const GemmArgs& part, int64_t, int64_t rows) { run<true, true>(part, rows, nblocks, kv); });
   return y;
 }
 #else
 std::vector<std::string> packed_gemm_dtypes() { return {}; }
-at::Tensor dense_gemm(at::Tensor x, const PackedWeight&, bool, const KvStreams&) {
+at::Tensor dense_gemm(at::Tensor x, const PackedWeight&, bool, const KvStreams&, const GemmSide*) {
   TORCH_CHECK(false, "packed_gemm needs AVX512-BF16 or AVX2 with FMA (built without them)");
   return x;
 }

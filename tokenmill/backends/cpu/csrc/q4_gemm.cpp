@@ -266,8 +266,9 @@ struct Q4_1Format {
   }
 };
 
-at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&) {
-  return block_gemm::gemm<Q4_1Format>(std::move(x), w, float32_out);
+at::Tensor q4_1_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&,
+                     const GemmSide* side) {
+  return block_gemm::gemm<Q4_1Format>(std::move(x), w, float32_out, side);
 }
 at::Tensor q4_1_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&) {
   return block_gemm::gemm_silu<Q4_1Format>(std::move(x), w);

@@ -287,8 +287,9 @@ struct Q8_0Format {
   }
 };
 
-at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&) {
-  return block_gemm::gemm<Q8_0Format>(std::move(x), w, float32_out);
+at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, const KvStreams&,
+                     const GemmSide* side) {
+  return block_gemm::gemm<Q8_0Format>(std::move(x), w, float32_out, side);
 }
 at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&) {
   return block_gemm::gemm_silu<Q8_0Format>(std::move(x), w);
