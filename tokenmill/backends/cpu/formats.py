@@ -192,10 +192,12 @@ def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
     nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
     body = [nibbles.reshape(groups, nb, chunks, 256)]
     if fmt.high_bits:
-        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int16)
         bits = torch.stack([(q >> (4 + b)) & 1 for b in range(fmt.high_bits)], dim=5)  # (g, j, sb, c, kk, b, h, t)
         bits = bits.permute(0, 2, 3, 4, 5, 6, 1, 7).reshape(groups, nb, chunks, 4, fmt.high_bits, 2, 8, 8)
-        masks = (bits.to(torch.int16) * weights).sum(-1).to(torch.uint8)  # bit p = 4 j + t of 8 bytes
+        # bit p = 4 j + t of 8 bytes, OR-ed in uint8 (an int16 weighted sum over the 8 took ~10x as long: 3 s of a 1B load)
+        masks = bits[..., 0].clone()
+        for i in range(1, 8):
+            masks |= bits[..., i] << i
         body.append(masks.reshape(groups, nb, chunks, 64 * fmt.high_bits))
     parts.append(torch.cat(body, dim=-1).reshape(groups, nb, -1))
     packed = torch.cat(parts, dim=-1)
