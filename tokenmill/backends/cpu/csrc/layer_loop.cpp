@@ -108,7 +108,8 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       x = h;
     }
     // (the streams are filled after attention; the delta comes before RoPE and the cache write)
-    at::Tensor qkv = lora ? lora_gemm(x, w.qkv, KvStreams{}, *lora, i, kLoraQkv) : packed_gemm(x, w.qkv, false, KvStreams{});
+    at::Tensor qkv = lora ? lora_gemm(x, w.qkv, KvStreams{}, *lora, i, kLoraQkv)
+                          : packed_gemm(x, w.qkv, false, KvStreams{});
     rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots, w.q_norm,
                    w.k_norm, s.eps);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});

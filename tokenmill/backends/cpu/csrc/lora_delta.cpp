@@ -268,8 +268,8 @@ class LoraDelta final : public GemmSide {
 };
 
 // The step's adapters with rows and weights for (layer, projection), checked
-// against x [n, in] and `out` outputs; f.template operator()<T, W>(job) with
-// their job, T x's dtype and W the adapters'. False where none is adapted.
+// against x [n, in] and `out` outputs; f(job) with their LoraDelta (as a
+// GemmSide), typed by x's dtype and the adapters'. False where none is adapted.
 template <typename F>
 bool with_lora_delta(const at::Tensor& x, int64_t out, const LoraStep& lora, size_t layer, int projection, F f) {
   std::vector<const LoraProjection*> ws;

@@ -560,27 +560,27 @@ void run(const GemmArgs& a_in, int64_t M, int64_t nblocks, const KvStreams& kv, 
   };
 #pragma omp parallel
   {
-  if (side) side->before();
+    if (side) side->before();
 #pragma omp for schedule(static)
-  for (int64_t task = 0; task < groups * chunks; ++task) {
-    const int64_t g = task / chunks, c = task % chunks;
-    const char* w[2 * GB];
-    const char* next[2 * GB];
-    const int64_t nb = blocks(g, w), col = g * GB;
-    // The first tile over this group's weights prefetches the next group's (a whole one).
-    const char* const* pf = c == 0 && g + 1 < groups && blocks(g + 1, next) == GB ? next : nullptr;
-    const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
-    KvPrefetch* const stream = kv.streams ? kv.of_thread(omp_get_thread_num()) : nullptr;
-    if constexpr (SILU) {
-      if (nb == 2) rows_kv<BF16, 4, true>(a, m0, m1, w, col, pf, stream);
-      else rows_kv<BF16, 2, true>(a, m0, m1, w, col, pf, stream);
-    } else {
-      if (nb == 3) rows_kv<BF16, 3>(a, m0, m1, w, col, pf, stream);
-      else if (nb == 2) rows_kv<BF16, 2>(a, m0, m1, w, col, pf, stream);
-      else rows_kv<BF16, 1>(a, m0, m1, w, col, pf, stream);
+    for (int64_t task = 0; task < groups * chunks; ++task) {
+      const int64_t g = task / chunks, c = task % chunks;
+      const char* w[2 * GB];
+      const char* next[2 * GB];
+      const int64_t nb = blocks(g, w), col = g * GB;
+      // The first tile over this group's weights prefetches the next group's (a whole one).
+      const char* const* pf = c == 0 && g + 1 < groups && blocks(g + 1, next) == GB ? next : nullptr;
+      const int64_t m0 = c * row_chunk, m1 = std::min(M, m0 + row_chunk);
+      KvPrefetch* const stream = kv.streams ? kv.of_thread(omp_get_thread_num()) : nullptr;
+      if constexpr (SILU) {
+        if (nb == 2) rows_kv<BF16, 4, true>(a, m0, m1, w, col, pf, stream);
+        else rows_kv<BF16, 2, true>(a, m0, m1, w, col, pf, stream);
+      } else {
+        if (nb == 3) rows_kv<BF16, 3>(a, m0, m1, w, col, pf, stream);
+        else if (nb == 2) rows_kv<BF16, 2>(a, m0, m1, w, col, pf, stream);
+        else rows_kv<BF16, 1>(a, m0, m1, w, col, pf, stream);
+      }
     }
-  }
-  if (side) side->after(*y);  // (after the loop's barrier)
+    if (side) side->after(*y);  // (after the loop's barrier)
   }
 }
 
