@@ -1,6 +1,6 @@
 """Where a small decode step's time goes outside the weight GEMMs (issue 34).
 
-    PYTHONPATH=. python benchmarks/decode_parts.py [--batches 1,4] [--quantization q8_0] [--context 256]
+    PYTHONPATH=. python benchmarks/decode_parts.py [--model M] [--batches 1,4] [--quantization q8_0] [--context 256]
 
 B requests of throughput-A's 128-token prompts decode (greedy) until the
 context reaches --context; the last decode step's inputs are kept and each
@@ -67,23 +67,24 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
                 loop()
         return
     ops = plan.ops
-    xs = {k: torch.zeros(batch, k, dtype=torch.bfloat16) for k in (576, plan.q_size, 1536)}
+    hidden, inter = plan.layers[0].norm1.numel(), plan.layers[0].down.k
+    xs = {k: torch.zeros(batch, k, dtype=torch.bfloat16) for k in (hidden, plan.q_size, inter)}
 
     def gemms() -> None:
         for lay in plan.layers:
-            ops.packed_gemm(xs[576], lay.qkv, False)
+            ops.packed_gemm(xs[hidden], lay.qkv, False)
             ops.packed_gemm(xs[plan.q_size], lay.o, False)
-            a = ops.packed_gemm_silu(xs[576], lay.gate_up)
+            a = ops.packed_gemm_silu(xs[hidden], lay.gate_up)
             ops.packed_gemm(a, lay.down, False)
 
     empty = {k: x[:0] for k, x in xs.items()}
 
     def null_calls() -> None:  # the Python + pybind cost of gemms' calls: the same calls on no rows
         for lay in plan.layers:
-            ops.packed_gemm(empty[576], lay.qkv, False)
+            ops.packed_gemm(empty[hidden], lay.qkv, False)
             ops.packed_gemm(empty[plan.q_size], lay.o, False)
-            ops.packed_gemm_silu(empty[576], lay.gate_up)
-            ops.packed_gemm(empty[1536], lay.down, False)
+            ops.packed_gemm_silu(empty[hidden], lay.gate_up)
+            ops.packed_gemm(empty[inter], lay.down, False)
 
     with torch.inference_mode():
         res = {
@@ -104,6 +105,7 @@ def parts(plan: Any, runner: Any, captured: dict[str, Any], orig_prepare: Callab
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the default model)")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=60)
@@ -115,11 +117,11 @@ def main() -> None:
     from tokenmill.backends.cpu.plan import CpuPlan
     from tokenmill.bench.workloads import throughput_a
 
-    llm = LLM(None, dtype="bfloat16", quantization=args.quantization)
+    llm = LLM(args.model, dtype="bfloat16", quantization=args.quantization)
     eng = llm.engine
     runner = eng.runner
     plan = runner.forward
-    assert isinstance(plan, CpuPlan), "the CPU plan serves the default model"
+    assert isinstance(plan, CpuPlan), "the CPU plan serves the model"
     prompts = throughput_a(128).prompts
     captured: dict[str, Any] = {}
     orig_prepare = runner._prepare_inputs

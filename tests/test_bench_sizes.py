@@ -215,17 +215,19 @@ def phase(streams: int, per_stream: float, total: float) -> PhaseReport:
 def test_table_and_ratios_from_fake_rows(tmp_path: Path) -> None:
     tm = SizesRow("1b", "q4_k_m", "tokenmill", load_s=20.0, rss_after_load_mib=3000, peak_rss_mib=3500,
                   phases={"1": phase(1, 40.0, 39.0), "4": phase(4, 30.0, 120.0)}, ttft_512_ms=1000.0,
-                  pp512_tok_s=512.0, tg128_tok_s=41.0, roofline_tok_s=80.0)
+                  pp512_tok_s=512.0, tg128_tok_s=41.0, bandwidth_gb_s=52.0, roofline_tok_s=80.0)
     llama = SizesRow("1b", "q4_k_m", "llama", load_s=2.0, rss_after_load_mib=1500, peak_rss_mib=1600,
                      phases={"1": phase(1, 50.0, 49.0), "4": phase(4, 15.0, 60.0)}, ttft_512_ms=2000.0,
-                     llama_bench={"pp512": 225.0, "tg128": 46.0})
+                     llama_bench={"pp512": 225.0, "tg128": 46.0}, bandwidth_gb_s=65.0, roofline_tok_s=100.0)
     skipped = SizesRow("8b", "bf16", "tokenmill", skipped="skipped: needs 17.8 GiB")
     table = sizes_bench.format_table([tm, llama, skipped], [1, 4])
-    assert "| 1b | Q4_K_M GGUF | tokenmill | 40.0 | 120 | 80.0 | 50% | 1000 | 512 / 41.0 | - | 20.0 | 3000 | 3500 |" in table
+    assert ("| 1b | Q4_K_M GGUF | tokenmill | 40.0 | 120 | 52.0 | 80.0 | 50% | 1000 | 512 / 41.0 | - | 20.0 | 3000 "
+            "| 3500 |") in table
     assert "| 225 / 46.0 |" in table
     assert "| 8b | bf16 directory | tokenmill | skipped: needs 17.8 GiB |" in table
-    assert ("- 1b q4_k_m, tokenmill / llama: 1 stream 0.80x, 4 streams 2.00x, 512-token TTFT 0.50x, "
-            "load time 10.00x, RSS after load 2.00x") in table
+    # Each at its own minute's roofline: 40 / 80 against 50 / 100.
+    assert ("- 1b q4_k_m, tokenmill / llama: 1 stream 0.80x, 4 streams 2.00x, 1 stream / own roofline 1.00x, "
+            "512-token TTFT 0.50x, load time 10.00x, RSS after load 2.00x") in table
     # --report-only reads the rows back from their JSON.
     path = tmp_path / f"{tm.label}.json"
     path.write_text(json.dumps(sizes_bench.asdict(tm)))
@@ -258,6 +260,7 @@ def test_a_row_against_a_fake_server(fake_script: Path, tmp_path: Path) -> None:
     assert 5 < row.rss_after_load_mib <= row.peak_rss_mib
     assert row.ttft_512_ms is not None and row.ttft_512_ms >= FIRST_S * 1000
     assert row.pp512_tok_s == pytest.approx(512 / (row.ttft_512_ms / 1000))
+    assert row.bandwidth_gb_s is not None and row.bandwidth_gb_s > 0  # measured beside the 1-stream phase
     assert row.tg128_tok_s is not None and 5 < row.tg128_tok_s <= 1 / GAP_S * 1.05
 
 

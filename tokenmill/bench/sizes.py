@@ -11,7 +11,9 @@ tok/s), the 512-token prompt's TTFT, pp512 and tg128 through HTTP (the definitio
 `llama-bench`, which also runs on each llama.cpp file), load time (process start to
 /health ready), RSS after load and peak RSS (the server's process tree, from /proc,
 sampled: procmem.py), and the B=1 memory roofline of the weight bytes it reads
-(interactive.ceilings_from, bench/roofline.py's read bandwidth).
+(interactive.ceilings_from) at the read bandwidth measured right before and after the
+row's 1-stream phase (bench/roofline.py; the mean of the two): this VM's bandwidth moves
+20-40% between minutes, so a roofline from another minute says little about the row.
 
 A server starts only where MemAvailable holds its weights + the KV cache + a margin;
 otherwise the row says it was skipped and why. While one runs, MemAvailable under the
@@ -76,7 +78,8 @@ class SizesRow:
     tg128_tok_s: float | None = None  # 1000 / TPOT of 128 tokens after a 1-token prompt
     llama_bench: dict[str, float] = field(default_factory=dict)  # "pp512", "tg128": t/s
     weight_bytes: float | None = None  # what the server reads a token at B=1
-    roofline_tok_s: float | None = None  # that over the read bandwidth (+ 256 tokens of K/V)
+    bandwidth_gb_s: float | None = None  # read bandwidth beside the 1-stream phase (before / after, mean)
+    roofline_tok_s: float | None = None  # weight_bytes over that bandwidth (+ 256 tokens of K/V)
     skipped: str = ""
     error: str = ""
 
@@ -235,7 +238,10 @@ def run_server_row(row: SizesRow, spec: ServerSpec, w: Sizes, args: argparse.Nam
                 raise RuntimeError(f"{row.label}: the warm-up request failed: {warm.errors}")
             for s, prompts in w.phases.items():
                 bodies = [[completion(spec.model, p, n) for p in stream] for stream in prompts]
+                before = row_bandwidth() if s == 1 else None
                 row.phases[str(s)], _ = run_phase(f"{s} stream(s)", spec.base_url, path, bodies)
+                if before is not None:
+                    row.bandwidth_gb_s = (before + row_bandwidth()) / 2
             ttfts = []
             for p in w.long:
                 rep, _ = run_phase("512-token prompt", spec.base_url, path, [[completion(spec.model, p, 1)]])
@@ -251,6 +257,13 @@ def run_server_row(row: SizesRow, spec: ServerSpec, w: Sizes, args: argparse.Nam
             if sampler.low_memory:
                 row.error = (f"stopped: MemAvailable fell under {guard_bytes / GIB:.1f} GiB "
                              f"(peak RSS {row.peak_rss_mib:.0f} MiB)")
+
+
+def row_bandwidth() -> float:
+    """The read bandwidth now (GB/s), the server idle: the best of 5 sums over 512 MiB."""
+    from tokenmill.bench.roofline import measure_read_bandwidth
+
+    return measure_read_bandwidth(num_bytes=1 << 29)
 
 
 def run_llama_bench(llama_cpp: LlamaCpp, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -289,7 +302,7 @@ def _phase(row: SizesRow, streams: int, attr: str) -> float | None:
 def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
     head = ["shape", "format", "server",
             *("1 stream tok/s" if s == 1 else f"{s} streams total tok/s" for s in stream_counts),
-            "B=1 roofline tok/s", "1 stream / roofline", "512-token TTFT ms", "pp512 / tg128 t/s",
+            "read GB/s", "B=1 roofline tok/s", "1 stream / roofline", "512-token TTFT ms", "pp512 / tg128 t/s",
             "llama-bench pp512 / tg128", "load s", "RSS after load MiB", "peak RSS MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -305,7 +318,8 @@ def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
         bench = (f"{_f(r.llama_bench.get('pp512'))} / {_f(r.llama_bench.get('tg128'), '.1f')}"
                  if r.llama_bench else "-")
         lines.append(
-            f"| {r.shape} | {fmt} | {r.server} | " + " | ".join(rates) + f" | {_f(r.roofline_tok_s, '.1f')} | "
+            f"| {r.shape} | {fmt} | {r.server} | " + " | ".join(rates) + f" | {_f(r.bandwidth_gb_s, '.1f')} | "
+            f"{_f(r.roofline_tok_s, '.1f')} | "
             f"{'-' if ratio is None else f'{ratio:.0%}'} | {_f(r.ttft_512_ms)} | "
             f"{_f(r.pp512_tok_s)} / {_f(r.tg128_tok_s, '.1f')} | {bench} | {_f(r.load_s, '.1f')} | "
             f"{_f(r.rss_after_load_mib)} | {_f(r.peak_rss_mib)} |"
@@ -333,6 +347,9 @@ def ratio_lines(rows: list[SizesRow], stream_counts: list[int]) -> list[str]:
                 a, b = _phase(tm, s, attr), _phase(peer, s, attr)
                 if a and b:
                     parts.append(f"{s} stream{'s' if s > 1 else ''} {a / b:.2f}x")
+            a, b = _phase(tm, 1, "per_stream_tok_s"), _phase(peer, 1, "per_stream_tok_s")
+            if a and b and tm.roofline_tok_s and peer.roofline_tok_s:  # each at its own minute's bandwidth
+                parts.append(f"1 stream / own roofline {(a / tm.roofline_tok_s) / (b / peer.roofline_tok_s):.2f}x")
             for what, a, b in (("512-token TTFT", tm.ttft_512_ms, peer.ttft_512_ms),
                                ("load time", tm.load_s, peer.load_s),
                                ("RSS after load", tm.rss_after_load_mib, peer.rss_after_load_mib)):
@@ -381,7 +398,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-venv", default="/work/venv-vllm" if Path("/work/venv-vllm").exists() else ".venv-vllm")
     p.add_argument("--vllm-max-num-batched-tokens", type=int, default=512)
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
-    p.add_argument("--skip-ceilings", action="store_true", help="reuse the saved read bandwidth")
     p.add_argument("--prepare-only", action="store_true", help="make the model files, run nothing")
     p.add_argument("--report-only", action="store_true", help="the table from the saved JSON")
     p.add_argument("--output-dir", default="docs/bench/sizes")
@@ -429,41 +445,29 @@ def main_sizes(args: argparse.Namespace) -> int:
                 print(f"{key} {what}: {path} ({path_bytes(path) / GIB:.2f} GiB)")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    bandwidth = measure_bandwidth(out, args.skip_ceilings)
     w = sizes(tuple(stream_counts), args.requests_one)
     for row in rows:
         if not row.skipped:
-            run_row(row, files[row.shape], w, args, out, llama_cpp, bandwidth)
+            run_row(row, files[row.shape], w, args, out, llama_cpp)
         (out / f"{row.label}.json").write_text(json.dumps(asdict(row), indent=2) + "\n")
     table = format_table(rows, stream_counts)
     from tokenmill.bench.report import machine_description
 
     (out / "sizes.md").write_text(f"`tokenmill {shlex.join(sys.argv[1:])}`\n\n"
-                                  f"Machine: {machine_description()}; read bandwidth {bandwidth:.1f} GB/s.\n\n"
+                                  f"Machine: {machine_description()}; each row's roofline at the read "
+                                  f"bandwidth measured beside its 1-stream phase.\n\n"
                                   f"{table}\n")
     print(table)
     return 1 if any(r.error for r in rows) else 0
 
 
-def measure_bandwidth(out: Path, reuse: bool) -> float:
-    path = out / "ceilings.json"
-    if reuse and path.exists():
-        return float(json.loads(path.read_text())["bandwidth_gb_s"])
-    from tokenmill.bench.roofline import measure_read_bandwidth
-
-    bw = max(measure_read_bandwidth() for _ in range(2))
-    path.write_text(json.dumps({"bandwidth_gb_s": bw}) + "\n")
-    return bw
-
-
 def run_row(row: SizesRow, files: dict[str, Path], w: Sizes, args: argparse.Namespace, out: Path,
-            llama_cpp: LlamaCpp, bandwidth_gb_s: float) -> None:
+            llama_cpp: LlamaCpp) -> None:
     shape = SHAPES[row.shape]
     model = files["dir"] if (row.fmt == "bf16" and row.server != "llama") else files[row.fmt]
     row.model_file = str(model)
     gguf = files.get(row.fmt) if (row.fmt != "bf16" or row.server == "llama") else None
     file_gguf_bytes = gguf_weight_bytes(gguf) if gguf is not None else None
-    row.weight_bytes, row.roofline_tok_s = roofline_for(row, shape, bandwidth_gb_s, file_gguf_bytes)
     need = (held_weight_bytes(row, shape, path_bytes(model)) + args.kv_cache_memory_bytes
             + args.memory_margin_gib * GIB)
     row.skipped = memory_shortfall(need, mem_available_bytes())
@@ -474,6 +478,8 @@ def run_row(row: SizesRow, files: dict[str, Path], w: Sizes, args: argparse.Name
         spec = server_spec(row, shape, model, args, llama_cpp)
         row.settings = spec.settings
         run_server_row(row, spec, w, args, out, int(args.memory_guard_gib * GIB))
+        if row.bandwidth_gb_s:
+            row.weight_bytes, row.roofline_tok_s = roofline_for(row, shape, row.bandwidth_gb_s, file_gguf_bytes)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
         row.error = row.error or str(e)
     if row.server == "llama" and args.llama_bench and not row.error:
