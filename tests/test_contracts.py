@@ -98,6 +98,27 @@ def test_llm_applies_process_settings_unless_told_not_to_and_an_engine_never(tin
         gc.freeze()  # as the other tests' LLMs left it
 
 
+def test_an_engine_gives_loading_s_freed_memory_back_before_it_allocates_the_kv_cache(
+        tiny_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokenmill.engine.llm_engine as llm_engine
+
+    calls: list[str] = []
+    runner = llm_engine.ModelRunner
+
+    def trim() -> bool:
+        calls.append("trim")
+        return True
+
+    def make_runner(*args: Any, **kwargs: Any) -> Any:
+        calls.append("runner (the KV cache)")
+        return runner(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "trim_heap", trim)
+    monkeypatch.setattr(llm_engine, "ModelRunner", make_runner)
+    LLMEngine.from_engine_args(EngineArgs(model=tiny_path, **TINY))
+    assert calls == ["trim", "runner (the KV cache)"]
+
+
 # ---- step() and n > 1 ------------------------------------------------------------------
 
 

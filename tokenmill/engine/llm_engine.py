@@ -38,6 +38,7 @@ from tokenmill.engine.client import CacheFacts, EngineFacts, PromptType
 from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
+from tokenmill.engine.process_settings import trim_heap
 from tokenmill.engine.structured import GrammarCompiler
 from tokenmill.model.bert import EncoderModel
 from tokenmill.model.llama import LlamaForCausalLM
@@ -203,6 +204,10 @@ class LLMEngine:
             assert isinstance(model, LlamaForCausalLM)  # (_serves refused hf_overrides for an encoder)
             classifier_head = model.head_rows(ids)
         forward = chosen_forward(model, self.dtype, self.device, self.cpu_options)
+        # Loading's and packing's freed temporaries, which fragmentation keeps in glibc's
+        # heap, go back before the KV cache is allocated beside them: the peak RSS and the
+        # RSS after load (a 1B Q4_K_M GGUF: ~780 MiB; docs/perf-notes.md).
+        trim_heap()
         disk = self._kv_offload(model.spec, type(forward).__name__)
         if self.tp is not None:  # every forward goes to the other ranks too
             forward = self.tp.driver(forward)
