@@ -111,7 +111,7 @@ def test_kq_gemm_against_the_dequantized_weights(name: str, dtype: torch.dtype) 
     fmt = KQUANT_FORMATS[name]
     n, k = 72, 768 if fmt.block_values == 256 else 96
     blocks = _random_blocks(fmt, n, k, seed=list(KQUANT_FORMATS).index(name))
-    packed = pack_kquant(fmt, blocks)
+    packed = pack_kquant(ops, fmt, blocks)
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (5, k // fmt.block_values, kquant_block_bytes(fmt))
     weight = _gguf_values(fmt, blocks)
     torch.manual_seed(0)

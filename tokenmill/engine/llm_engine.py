@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.backends.cpu.memory import trim_heap
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import (
     CacheConfig,
@@ -38,7 +39,6 @@ from tokenmill.engine.client import CacheFacts, EngineFacts, PromptType
 from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
-from tokenmill.engine.process_settings import trim_heap
 from tokenmill.engine.structured import GrammarCompiler
 from tokenmill.model.bert import EncoderModel
 from tokenmill.model.llama import LlamaForCausalLM

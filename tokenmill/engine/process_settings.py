@@ -9,6 +9,8 @@ import ctypes
 import gc
 import platform
 
+from tokenmill.backends.cpu.memory import trim_heap
+
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -53,20 +55,3 @@ def give_back_freed_memory() -> bool:
     another C library."""
     gc.collect()
     return trim_heap()
-
-
-def trim_heap() -> bool:
-    """Have glibc return the free pages of every heap to the system
-    (malloc_trim(0); it ignores the trim threshold keep_freed_memory raised):
-    memory freed but held by fragmentation, as loading's temporaries are (a
-    1B Q4_K_M GGUF: ~780 MiB). Well under a millisecond on a small heap. False
-    (nothing done) with another C library."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    malloc_trim(0)
-    return True

@@ -29,7 +29,6 @@ from tokenmill.backends.cpu.memory import mapped_zeros
 from tokenmill.model.quantization import (
     KQUANT_FORMATS,
     KQuantFormat,
-    kquant_fields,
     kquant_of,
     kquant_parts_of,
     q4_0_as_q4_1,
@@ -54,6 +53,8 @@ class PackingOps(Protocol):
 
     def weight_formats(self) -> list[str]: ...
 
+    def kq_pack(self, fmt: str, blocks: torch.Tensor, out: torch.Tensor) -> None: ...
+
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
                      bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
 
@@ -63,8 +64,8 @@ class WeightFormat:
     name: str
     kernel: str  # the C++ row that computes on it (csrc/formats.h kFormats' names)
     bytes_per_weight: float
-    # the source as `source_of` gives it -> (packed data, out features, in features)
-    pack: Callable[[Any], tuple[torch.Tensor, int, int]]
+    # (the C++ module, the source as `source_of` gives it) -> (packed data, out features, in features)
+    pack: Callable[[PackingOps, Any], tuple[torch.Tensor, int, int]]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -159,7 +160,7 @@ def kquant_block_bytes(fmt: KQuantFormat) -> int:
     return header + fmt.block_values // 32 * (256 + 64 * fmt.high_bits)
 
 
-def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
+def pack_kquant(ops: PackingOps, fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks of `fmt` (uint8 [N, K / SB, block_bytes], model/quantization.py's
     layouts) -> the layout csrc/kq_gemm.cpp reads front to back, zero rows padding N
     to a multiple of 16: uint8 [ceil(N/16), K / SB, kquant_block_bytes(fmt)], each
@@ -168,65 +169,36 @@ def pack_kquant(fmt: KQuantFormat, blocks: torch.Tensor) -> torch.Tensor:
     lane j's mn of sub-block 2 p + t), then per 32 inputs the q's low nibbles as q4_gemm's
     operands (for 8 inputs kk, byte 4 j + t: q[j][8 kk + t] low, q[j][8 kk + 4 + t]
     high) and their high bits as 64-bit masks (bit 4 j + t; for each kk and bit, the
-    low operand's then the high one's). On huge pages (mapped_zeros), as pack_weight."""
-    n, nb = blocks.shape[0], blocks.shape[1]
-    groups = -(-n // 16)
-    if groups * 16 != n:
-        blocks = torch.cat([blocks, blocks.new_zeros(groups * 16 - n, nb, fmt.block_bytes)])
-    f = kquant_fields(fmt, blocks)
-    chunks = fmt.block_values // 32
-
-    def lanes(t: torch.Tensor) -> torch.Tensor:  # [G*16, nb, ...] -> [G, nb, ..., 16] as bytes
-        t = t.reshape(groups, 16, nb, -1).permute(0, 2, 3, 1)
-        return t.contiguous().view(torch.uint8).reshape(groups, nb, -1)
-
-    parts = [lanes(f.d.unsqueeze(-1))]
-    if f.dmin is not None:
-        parts.append(lanes(f.dmin.unsqueeze(-1)))
-    if f.sc is not None:
-        parts.append(lanes(f.sc.to(torch.int8)))
-    if f.mn is not None:  # pairs of sub-blocks, lane-major: byte 2 j + t of pair p the mn of sub-block 2 p + t
-        mn = f.mn.reshape(groups, 16, nb, -1, 2).permute(0, 2, 3, 1, 4)
-        parts.append(mn.contiguous().reshape(groups, nb, -1))
-    q = f.q.reshape(groups, 16, nb, chunks, 4, 2, 4)  # (g, j, sb, c, kk, low/high operand, t)
-    nibbles = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).permute(0, 2, 3, 4, 1, 5)  # (g, sb, c, kk, j, t)
-    body = [nibbles.reshape(groups, nb, chunks, 256)]
-    if fmt.high_bits:
-        bits = torch.stack([(q >> (4 + b)) & 1 for b in range(fmt.high_bits)], dim=5)  # (g, j, sb, c, kk, b, h, t)
-        bits = bits.permute(0, 2, 3, 4, 5, 6, 1, 7).reshape(groups, nb, chunks, 4, fmt.high_bits, 2, 8, 8)
-        # bit p = 4 j + t of 8 bytes, OR-ed in uint8 (an int16 weighted sum over the 8 took ~10x as long: 3 s of a 1B load)
-        masks = bits[..., 0].clone()
-        for i in range(1, 8):
-            masks |= bits[..., i] << i
-        body.append(masks.reshape(groups, nb, chunks, 64 * fmt.high_bits))
-    parts.append(torch.cat(body, dim=-1).reshape(groups, nb, -1))
-    packed = torch.cat(parts, dim=-1)
-    assert packed.shape[-1] == kquant_block_bytes(fmt), (packed.shape, fmt)
-    out = mapped_zeros(tuple(packed.shape), torch.uint8)
-    out.copy_(packed)
+    low operand's then the high one's). Written by csrc/kq_pack.cpp in one pass on all
+    threads, on huge pages (mapped_zeros), as pack_weight."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[-1] != fmt.block_bytes:
+        raise ValueError(f"{fmt.name} blocks are uint8 [N, K / {fmt.block_values}, {fmt.block_bytes}], "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    out = mapped_zeros((-(-blocks.shape[0] // 16), blocks.shape[1], kquant_block_bytes(fmt)), torch.uint8)
+    ops.kq_pack(fmt.name, blocks, out)
     return out
 
 
-def _dense(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def _dense(ops: PackingOps, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return pack_weight(w.detach()), w.shape[0], w.shape[1]
 
 
-def _q8_0(src: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+def _q8_0(ops: PackingOps, src: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
     q, d = src
     return pack_q8_0(q, d), q.shape[0], q.shape[1]
 
 
-def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def _q4_1(ops: PackingOps, blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return pack_q4_1(blocks), blocks.shape[0], blocks.shape[1] * 32
 
 
-def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    return _q4_1(q4_0_as_q4_1(blocks))  # (m = -8 d: the same values, model/quantization.py)
+def _q4_0(ops: PackingOps, blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    return _q4_1(ops, q4_0_as_q4_1(blocks))  # (m = -8 d: the same values, model/quantization.py)
 
 
-def _kquant(fmt: KQuantFormat) -> Callable[[torch.Tensor], tuple[torch.Tensor, int, int]]:
-    def packer(blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        return pack_kquant(fmt, blocks), blocks.shape[0], blocks.shape[1] * fmt.block_values
+def _kquant(fmt: KQuantFormat) -> Callable[[PackingOps, torch.Tensor], tuple[torch.Tensor, int, int]]:
+    def packer(ops: PackingOps, blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        return pack_kquant(ops, fmt, blocks), blocks.shape[0], blocks.shape[1] * fmt.block_values
 
     return packer
 
@@ -290,7 +262,7 @@ def pack(ops: PackingOps, name: str, source: Any, bias: torch.Tensor | None = No
         raise ValueError(f"unknown weight format {name!r} (the formats: {', '.join(FORMATS)})")
     if any(t.device.type == "meta" for t in (source if isinstance(source, tuple) else (source,))):
         raise ValueError("this weight was released to a CPU plan (its module holds a meta tensor): load the model again")
-    data, n, k = row.pack(source)
+    data, n, k = row.pack(ops, source)
     kernels_here = list(ops.weight_formats())
     if row.kernel not in kernels_here:
         raise RuntimeError(f"the C++ kernels have no {row.kernel!r} GEMM (they serve {kernels_here}): rebuild them")

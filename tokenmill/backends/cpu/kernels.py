@@ -30,10 +30,10 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "packed_gemm.cpp", "q8_gemm.cpp",
-                                      "q4_gemm.cpp", "kq_gemm.cpp", "parts_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+                                      "q4_gemm.cpp", "kq_gemm.cpp", "kq_pack.cpp", "parts_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
                                       "layer_loop.cpp", "layer_stack.cpp", "lora_delta.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
-                                      "act_quant.h", "formats.h", "block_gemm.h", "cpu_features.h",
+                                      "act_quant.h", "formats.h", "block_gemm.h", "kq_formats.h", "cpu_features.h",
                                       "distributed.h", "layer_loop.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
@@ -118,6 +118,8 @@ class CpuOps(Protocol):
     def packed_gemm_dtypes(self) -> list[str]: ...
 
     def weight_formats(self) -> list[str]: ...
+
+    def kq_pack(self, fmt: str, blocks: torch.Tensor, out: torch.Tensor) -> None: ...
 
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
                      bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
