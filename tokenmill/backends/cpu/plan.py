@@ -43,7 +43,6 @@ from tokenmill.backends.cpu.attention import CpuAttentionBackend
 from tokenmill.backends.cpu.dispatch import SPLIT_ROWS_PER_WEIGHT_BYTE, Path, PathFacts, choose_path
 from tokenmill.backends.cpu.formats import pack_module
 from tokenmill.backends.cpu.kernels import CppLoraAdapterWeights, CppPackedWeight, CpuOps
-from tokenmill.backends.cpu.memory import trim_heap
 from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -185,7 +184,6 @@ class CpuPlan:
             weight = pack_module(ops, module)
             if release:
                 release_weights(module, keep)
-                trim_heap()  # its copy back to the system now, not held beside the packed ones (the peak)
             return weight
 
         for layer in model.layers:
