@@ -115,8 +115,14 @@ def test_an_engine_gives_loading_s_freed_memory_back_before_it_allocates_the_kv_
 
     monkeypatch.setattr(llm_engine, "trim_heap", trim)
     monkeypatch.setattr(llm_engine, "ModelRunner", make_runner)
+    monkeypatch.setattr(llm_engine, "free_heap_bytes", lambda: llm_engine.TRIM_AFTER_LOAD_BYTES)
     LLMEngine.from_engine_args(EngineArgs(model=tiny_path, **TINY))
     assert calls == ["trim", "runner (the KV cache)"]
+    # A small load leaves the heap's free pages alone (kept for reuse: process_settings).
+    calls.clear()
+    monkeypatch.setattr(llm_engine, "free_heap_bytes", lambda: llm_engine.TRIM_AFTER_LOAD_BYTES - 1)
+    LLMEngine.from_engine_args(EngineArgs(model=tiny_path, **TINY))
+    assert calls == ["runner (the KV cache)"]
 
 
 # ---- step() and n > 1 ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.backends.cpu.memory import trim_heap
+from tokenmill.backends.cpu.memory import free_heap_bytes, trim_heap
 from tokenmill.backends.cpu.options import CpuBackendOptions
 from tokenmill.config import (
     CacheConfig,
@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from tokenmill.distributed.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("tokenmill")
+# Free heap bytes after loading above which the engine gives them back (trim_heap).
+TRIM_AFTER_LOAD_BYTES = 256 << 20
 
 
 @dataclass
@@ -206,8 +208,10 @@ class LLMEngine:
         forward = chosen_forward(model, self.dtype, self.device, self.cpu_options)
         # Loading's and packing's freed temporaries, which fragmentation keeps in glibc's
         # heap, go back before the KV cache is allocated beside them: the peak RSS and the
-        # RSS after load (a 1B Q4_K_M GGUF: ~780 MiB; docs/perf-notes.md).
-        trim_heap()
+        # RSS after load (a 1B Q4_K_M GGUF: ~780 MiB; docs/perf-notes.md). Only where there
+        # is that much: a trim also drops the free pages the process keeps for reuse.
+        if (free_heap_bytes() or 0) >= TRIM_AFTER_LOAD_BYTES:
+            trim_heap()
         disk = self._kv_offload(model.spec, type(forward).__name__)
         if self.tp is not None:  # every forward goes to the other ranks too
             forward = self.tp.driver(forward)

@@ -99,3 +99,21 @@ def trim_heap() -> bool:
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     malloc_trim(0)
     return True
+
+
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33)
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes glibc's heaps hold free (mallinfo2's fordblks, every arena), or None
+    where the C library has no mallinfo2."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.argtypes, mallinfo2.restype = [], _MallInfo2
+    return int(mallinfo2().fordblks)
