@@ -10,6 +10,7 @@ import platform
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -84,19 +85,27 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 _madvise = _libc_madvise()
 
 
+def _glibc(name: str, argtypes: list[Any], restype: Any) -> Callable[..., Any] | None:
+    """glibc's function `name` with its C signature, or None with another C library."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        f = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    f.argtypes, f.restype = argtypes, restype
+    return f
+
+
 def trim_heap() -> bool:
     """Have glibc return the free pages of every heap to the system
     (malloc_trim(0); it ignores the trim threshold process_settings.keep_freed_memory
     raised): memory freed but held by fragmentation, as loading's temporaries are
     (a 1B Q4_K_M GGUF: ~780 MiB). Well under a millisecond on a small heap. False
     (nothing done) with another C library."""
-    if platform.libc_ver()[0] != "glibc":
+    malloc_trim = _glibc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+    if malloc_trim is None:
         return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     malloc_trim(0)
     return True
 
@@ -109,11 +118,5 @@ class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc
 def free_heap_bytes() -> int | None:
     """Bytes glibc's heaps hold free (mallinfo2's fordblks, every arena), or None
     where the C library has no mallinfo2."""
-    if platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.argtypes, mallinfo2.restype = [], _MallInfo2
-    return int(mallinfo2().fordblks)
+    mallinfo2 = _glibc("mallinfo2", [], _MallInfo2)
+    return None if mallinfo2 is None else int(mallinfo2().fordblks)
