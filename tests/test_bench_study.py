@@ -242,3 +242,30 @@ def test_the_study_calibrates_the_simulator_in_its_own_sitting(tmp_path: Path,
     assert (calibrate_args.dtype, calibrate_args.output, calibrate_args.model) == (
         "float32", path, "m.gguf")
     assert not calibrate_args.serve and calibrate_args.quantization == "none"
+
+
+def test_predictions_are_put_at_each_run_s_speed() -> None:
+    measured = [row("static+reserved", 512, 100.0), row("continuous", 512, 200.0),
+                row("static", 512, 150.0)]
+    measured[0].reference_s, measured[1].reference_s = 2.0, 1.0  # static: not timed
+    predicted = [row("static+reserved", 512, 110.0), row("continuous", 512, 190.0),
+                 row("static", 512, 140.0)]
+    # Fitted at 1.0 s: the first run saw the machine at half its speed.
+    scaled = study.at_run_speed(measured, predicted, reference_s=1.0)
+    assert [(r.policy, r.generated_tok_s) for r in scaled] == [("static+reserved", 55.0),
+                                                               ("continuous", 190.0)]
+    assert scaled[0].wall_s == pytest.approx(2 * predicted[0].wall_s)
+    assert scaled[1].ratio_vs_static == pytest.approx(190.0 / 55.0)
+    assert predicted[0].generated_tok_s == 110.0  # the unscaled rows stay as they were
+    assert study.at_run_speed(measured, predicted, reference_s=None) == []
+
+
+def test_the_speed_reference_times_the_same_batch_on_any_model(tmp_path: Path) -> None:
+    from tests.hf_models import build_hf_model, save_hf_model
+    from tokenmill.bench.throughput import reference_engine, time_reference
+
+    path = save_hf_model(build_hf_model("llama"), tmp_path / "llama")
+    llm = reference_engine(path, "float32")
+    assert time_reference(llm) > 0
+    stats = llm.last_generate_stats
+    assert stats.num_preemptions == 0 and stats.mean_batch_size > 8

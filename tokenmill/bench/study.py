@@ -38,7 +38,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -399,6 +399,8 @@ class Estimate:
     parts: dict[str, float]
     how: str
     rows: list[ThroughputRow]
+    # The speed reference's seconds when the cost model was fitted (None: not timed).
+    reference_s: float | None = None
 
 
 # `tokenmill bench study` passes the simulator's (sim/study_estimate.py): bench/ may not import sim/.
@@ -437,6 +439,25 @@ def format_prediction(measured: list[ThroughputRow], predicted: list[ThroughputR
     return "\n".join(lines)
 
 
+def at_run_speed(measured: list[ThroughputRow], predicted: list[ThroughputRow],
+                 reference_s: float | None) -> list[ThroughputRow]:
+    """The predicted rows at the speed the machine had during each measured run:
+    scaled by the calibration's reference time over the run's (bench/throughput.py's
+    time_reference), so what is left is the simulator's error, not the drift of
+    the minutes between its fit and the run. Rows without both times are left out."""
+    scaled = []
+    for p in predicted:
+        m = next((r for r in measured if r.policy == p.policy and r.cap == p.cap), None)
+        if m is None or not m.reference_s or not reference_s:
+            continue
+        speed = reference_s / m.reference_s
+        scaled.append(replace(p, wall_s=p.wall_s / speed, generated_tok_s=p.generated_tok_s * speed,
+                              total_tok_s=p.total_tok_s * speed))
+    for r in scaled:
+        r.ratio_vs_static = ratio(scaled, r.policy, NAIVE_STATIC, r.cap)
+    return scaled
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
@@ -468,6 +489,7 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
               + ", ".join(f"{part} {minutes(t)}" for part, t in guess.parts.items()) + ")\n"
               + guess.how, flush=True)
     predicted = guess.rows if args.cost_model else []  # the project's model: no prediction here
+    args.time_reference = True
 
     start = time.monotonic()
     rows = [run_in_subprocess(args, config, cap) for cap in caps for config in configs]
@@ -479,6 +501,7 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
         r.ratio_vs_static = ratio([*rows, r], r.policy, NAIVE_STATIC, r.cap)
     elapsed["peers"] = time.monotonic() - start - elapsed["throughput"]
     decomp = decomposition(rows)
+    scaled = at_run_speed(rows, predicted, guess.reference_s)
 
     def write(curves: list[LatencyCurve]) -> None:
         (out / f"{stem}.json").write_text(json.dumps({
@@ -490,7 +513,9 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
             "decomposition": decomp,
             "latency": {c.config: asdict(c) for c in curves},
             "prediction": {"cost_model": args.cost_model, "rows": [asdict(r) for r in predicted],
-                           "decomposition": decomposition(predicted)} if predicted else None,
+                           "decomposition": decomposition(predicted),
+                           "reference_s": guess.reference_s,
+                           "rows_at_run_speed": [asdict(r) for r in scaled]} if predicted else None,
             "elapsed_s": elapsed, "estimated_s": guess.parts,
         }, indent=2))
 
@@ -504,6 +529,10 @@ def main_study(args: argparse.Namespace, estimate: Estimator | None = None) -> i
         print(f"\nThe simulator ({args.cost_model}), generated tok/s measured / predicted:\n"
               + format_prediction(rows, predicted) + "\n\nIts decomposition:\n"
               + format_decomposition(decomposition(predicted)), flush=True)
+    if scaled:
+        print(f"\nThe same at each run's speed (the reference: {guess.reference_s:.3f} s at the "
+              "fit, each run's in the JSON), measured / predicted:\n"
+              + format_prediction(rows, scaled), flush=True)
     curves = []
     for config in latency_configs:
         curves.append(run_curve(args, config, capacity_req_s(rows, config), out))

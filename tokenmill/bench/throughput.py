@@ -91,15 +91,59 @@ class ThroughputRow:
     # What a peer ran with that the columns do not say (environment variables,
     # scheduler limits, how peak RSS was measured); empty for tokenmill's rows.
     settings: dict[str, Any] = field(default_factory=dict)
+    # The speed reference's seconds around this run (time_reference), where timed.
+    reference_s: float | None = None
+
+
+# A fixed reference timed right before and after a study run, and in the
+# simulator's calibration: how fast the machine is that minute, since this VM
+# drifts 10-40% between minutes, more than the simulator's 10% (docs/WORKLOADS.md
+# "study"). A batch of continuous-batching prefill and decode steps, the shapes
+# the workload's steps have, on an engine of its own: the run's own engine
+# (static, reserved) would schedule it differently.
+REFERENCE_REQUESTS, REFERENCE_PROMPT_TOKENS, REFERENCE_OUTPUT_TOKENS = 16, 32, 32
+REFERENCE_REPEATS = 3
+
+
+def reference_engine(model: str | None, dtype: str, quantization: str = "none") -> Any:
+    from tokenmill import LLM
+
+    return LLM(model, dtype=dtype, quantization=quantization, max_num_seqs=32,
+               max_num_batched_tokens=2048, enable_prefix_caching=False, num_kv_blocks=512,
+               skip_tokenizer_init=True)  # token ids in and out: any model times alike
+
+
+def time_reference(llm: Any) -> float:
+    """The median seconds of REFERENCE_REPEATS runs of the reference batch on
+    `llm` (reference_engine), after one untimed run."""
+    import statistics
+
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=REFERENCE_OUTPUT_TOKENS, ignore_eos=True)
+    vocab = min(llm.model_info()["vocab_size"], 30000)
+    times = []
+    for r in range(REFERENCE_REPEATS + 1):
+        prompts = [{"prompt_token_ids": [3 + (r * 7919 + i * 131 + j * 17) % (vocab - 3)
+                                         for j in range(REFERENCE_PROMPT_TOKENS)]}
+                   for i in range(REFERENCE_REQUESTS)]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
             max_num_batched_tokens: int, device: str = "cpu",
-            num_kv_blocks: int | None = None, reserve: str = "cap") -> ThroughputRow:
-    """One timed run in this process (num_kv_blocks None: the engine's default pool)."""
+            num_kv_blocks: int | None = None, reserve: str = "cap",
+            reference: bool = False) -> ThroughputRow:
+    """One timed run in this process (num_kv_blocks None: the engine's default pool;
+    `reference`: time_reference before and after it, the mean kept)."""
     from tokenmill import LLM, SamplingParams
 
     workload: Workload = throughput_a(cap)
+    ref = reference_engine(model, dtype) if reference else None
+    before = time_reference(ref) if ref is not None else 0.0
     opts = engine_options(policy, cap, reserve)
     llm = LLM(model, dtype=dtype, quantization="none", device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks, **opts)
@@ -123,6 +167,8 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     row.mean_kv_used, row.mean_kv_held = stats.mean_kv_used, stats.mean_kv_held
     row.num_kv_blocks = num_kv_blocks
     row.kv_reserve_output_tokens = opts.get("kv_reserve_output_tokens")
+    if ref is not None:
+        row.reference_s = (before + time_reference(ref)) / 2
     if device != "cpu":
         import torch
 
@@ -207,6 +253,8 @@ def one_run_command(args: argparse.Namespace, policy: str, cap: int) -> list[str
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--device", getattr(args, "device", "cpu"),
            "--reserve", getattr(args, "reserve", "cap")]
+    if getattr(args, "time_reference", False):
+        cmd.append("--time-reference")
     if args.model:
         cmd += ["--model", args.model]
     if getattr(args, "num_kv_blocks", None):
@@ -331,11 +379,14 @@ def _main() -> int:
     p.add_argument("--policy", default="continuous")
     p.add_argument("--cap", type=int, default=128)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--time-reference", action="store_true",
+                   help="(internal) time the speed reference before and after the run")
     args = p.parse_args()
     if args.one:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         row = run_one(args.model, args.policy, args.cap, args.dtype, args.max_num_seqs,
-                      args.max_num_batched_tokens, args.device, args.num_kv_blocks, args.reserve)
+                      args.max_num_batched_tokens, args.device, args.num_kv_blocks, args.reserve,
+                      args.time_reference)
         print(json.dumps(asdict(row)))
         return 0
     return main_throughput(args)

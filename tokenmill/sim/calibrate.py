@@ -216,6 +216,12 @@ def main_calibrate(args: argparse.Namespace) -> int:
         shape, llm = _model_shape(args)
         if llm is None:
             raise ValueError("--base is for --from-roofline; calibrating loads the model itself")
+        from tokenmill.bench.throughput import reference_engine, time_reference
+
+        # The speed reference the study's runs time too (bench/throughput.py), around the
+        # fit: where the machine's speed has moved since, the study scales by it.
+        ref = reference_engine(args.model, args.dtype, args.quantization)
+        before = time_reference(ref)
         run_scenarios(llm, SCENARIOS[:3] + SCENARIOS[9:11], 1)  # warm-up, not kept
         shapes, seconds = run_scenarios(llm, SCENARIOS, args.rounds)
         del llm
@@ -229,6 +235,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
         more = run_scenarios(static, STATIC_SCENARIOS, args.rounds, uneven=True)
         shapes, seconds = shapes + more[0], seconds + more[1]
         provenance["dtype"] = args.dtype
+        provenance["reference_s"] = (before + time_reference(ref)) / 2
         samples = Path(args.output).with_suffix(".samples.json")
         samples.write_text(json.dumps({"model": asdict(shape), "provenance": provenance,
                                        "shapes": [asdict(s) for s in shapes],

@@ -107,4 +107,4 @@ def estimate(args: argparse.Namespace) -> study.Estimate:
            + f"), plus {RUN_START_S:.0f} s a run's start, {SERVER_START_S:.0f} s a server's; "
            f"transformers {HF_SLOWDOWN:g}x naive static's time, vLLM {VLLM_SLOWDOWN:g}x "
            "continuous's, each with its start)")
-    return study.Estimate(parts, how, rows)
+    return study.Estimate(parts, how, rows, cost.provenance.get("reference_s"))
