@@ -55,6 +55,8 @@ class PackingOps(Protocol):
 
     def kq_pack(self, fmt: str, blocks: torch.Tensor, out: torch.Tensor) -> None: ...
 
+    def q8_pack(self, q: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> None: ...
+
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
                      bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
 
@@ -89,7 +91,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def pack_q8_0(ops: PackingOps, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks (q int8 [N, K], d float16 [N, K / 32]) -> the layout
     csrc/q8_gemm.cpp reads front to back, zero rows padding N to a multiple of
     16: uint8 [ceil(N/16), 64 ceil(K/64) + 16 K]. Groups of 16 outputs, three
@@ -98,31 +100,15 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     64 bytes a group), then for each block and 4 inputs kk the groups' 64-byte
     vpdpbusd operands (lane i's 4 values q + 128 at 4 i). An odd last block
     leaves out the pair's second block (its scales are zero padding). Every
-    line holds one operand or scales. On huge pages (mapped_zeros), as pack_weight."""
+    line holds one operand or scales. Written by csrc/q8_gemm.cpp's q8_pack in one
+    pass on all threads, on huge pages (mapped_zeros), as pack_weight."""
     n, k = q.shape
-    groups, kb = -(-n // 16), k // 32
-    pairs = -(-kb // 2)
-    group_bytes = 64 * pairs + 512 * kb
-    q = torch.cat([q, q.new_zeros(groups * 16 - n, k)]) if groups * 16 != n else q
-    d = torch.cat([d, d.new_zeros(groups * 16 - n, kb)]) if groups * 16 != n else d
-    if kb % 2:  # a zero block completing the last pair (dropped below)
-        q = torch.cat([q, q.new_zeros(groups * 16, 32)], 1)
-        d = torch.cat([d, d.new_zeros(groups * 16, 1)], 1)
-    out = mapped_zeros((groups, group_bytes), torch.uint8)
-    flat = out.view(-1)
-    full = groups // 3 * 3
-    for g0, g1, nb in ((0, full, 3), (full, groups, groups - full)):
-        if g1 == g0:
-            continue
-        tasks = (g1 - g0) // nb
-        scales = d[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2).permute(0, 3, 4, 1, 2)  # [t, pair, l, j, i]
-        scales = scales.contiguous().view(torch.uint8).reshape(tasks, pairs, 64 * nb)
-        values = q[g0 * 16:g1 * 16].reshape(tasks, nb, 16, pairs, 2, 8, 4).permute(0, 3, 4, 5, 1, 2, 6)
-        values = (values.to(torch.int16) + 128).to(torch.uint8).reshape(tasks, pairs, 1024 * nb)
-        stretch = torch.cat([scales, values], 2).reshape(tasks, pairs * 1088 * nb)
-        if kb % 2:
-            stretch = stretch[:, : -512 * nb]
-        flat[g0 * group_bytes:g1 * group_bytes].copy_(stretch.reshape(-1))
+    if k % 32 or tuple(d.shape) != (n, k // 32):
+        raise ValueError(f"Q8_0 is q [N, K] with K a multiple of 32 and d [N, K / 32], "
+                         f"got q {tuple(q.shape)} and d {tuple(d.shape)}")
+    kb = k // 32
+    out = mapped_zeros((-(-n // 16), 64 * -(-kb // 2) + 512 * kb), torch.uint8)
+    ops.q8_pack(q, d, out)
     return out
 
 
@@ -185,7 +171,7 @@ def _dense(ops: PackingOps, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 def _q8_0(ops: PackingOps, src: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
     q, d = src
-    return pack_q8_0(q, d), q.shape[0], q.shape[1]
+    return pack_q8_0(ops, q, d), q.shape[0], q.shape[1]
 
 
 def _q4_1(ops: PackingOps, blocks: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -101,6 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 py::arg("slot_mapping"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"));
   TOKENMILL_DEF(silu_and_mul, py::arg("gate_up"));
   TOKENMILL_DEF(kq_pack, py::arg("fmt"), py::arg("blocks"), py::arg("out"));
+  TOKENMILL_DEF(q8_pack, py::arg("q"), py::arg("d"), py::arg("out"));
   TOKENMILL_DEF(q8_embed, py::arg("qweight"), py::arg("qscale"), py::arg("ids"), py::arg("float32_out"));
   TOKENMILL_DEF(argmax_rows, py::arg("logits"));
   TOKENMILL_DEF(apply_token_bitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows"));

@@ -42,6 +42,7 @@
 #include <torch/extension.h>
 
 #include "block_gemm.h"
+#include "no_gil.h"
 
 #include <algorithm>
 #include <cmath>
@@ -293,4 +294,52 @@ at::Tensor q8_0_gemm(at::Tensor x, const PackedWeight& w, bool float32_out, cons
 }
 at::Tensor q8_0_gemm_silu(at::Tensor x, const PackedWeight& w, const KvStreams&) {
   return block_gemm::gemm_silu<Q8_0Format>(std::move(x), w);
+}
+
+// (q int8 [N, K], d float16 [N, K / 32]) -> the packed layout above, into out (uint8
+// [ceil(N / 16), q8_group_bytes], formats.pack_q8_0 allocates it), once at load: one pass,
+// the tasks shared out over the threads. Padding rows: q 0 (stored 128) and d 0; an odd
+// last block's missing partner: d 0.
+void q8_pack(at::Tensor q, at::Tensor d, at::Tensor out) {
+  NoGil no_gil;
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && d.dim() == 2 && d.scalar_type() == at::kHalf &&
+                  out.scalar_type() == at::kByte,
+              "q8_pack: q int8 [N, K], d float16 [N, K / 32] and uint8 out");
+  q = q.contiguous();
+  d = d.contiguous();
+  const int64_t n = q.size(0), k = q.size(1), kb_count = k / q8::kQ8Block, groups = (n + 15) / 16;
+  const int64_t pairs = (kb_count + 1) / 2, group_bytes = q8::q8_group_bytes(kb_count);
+  TORCH_CHECK(k % q8::kQ8Block == 0 && d.size(0) == n && d.size(1) == kb_count,
+              "q8_pack: K a multiple of 32 and d [N, K / 32]");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == groups && out.size(1) == group_bytes,
+              "q8_pack: out must be uint8 [", groups, ", ", group_bytes, "] contiguous");
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  uint8_t* const op = out.data_ptr<uint8_t>();
+  constexpr int64_t kTaskGroups = block_gemm::kTaskGroups;
+  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t g0 = t * kTaskGroups, nb = std::min<int64_t>(kTaskGroups, groups - g0);
+    uint8_t* dst = op + g0 * group_bytes;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t blocks = std::min<int64_t>(2, kb_count - 2 * p);
+      for (int64_t l = 0; l < 2; ++l)  // the scales: block l, group j, lane i
+        for (int64_t j = 0; j < nb; ++j)
+          for (int64_t i = 0; i < 16; ++i, dst += 2) {
+            const int64_t row = 16 * (g0 + j) + i;
+            const uint16_t v = row < n && l < blocks ? dp[row * kb_count + 2 * p + l] : 0;
+            std::memcpy(dst, &v, 2);
+          }
+      for (int64_t l = 0; l < blocks; ++l)  // the values: block l, 4 inputs kk, group j, lane i
+        for (int64_t kk = 0; kk < 8; ++kk)
+          for (int64_t j = 0; j < nb; ++j)
+            for (int64_t i = 0; i < 16; ++i, dst += 4) {
+              const int64_t row = 16 * (g0 + j) + i;
+              for (int c = 0; c < 4; ++c)
+                dst[c] = static_cast<uint8_t>(
+                    (row < n ? qp[row * k + q8::kQ8Block * (2 * p + l) + 4 * kk + c] : 0) + 128);
+            }
+    }
+  }
 }
