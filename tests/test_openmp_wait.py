@@ -61,3 +61,23 @@ def test_the_cli_sets_the_policy_before_torch_is_imported(command: str) -> None:
     assert run() == (f"{default.get('OMP_WAIT_POLICY')} {default.get('GOMP_SPINCOUNT')} False")
     assert run("--omp-wait-policy", "passive") == "PASSIVE None False"
     assert run(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None False"
+
+
+def test_bench_lora_runs_tokenmill_as_serve_does_and_its_peer_as_the_user_gave_it() -> None:
+    probe = (
+        "import os, sys\n"
+        "import tokenmill.bench.lora as lora\n"
+        "import tokenmill.cli as cli\n"
+        "def probe(args):\n"
+        "    print(os.environ.get('GOMP_SPINCOUNT'), args.peer_environ.get('GOMP_SPINCOUNT'),\n"
+        "          'torch' in sys.modules)\n"
+        "    return 0\n"
+        "lora.main_lora = probe\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    result = subprocess.run([sys.executable, "-c", probe, "bench", "lora"], capture_output=True,
+                            text=True, timeout=120, env=env, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{POLICIES[DEFAULT_POLICY]['GOMP_SPINCOUNT']} None False"

