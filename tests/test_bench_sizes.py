@@ -311,3 +311,18 @@ def test_files_are_made_by_llama_cpps_tools_in_order_and_kept(tmp_path: Path) ->
     with pytest.raises(FileNotFoundError, match="build_llama_cpp"):
         sizes_files.make_files(TINY, ["q4_k_m"], tmp_path / "other", sizes_files.LlamaCpp(tmp_path / "none"),
                                Path("unused.gguf"))
+
+
+def test_repeats_alternate_the_servers_and_the_ratio_is_the_pairs_median() -> None:
+    rows = sizes_bench.plan_rows(["1b"], ["bf16"], ["tokenmill", "vllm-cpu"], repeats=3)
+    assert [r.label for r in rows] == ["1b-bf16-tokenmill", "1b-bf16-vllm-cpu", "1b-bf16-tokenmill-r2",
+                                       "1b-bf16-vllm-cpu-r2", "1b-bf16-tokenmill-r3", "1b-bf16-vllm-cpu-r3"]
+    # The machine slows between pairs: each pair's ratio holds, the best of each would not.
+    for r, (rate, total) in zip(rows, [(20, 80), (10, 50), (10, 40), (5, 25), (15, 60), (10, 40)], strict=True):
+        r.phases = {"1": phase(1, float(rate), float(rate)), "4": phase(4, total / 4, float(total))}
+    table = sizes_bench.format_table(rows, [1, 4])
+    assert "| 1b | bf16 directory | vllm-cpu #2 | 5.0 | 25 |" in table
+    assert "- 1b bf16, tokenmill / vllm-cpu #3: 1 stream 1.50x, 4 streams 1.50x" in table
+    assert "- 1b bf16, tokenmill / vllm-cpu, median of 3 alternations: 1 stream 2.00x, 4 streams 1.60x" in table
+    with pytest.raises(ValueError, match="--repeats"):
+        sizes_bench.parse_args(parse("--repeats", "0"))

