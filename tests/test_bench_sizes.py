@@ -70,6 +70,30 @@ def test_random_model_loads_in_transformers_with_the_configs_shapes(tiny_dir: Pa
     assert torch.isfinite(model(ids).logits).all()
 
 
+def test_a_random_moe_shape_is_the_qwen3_moe_transformers_and_tokenmill_load(tmp_path: Path) -> None:
+    """The MoE shape's directory: transformers' Qwen3-MoE (the hub's per-expert names,
+    which transformers 5 stacks), and tokenmill's greedy tokens equal its."""
+    import transformers
+
+    from tests.hf_models import hf_greedy
+    from tokenmill import LLM, SamplingParams
+
+    tiny = Shape("tiny-moe", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                 head_dim=16, tie_word_embeddings=False, max_position_embeddings=512, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=32)
+    out = random_model.write_random_model(tiny, tmp_path / "moe", Path(default_model_path()), seed=5)
+    assert round(SHAPES["moe"].num_params(49152) / 1e9, 2) == 3.95
+    assert round(SHAPES["moe"].active_params(49152) / 1e9, 2) == 0.78
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 4
+    prompt = [1, 500, 42, 7, 9000]
+    tokens, _ = hf_greedy(model, prompt, 6)
+    llm = LLM(str(out), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
 def test_a_finished_directory_is_not_rewritten(tiny_dir: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     random_model.write_random_model(TINY, tiny_dir, Path("/nonexistent.gguf"), seed=3)

