@@ -185,6 +185,23 @@ def test_plan_runs_vllm_on_the_bf16_directory_at_1b_only() -> None:
     assert len(rows) == 2 * 2 * 2 + 2
 
 
+def test_a_real_file_runs_in_its_own_format_with_its_own_layout() -> None:
+    rows = sizes_bench.plan_rows(["gemma3-270m", "1b"], ["bf16", "q4_k_m"], ["tokenmill", "llama"])
+    assert [r.label for r in rows if r.shape == "gemma3-270m"] == ["gemma3-270m-q4_k_m-tokenmill",
+                                                                    "gemma3-270m-q4_k_m-llama"]
+    from tokenmill.model.source import ModelNotFoundError
+
+    try:
+        files, shape = sizes_bench.real_file("gemma3-270m")
+    except ModelNotFoundError as e:  # (`make setup` installs it)
+        pytest.skip(str(e))
+    assert list(files) == ["q4_k_m"] and files["q4_k_m"].is_file()
+    # Gemma 3 270M: 18 layers of 640, 4 query heads and 1 KV head of 256, 262,144 tokens, tied
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (
+        18, 640, 4, 1, 256)
+    assert shape.vocab_size == 262144 and shape.tie_word_embeddings
+
+
 def test_every_server_gets_the_same_kv_bytes(tmp_path: Path) -> None:
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "llama-server").write_text("")
