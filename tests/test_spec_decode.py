@@ -103,7 +103,7 @@ def assert_matches_oracle(llm: LLM, outputs: list[Any], refs: list[Any]) -> None
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("arch", ["llama", "phi4-mini", "qwen3-moe", "mixtral", "gemma3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "phi4-mini", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "gemma2"])
 def test_ngram_greedy_matches_transformers(request: pytest.FixtureRequest, arch: str, scenario: str) -> None:
     target: dict[str, Any] = (request.getfixturevalue("target") if arch == "llama" else
                               request.getfixturevalue("family_targets")(arch))

@@ -122,6 +122,8 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
     ) if used]
     if gemma:
         return f"{', '.join(gemma)} (the plan runs the plain Llama layer)"
+    if spec.attention_sinks or spec.moe_bias:
+        return "gpt-oss's attention sinks and biased experts (the plan runs the plain Llama layer)"
     if spec.num_experts:
         return "mixture-of-experts layers (the plan's MLP is dense)"
     for layer in model.model.layers:
