@@ -213,6 +213,12 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
     if getattr(cfg, "head_dim", None) is not None:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if cfg.model_type == "gpt_oss":  # llama.cpp's GptOssModel.set_gguf_parameters (and its yarn keys)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.model_type == "phi3":  # llama.cpp's Phi3MiniModel.set_gguf_parameters
         writer.add_rope_dimension_count(
@@ -251,17 +257,22 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         parts = name.split(".")
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+        if name.endswith("mlp.experts.gate_up_proj") and cfg.model_type != "gpt_oss":  # [E, 2I, H]: gate, then up
             halves = param.view(param.shape[0], 2, -1, param.shape[-1])  # (views: a caller may write them)
             for half, part in ((halves[:, 0], "ffn_gate_exps"), (halves[:, 1], "ffn_up_exps")):
                 yield f"blk.{parts[2]}.{part}.weight", part, None, np.ascontiguousarray(half.float().numpy()), half
             continue
-        if name.endswith("mlp.experts.down_proj"):
+        if name.endswith("mlp.experts.down_proj") and cfg.model_type != "gpt_oss":
             yield f"blk.{parts[2]}.ffn_down_exps.weight", "ffn_down_exps", None, param.float().numpy(), param
+            continue
+        if (cfg.model_type == "gpt_oss" and ".mlp." in name) or name.endswith("self_attn.sinks"):
+            yield from _gpt_oss_tensor(name, param)
             continue
         if name.startswith("model.layers."):
             module = ".".join(parts[3:-1])
-            part = GEMMA_TO_GGUF[module] if gemma and module in GEMMA_TO_GGUF else HF_TO_GGUF[module]
+            part = GEMMA_TO_GGUF[module] if gemma and module in GEMMA_TO_GGUF else (
+                "post_attention_norm" if cfg.model_type == "gpt_oss" and module == "post_attention_layernorm"
+                else HF_TO_GGUF[module])
             gguf_name = f"blk.{parts[2]}.{part}.{parts[-1]}"
         else:
             part = {
@@ -281,6 +292,29 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
                 weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
             )
         yield gguf_name, part, heads, weight, param
+
+
+def _gpt_oss_tensor(name: str, param: torch.Tensor) -> Iterator[tuple[str, str, None, np.ndarray, torch.Tensor]]:
+    """A gpt-oss MLP tensor or sinks as llama.cpp's converter writes them: the router as
+    ffn_gate_inp, the experts [E, in, out] transposed to [E, out, in] with gate_up's even
+    columns (and bias entries) as ffn_gate_exps, odd as ffn_up_exps (views of `param`)."""
+    layer = name.split(".")[2]
+    if name.endswith("self_attn.sinks"):
+        yield f"blk.{layer}.attn_sinks.weight", "attn_sinks", None, param.float().numpy(), param
+        return
+    if ".mlp.router." in name:
+        yield f"blk.{layer}.ffn_gate_inp.{name.rsplit('.', 1)[1]}", "ffn_gate_inp", None, param.float().numpy(), param
+        return
+    bias = name.endswith("_bias")
+    kind = "bias" if bias else "weight"
+    views: list[tuple[str, torch.Tensor]]
+    if "gate_up_proj" in name:
+        views = [("ffn_gate_exps", param[..., 0::2]), ("ffn_up_exps", param[..., 1::2])]
+    else:
+        views = [("ffn_down_exps", param)]
+    for part, view in views:
+        view = view if bias else view.transpose(1, 2)  # [E, out, in]
+        yield f"blk.{layer}.{part}.{kind}", part, None, np.ascontiguousarray(view.float().numpy()), view
 
 
 def add_phi3_rope_factors(hf_model: Any, writer: gguf.GGUFWriter) -> None:

@@ -54,9 +54,10 @@ from tokenmill.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, gguf_pre_tokeniz
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the plan and quantization run on the CPU")
 
-FAMILIES = ["qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4-mini", "qwen3-moe", "mixtral"]
+FAMILIES = ["qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4-mini", "qwen3-moe", "mixtral", "gpt-oss"]
 # The `general.architecture` of a family's file where it is not the family's name.
 GGUF_ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3moe", "mixtral": "llama"}
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
 # What a Gemma GGUF cannot say takes llama.cpp's value: the query scale is the
 # head size's (query_pre_attn_scalar = head_dim), the layers slide but every
 # n-th (the file says n = 2: a tiny model's [sliding, global]).
@@ -66,8 +67,9 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 def _write_gguf(hf_model: Any, path: Path, arch: str, quantized: bool = False) -> None:
     """hf_model as llama.cpp writes an `arch` file: float32 tensors, or (quantized)
-    every matrix as Q8_0, hf_model's matrices then set to the dequantized values
-    so that it stays the exact oracle."""
+    every matrix as Q8_0 (gpt-oss's experts as MXFP4, as its files hold them),
+    hf_model's matrices then set to the dequantized values so that it stays the
+    exact oracle."""
     writer = gguf_writer(hf_model, path, GGUF_ARCH.get(arch, arch))
     writer.add_tokenizer_pre("qwen2")
     if arch.startswith("gemma"):
@@ -79,12 +81,15 @@ def _write_gguf(hf_model: Any, path: Path, arch: str, quantized: bool = False) -
         for gguf_name, part, heads, weight, param in gguf_tensors(hf_model):
             if heads is not None:  # (llama.cpp permutes Q/K for its llama files only: Mixtral's)
                 assert arch == "mixtral"
-            if not quantized or weight.ndim == 1 or part == "ffn_gate_inp":  # (llama.cpp keeps routers F32)
+            # (llama.cpp keeps routers, biases and sinks F32)
+            if not quantized or weight.ndim == 1 or part in ("ffn_gate_inp", "attn_sinks") or (
+                    gguf_name.endswith(".bias")):
                 writer.add_tensor(gguf_name, weight)
                 continue
-            data = gguf.quants.quantize(weight, Q8_0)
-            writer.add_tensor(gguf_name, data, raw_dtype=Q8_0)
-            values = np.asarray(gguf.quants.dequantize(data, Q8_0), dtype=np.float32).reshape(weight.shape)
+            kind = MXFP4 if arch == "gpt-oss" and part.endswith("_exps") else Q8_0  # (gpt-oss's experts: MXFP4)
+            data = gguf.quants.quantize(weight, kind)
+            writer.add_tensor(gguf_name, data, raw_dtype=kind)
+            values = np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32).reshape(weight.shape)
             if heads is not None:  # back to HF's row order (rows permute whole Q8_0 blocks)
                 values = values.reshape(heads, -1, 2, values.shape[-1]).swapaxes(1, 2).reshape(weight.shape)
             param.copy_(torch.from_numpy(values))
@@ -110,15 +115,18 @@ def test_the_file_loads_as_its_family(family_case: dict[str, Any]) -> None:
     # (a llama file with experts is Mixtral)
     assert spec.architecture == type(hf_model).__name__
     assert spec.architecture == GGUF_FAMILIES[GGUF_ARCH.get(arch, arch)].architecture or arch == "mixtral"
-    assert (spec.attention_bias, spec.qk_norm) == (arch == "qwen2", arch in ("qwen3", "gemma3", "qwen3-moe"))
-    if arch in ("qwen3-moe", "mixtral"):  # the file says what the directory says
+    assert (spec.attention_bias, spec.qk_norm) == (arch in ("qwen2", "gpt-oss"), arch in ("qwen3", "gemma3", "qwen3-moe"))
+    if arch in ("qwen3-moe", "mixtral", "gpt-oss"):  # the file says what the directory says
         with tempfile.TemporaryDirectory() as directory:
             _, hf_spec = load_model(ModelConfig(dtype="float32"),
                                     resolve_model_source(save_hf_model(hf_model, Path(directory))))
         moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
         assert [getattr(spec, f) for f in moe] == [getattr(hf_spec, f) for f in moe]
         # (llama.cpp's graphs renormalise: the tiny Qwen3-MoE that does not is told by the test's file)
-        assert spec.norm_topk_prob == hf_spec.norm_topk_prob
+        assert spec.norm_topk_prob == hf_spec.norm_topk_prob or arch == "gpt-oss"  # (its router has no such rule)
+        gpt = ("moe_bias", "moe_topk_then_softmax", "attention_sinks", "swiglu_limit", "layer_types",
+               "sliding_window", "rope_scaling", "norm_in_float32")
+        assert [getattr(spec, f) for f in gpt] == [getattr(hf_spec, f) for f in gpt]
     if arch.startswith("gemma"):
         assert spec.layer_types == tuple(cfg.layer_types) and spec.sliding_window == cfg.sliding_window
         assert spec.query_pre_attn_scalar == cfg.query_pre_attn_scalar
@@ -156,11 +164,13 @@ def test_greedy_matches_transformers(family_case: dict[str, Any], scenario: str,
         pytest.skip("no C++ kernels on this machine")
     if cpp and family_case["arch"].startswith("gemma"):
         pytest.skip("the plan does not serve Gemma's layer yet: the reference path runs it")
-    if cpp and family_case["arch"] in ("qwen3-moe", "mixtral"):
+    if cpp and family_case["arch"] in ("qwen3-moe", "mixtral", "gpt-oss"):
         pytest.skip("the plan does not serve experts yet: the reference path runs them")
     if not cpp:
         monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
-    quantization = "gguf" if family_case["quantized"] else None
+    # (MXFP4 is not a format tokenmill keeps: "gguf" would quantize gpt-oss's experts again, as Q8_0;
+    # dequantized at load they are the oracle's values exactly)
+    quantization = ("gguf" if family_case["arch"] != "gpt-oss" else "none") if family_case["quantized"] else None
     llm = LLM(family_case["path"], dtype="float32", quantization=quantization, device="cpu",
               skip_tokenizer_init=True, check_integrity=True, **SCENARIOS[scenario])
     forward = llm.engine.runner.forward

@@ -61,6 +61,13 @@ _PHI3_LAYER: Mapping[str, str] = {
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
 }
+# gpt-oss: HF's post-attention norm under llama.cpp's name, and its attention sinks.
+_GPT_OSS_LAYER: Mapping[str, str] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+}
+# llama.cpp names of tensors that are a parameter of their own in HF (no `.weight`).
+_BARE_PARAMETERS = ("attn_sinks",)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -86,6 +93,8 @@ class GGUFFamily:
         match = _LAYER_RE.match(name)
         if match and match.group(2) in self.layer_names:
             layer, part, kind = match.groups()
+            if part in _BARE_PARAMETERS:
+                return f"model.layers.{layer}.{self.layer_names[part]}"
             return f"model.layers.{layer}.{self.layer_names[part]}.{kind}"
         return name
 
@@ -101,6 +110,9 @@ GGUF_FAMILIES: Mapping[str, GGUFFamily] = {
     "gemma2": GGUFFamily("Gemma2ForCausalLM", _GEMMA_LAYER, permuted_qk=False, norm_shift=1.0),
     "gemma3": GGUFFamily("Gemma3ForCausalLM", {**_GEMMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
                          qk_norm=True, norm_shift=1.0),
+    # gpt-oss (its fields: spec_moe.gpt_oss_gguf_fields); its MXFP4 experts are dequantized at load.
+    "gpt-oss": GGUFFamily("GptOssForCausalLM", {**_LLAMA_LAYER, **_MOE_LAYER, **_GPT_OSS_LAYER}, permuted_qk=False,
+                          attention_bias=True),
     # Phi-3, Phi-4 (LongRoPE and partial rotary: spec_phi3.phi3_gguf_fields).
     "phi3": GGUFFamily("Phi3ForCausalLM", _PHI3_LAYER, permuted_qk=False),
 }
@@ -113,7 +125,7 @@ def gguf_family(arch: object, path: str) -> GGUFFamily:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported (general.architecture); "
             f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Mixtral, Qwen2, Qwen3, "
-            "Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 / Phi-4); "
+            "Qwen3-MoE, gpt-oss, Gemma 2, Gemma 3, Phi-3 / Phi-4); "
             "use a Hugging Face directory of a supported model instead"
         )
     return family

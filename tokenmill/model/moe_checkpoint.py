@@ -32,34 +32,36 @@ from tokenmill.model.gguf_tensors import WeightLoadError
 
 _MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
+_STACKED = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight|\.bias)?$")
 _GPT_OSS_ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp\.)router\.(weight|bias)$")
 _GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
 
 
-def stacked_shape(name: str, spec: ModelSpec) -> tuple[int, int, int] | None:
+def stacked_shape(name: str, spec: ModelSpec) -> tuple[int, ...] | None:
     """The shape [experts, out, in] a stacked experts tensor must have, or None
     where `name` is not one."""
     match = _STACKED.match(name)
     if match is None or not spec.num_experts:
         return None
     width, hidden, experts = spec.moe_intermediate_size, spec.hidden_size, spec.num_experts
-    return {"gate_proj": (experts, width, hidden), "up_proj": (experts, width, hidden),
-            "gate_up_proj": (experts, 2 * width, hidden), "down_proj": (experts, hidden, width)}[match.group(2)]
+    shape = {"gate_proj": (experts, width, hidden), "up_proj": (experts, width, hidden),
+             "gate_up_proj": (experts, 2 * width, hidden), "down_proj": (experts, hidden, width)}[match.group(2)]
+    return shape[:2] if match.group(3) == ".bias" else shape  # (a bias: [E, out])
 
 
 def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str, str],
                  spec: ModelSpec) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
     """`tensors` (name -> loader) and `storage` (name -> GGUF type) with Mixtral's
     names renamed and stacked experts split into one tensor per expert."""
-    if spec.moe_bias:
-        return _gpt_oss_names(tensors, spec), dict(storage)
     out: dict[str, Callable[[], Any]] = {}
     kinds: dict[str, str] = {}
     for name, load in tensors.items():
         mixtral = _MIXTRAL.match(name)
         stacked = _STACKED.match(name)
-        if mixtral is not None:
+        if spec.moe_bias and (_GPT_OSS_ROUTER.match(name) or _GPT_OSS_EXPERTS.match(name)):
+            out.update(_gpt_oss_names(name, load, spec))  # (a gpt-oss directory's layout)
+        elif mixtral is not None:
             prefix, part = mixtral.groups()
             head, _, proj = part.rpartition(".")
             renamed = f"{prefix}mlp.{head}.{_MIXTRAL_PARTS[proj]}.weight" if head else f"{prefix}mlp.gate.weight"
@@ -74,9 +76,10 @@ def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str,
             parts = ({"gate_proj": slice(0, width), "up_proj": slice(width, 2 * width)}
                      if stacked.group(2) == "gate_up_proj" else {stacked.group(2): slice(None)})
             stack = _Stack(name, load, shape, len(parts))
+            kind = "bias" if stacked.group(3) == ".bias" else "weight"
             for e in range(spec.num_experts):
                 for part, rows in parts.items():
-                    expert = f"{stacked.group(1)}{e}.{part}.weight"
+                    expert = f"{stacked.group(1)}{e}.{part}.{kind}"
                     out[expert] = stack.expert_loader(e, rows)
                     if name in storage:
                         kinds[expert] = storage[name]
@@ -87,33 +90,27 @@ def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str,
     return out, kinds
 
 
-def _gpt_oss_names(tensors: Mapping[str, Callable[[], Any]], spec: ModelSpec) -> dict[str, Callable[[], Any]]:
-    """gpt-oss's router renamed and its experts split: each expert's [in, out] slice
-    transposed, gate_up's even columns (and bias entries) the gate's, odd the up's."""
-    out: dict[str, Callable[[], Any]] = {}
+def _gpt_oss_names(name: str, load: Callable[[], Any], spec: ModelSpec) -> dict[str, Callable[[], Any]]:
+    """A gpt-oss directory's router renamed, or its stacked experts split: each expert's
+    [in, out] slice transposed, gate_up's even columns (and bias entries) the gate's,
+    odd the up's."""
+    router = _GPT_OSS_ROUTER.match(name)
+    if router is not None:
+        return {f"{router.group(1)}gate.{router.group(2)}": load}
+    stacked = _GPT_OSS_EXPERTS.match(name)
+    assert stacked is not None, name
     experts, width, hidden = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
-    for name, load in tensors.items():
-        router = _GPT_OSS_ROUTER.match(name)
-        stacked = _GPT_OSS_EXPERTS.match(name)
-        if router is not None:
-            out[f"{router.group(1)}gate.{router.group(2)}"] = load
-            continue
-        if stacked is None:
-            out[name] = load
-            continue
-        prefix, proj, bias = stacked.groups()
-        kind = "bias" if bias else "weight"
-        gate_up = proj == "gate_up_proj"
-        shape = ((experts, 2 * width) if gate_up else (experts, hidden)) if bias else (
-            (experts, hidden, 2 * width) if gate_up else (experts, width, hidden))
-        parts: dict[str, Callable[[torch.Tensor], torch.Tensor]] = (
-            {"gate_proj": lambda t: t[..., 0::2], "up_proj": lambda t: t[..., 1::2]} if gate_up
-            else {"down_proj": lambda t: t})
-        stack = _Stack(name, load, shape, len(parts))
-        for e in range(experts):
-            for part, pick in parts.items():
-                out[f"{prefix}{e}.{part}.{kind}"] = stack.expert_loader(e, slice(None), pick, transpose=not bias)
-    return out
+    prefix, proj, bias = stacked.groups()
+    kind = "bias" if bias else "weight"
+    gate_up = proj == "gate_up_proj"
+    shape = ((experts, 2 * width) if gate_up else (experts, hidden)) if bias else (
+        (experts, hidden, 2 * width) if gate_up else (experts, width, hidden))
+    parts: dict[str, Callable[[torch.Tensor], torch.Tensor]] = (
+        {"gate_proj": lambda t: t[..., 0::2], "up_proj": lambda t: t[..., 1::2]} if gate_up
+        else {"down_proj": lambda t: t})
+    stack = _Stack(name, load, shape, len(parts))
+    return {f"{prefix}{e}.{part}.{kind}": stack.expert_loader(e, slice(None), pick, transpose=not bias)
+            for e in range(experts) for part, pick in parts.items()}
 
 
 class _Stack:
@@ -163,7 +160,7 @@ class _Stack:
     def _rows(self, value: torch.Tensor, e: int) -> torch.Tensor:
         """Expert e's rows of the stacked value ([E, out, in], or its rows flattened)."""
         experts, rows = self.shape[0], self.shape[1]
-        if value.dim() == 3 and value.shape[:2] == (experts, rows):
+        if value.dim() == len(self.shape) and value.shape[:2] == (experts, rows):  # ([E, out] biases too)
             return value[e]
         if value.shape[0] != experts * rows:
             raise WeightLoadError(f"tensor {self.name} has shape {list(value.shape)}, expected "

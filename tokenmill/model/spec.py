@@ -22,7 +22,12 @@ from tokenmill.model.spec_gemma import (
     gemma_gguf_fields,
     layer_types,
 )
-from tokenmill.model.spec_moe import MOE_ARCHITECTURES, moe_gguf_fields, moe_hf_fields
+from tokenmill.model.spec_moe import (
+    MOE_ARCHITECTURES,
+    gpt_oss_gguf_fields,
+    moe_gguf_fields,
+    moe_hf_fields,
+)
 from tokenmill.model.spec_phi3 import (
     PHI3_ARCHITECTURES,
     phi3_config,
@@ -364,6 +369,10 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         rope_scaling = _gguf_rope_scaling(reader, str(arch))
     moe = moe_gguf_fields(fields, str(arch), num_layers, tensor_names, path)
     extra.update(moe)
+    if family.architecture == "GptOssForCausalLM":
+        extra.update(gpt_oss_gguf_fields(fields, str(arch), num_layers, path))
+        if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+            rope_scaling["truncate"] = False  # (gpt-oss's published config: transformers' ramp untruncated)
     # (llama.cpp converts Mixtral as `llama`, its experts making the difference)
     architecture = "MixtralForCausalLM" if moe and family.architecture == "LlamaForCausalLM" else family.architecture
     return ModelSpec(
@@ -426,12 +435,18 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     rope_type = fields.get(f"{arch}.rope.scaling.type")
     if rope_type in (None, "none"):
         return None
-    if rope_type == "linear":
+    if rope_type in ("linear", "yarn"):
         factor = fields.get(f"{arch}.rope.scaling.factor")
         if factor is None:
-            raise ValueError(f"{reader.path}: GGUF file has linear rope scaling but no "
+            raise ValueError(f"{reader.path}: GGUF file has {rope_type} rope scaling but no "
                              f"'{arch}.rope.scaling.factor'")
-        return {"rope_type": "linear",
-                "factor": _positive_float(factor, f"{arch}.rope.scaling.factor", reader.path)}
+        scaling: dict[str, Any] = {"rope_type": rope_type,
+                                   "factor": _positive_float(factor, f"{arch}.rope.scaling.factor", reader.path)}
+        if rope_type == "yarn":  # (beta_fast / beta_slow: llama.cpp's defaults where the file has none)
+            key = f"{arch}.rope.scaling.original_context_length"
+            scaling["original_max_position_embeddings"] = _positive_int(fields.get(key), key, reader.path)
+            scaling["beta_fast"] = float(fields.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0))
+            scaling["beta_slow"] = float(fields.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
+        return scaling
     raise ValueError(f"{reader.path}: GGUF rope scaling type {arch}.rope.scaling.type="
                      f"{rope_type!r} is not supported")

@@ -70,6 +70,23 @@ def moe_gguf_fields(fields: Mapping[str, Any], arch: str, num_layers: int, tenso
                     dense, path)
 
 
+# What llama.cpp's gpt-oss graph fixes (its LLM_FFN_SWIGLU_OAI_MOE and gating), for a GGUF
+# file, which does not say: the SwiGLU's clamp and slope, the top k logits softmaxed.
+_GPT_OSS_FIXED = {"moe_bias": True, "moe_topk_then_softmax": True, "attention_sinks": True,
+                  "norm_in_float32": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
+def gpt_oss_gguf_fields(fields: Mapping[str, Any], arch: str, num_layers: int, path: str) -> dict[str, Any]:
+    """A `gpt-oss` file's window and layer pattern (`attention.sliding_window`;
+    `attention.sliding_window_pattern`, else every 2nd layer global, as llama.cpp),
+    and what its graph fixes."""
+    window = positive_int(fields.get(f"{arch}.attention.sliding_window"), f"{arch}.attention.sliding_window", path)
+    pattern = positive_int(fields.get(f"{arch}.attention.sliding_window_pattern", 2),
+                           f"{arch}.attention.sliding_window_pattern", path)
+    types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    return {**_GPT_OSS_FIXED, "sliding_window": window, "layer_types": types}
+
+
 def _checked(experts: int, top_k: Any, top_k_field: str, width: int, norm: bool, dense: tuple[int, ...],
              path: str) -> dict[str, Any]:
     if experts > MAX_EXPERTS:
