@@ -187,8 +187,11 @@ def test_spec_old_style_rope_and_defaults() -> None:
     assert (spec.num_kv_heads, spec.head_dim, spec.eos_token_ids) == (4, 16, (5, 6))
     assert not spec.tie_word_embeddings and spec.sliding_window is None
 
-    with pytest.raises(ValueError, match="yarn"):
-        spec_from_hf_config(cfg | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="dynamic"):
+        spec_from_hf_config(cfg | {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    # YaRN (gpt-oss, Qwen's long-context configs): the original context defaults to max_position_embeddings
+    yarn = spec_from_hf_config(cfg | {"rope_scaling": {"type": "yarn", "factor": 4.0}}).rope_scaling
+    assert yarn == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": cfg["max_position_embeddings"]}
 
 
 def test_spec_qwen_sliding_window() -> None:

@@ -254,8 +254,10 @@ def _hf_rope(
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    if rope_type == "yarn":
+        _positive_float(params.get("factor"), "rope_scaling.factor", path)
     return rope_theta, {"rope_type": rope_type, **params}
 
 
