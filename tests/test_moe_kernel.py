@@ -128,13 +128,11 @@ class Case:
 def moe_reference(x: torch.Tensor, logits: torch.Tensor, mlp: Callable[[int, torch.Tensor], torch.Tensor],
                   top_k: int, norm: bool) -> torch.Tensor:
     """transformers' sparse MoE block (Qwen3-MoE, Mixtral) on router logits in x's
-    dtype: softmax in float32 (float64 for a float64 x), the top_k (ties: the lower
-    expert id first, a stable sort), renormalised where `norm`, to x's dtype; each
-    expert that any row chose, in increasing id, added to its rows by index_add_
-    in x's dtype."""
+    dtype: softmax in float32 (float64 for a float64 x), torch.topk (its ties),
+    renormalised where `norm`, to x's dtype; each expert that any row chose, in
+    increasing id, added to its rows by index_add_ in x's dtype."""
     probs = torch.softmax(logits.to(torch.float64 if x.dtype == torch.float64 else torch.float32), -1)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    w = probs.gather(-1, ids)
+    w, ids = torch.topk(probs, top_k, dim=-1)
     if norm:
         w /= w.sum(-1, keepdim=True)
     w = w.to(x.dtype)
@@ -228,17 +226,23 @@ def test_gate_and_up_of_part_blocks() -> None:
 
 
 def test_all_experts_chosen_and_ties() -> None:
-    """top_k = E (every expert every row, no gather), and a router of equal rows:
-    every probability ties, so each row takes the lowest ids."""
+    """top_k = E (every expert every row, no gather); and routers whose rows repeat,
+    so that logits tie exactly (bf16 logits tie often): the experts torch.topk picks,
+    the same bits alone and in the batch."""
     case = Case("float32", torch.float32, 64, 32)
-    ops = case.ops
     x = case.x[:5]
     assert torch.equal(case.op(x, E, False), case.kernels_reference(x, E, False))
-    same = formats.pack(ops, "float32", torch.ones(E, 64) / 64)
-    tied = ops.moe_mlp(x, same, case.gate_up, case.down, 2, True)
-    first_two = ops.moe_mlp(x, formats.pack(ops, "float32", torch.ones(2, 64) / 64), case.gate_up[:2],
-                            case.down[:2], 2, True)
-    assert torch.equal(tied, first_two)
+    for dtype in (torch.float32, torch.bfloat16):
+        case = Case(str(dtype).removeprefix("torch."), dtype, 64, 32, seed=4)
+        router = torch.randn(E, 64, generator=torch.Generator().manual_seed(1)) / 8
+        router[[2, 5, 6]] = router[1].clone()  # four experts of the same logit
+        router[7] = router[0].clone()
+        case.router = formats.pack(case.ops, case.fmt, router.to(dtype))
+        for top_k in (2, 3, 5):
+            full = case.op(case.x, top_k, True)
+            assert torch.equal(full, case.kernels_reference(case.x, top_k, True))
+            for r in range(0, ROWS, 6):
+                assert torch.equal(case.op(case.x[r:r + 1], top_k, True), full[r:r + 1])
 
 
 def test_bad_arguments_are_refused() -> None:

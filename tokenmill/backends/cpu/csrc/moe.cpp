@@ -4,9 +4,10 @@
 // packed_gemm / packed_gemm_silu, so no format has code here).
 //
 //   logits = x R^T                      packed_gemm, in x's dtype (F.linear rounds there)
-//   probs  = softmax(float32(logits))   at::softmax: torch's own kernel, so its bits
-//   top_k  of probs per row             larger first, ties to the lower expert id
-//   w      = the chosen probs (/ their sum where norm_topk_prob), then to x's dtype
+//   probs  = softmax(float32(logits))   \
+//   w, ids = topk(probs, top_k)          } torch's own kernels (at::softmax, at::topk,
+//   w     /= sum(w) where norm_topk_prob /  at::sum): transformers' bits, ties included
+//   w      = w in x's dtype
 //   for each expert e that any row chose, in increasing e:
 //     rows  = the rows that chose e (a counting sort by expert: one pass, token order)
 //     y     = down_e(silu(gate_e(x[rows])) * up_e(x[rows]))   two GEMMs on a gathered buffer
@@ -15,9 +16,11 @@
 // The last line is transformers' index_add in the model's dtype (Qwen3MoeExperts,
 // MixtralExperts): a row's experts summed in increasing id, rounding after each
 // multiply and each add, so bf16 gives its bits wherever each expert's GEMM
-// does. Every step computes a row alone (the GEMMs sum each row alone at any
-// row count, softmax and the sum are per row): a row's result does not depend
-// on which other rows share the step or an expert.
+// does. torch.topk breaks ties by its sort, not by expert id, and bf16 logits
+// tie often (8 bits of mantissa over a hundred experts): its kernel here picks
+// the experts the reference picks. Every step computes a row alone (the GEMMs
+// sum each row alone at any row count; softmax, topk and the sum are per row):
+// a row's result does not depend on which other rows share the step or an expert.
 //
 // Experts run one after the other, each GEMM on the whole OpenMP team (inside
 // an outer region, as layer_stack's, a team of one). One expert's rows are one
@@ -29,7 +32,6 @@
 #include "moe.h"
 #include "no_gil.h"
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -57,34 +59,6 @@ template <> inline at::BFloat16 narrow<at::BFloat16>(float v) {
   at::BFloat16 r;
   r.x = static_cast<uint16_t>(v != v ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   return r;
-}
-
-// torch.topk's order of two probabilities: the larger first, a NaN the largest;
-// ties (which torch leaves to its sort) to the lower expert id, so a row's choice is a rule.
-inline bool before(const float* p, int64_t a, int64_t b) {
-  const bool na = p[a] != p[a], nb = p[b] != p[b];
-  if (na != nb) return na;
-  if (!na && p[a] != p[b]) return p[a] > p[b];
-  return a < b;
-}
-
-// Each row's top_k experts in `before`'s order: ids [T, k] and their probabilities [T, k] float32.
-void choose(const at::Tensor& probs, int64_t top_k, int64_t* ids, float* chosen) {
-  const int64_t T = probs.size(0), E = probs.size(1);
-  const float* p0 = probs.data_ptr<float>();
-#pragma omp parallel for if (T * E >= kParallelValues)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* p = p0 + t * E;
-    int64_t* sel = ids + t * top_k;
-    int64_t count = 0;
-    for (int64_t e = 0; e < E; ++e) {  // insertion into the sorted top_k so far
-      if (count == top_k && !before(p, e, sel[top_k - 1])) continue;
-      int64_t i = count < top_k ? count++ : top_k - 1;
-      for (; i > 0 && before(p, e, sel[i - 1]); --i) sel[i] = sel[i - 1];
-      sel[i] = e;
-    }
-    for (int64_t s = 0; s < top_k; ++s) chosen[t * top_k + s] = p[sel[s]];
-  }
 }
 
 // out[rows[i]] = round(out[rows[i]] + round(y[i] * w[rows[i], slots[i]])), i < n: one expert's
@@ -138,18 +112,19 @@ at::Tensor moe_mlp(const at::Tensor& x_in, const MoeWeights& w, const KvStreams&
   at::Tensor out = at::zeros({T, H}, x.options());
   if (T == 0) return out;
 
-  // The routing: torch's softmax on the rounded logits, the choice, the weights in x's dtype.
-  const at::Tensor probs = at::softmax(packed_gemm(x, w.router, false, KvStreams{}).to(at::kFloat), -1).contiguous();
-  std::vector<int64_t> ids(static_cast<size_t>(T * k));
-  at::Tensor chosen = at::empty({T, k}, x.options().dtype(at::kFloat));
-  choose(probs, k, ids.data(), chosen.data_ptr<float>());
-  if (w.norm_topk_prob) chosen.div_(chosen.sum(-1, true));  // (transformers' `/=`: torch's sum, its bits)
+  // The routing, on torch's own kernels (softmax, topk, sum: their bits, ties as torch.topk
+  // breaks them) from the rounded logits; the weights in x's dtype.
+  const at::Tensor probs = at::softmax(packed_gemm(x, w.router, false, KvStreams{}).to(at::kFloat), -1);
+  auto [chosen, chosen_ids] = at::topk(probs, k, -1, true, true);
+  if (w.norm_topk_prob) chosen = chosen / chosen.sum(-1, true);
   const at::Tensor weights = chosen.to(x.scalar_type()).contiguous();
+  const at::Tensor id_tensor = chosen_ids.to(at::kLong).contiguous();
+  const int64_t* ids = id_tensor.data_ptr<int64_t>();
 
   // Rows grouped by expert (a counting sort: each expert's rows in token order, with their slot).
   std::vector<int64_t> first(static_cast<size_t>(E + 1), 0), rows(static_cast<size_t>(T * k)),
       slots(static_cast<size_t>(T * k));
-  for (const int64_t e : ids) ++first[static_cast<size_t>(e + 1)];
+  for (int64_t i = 0; i < T * k; ++i) ++first[static_cast<size_t>(ids[i] + 1)];
   for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
   std::vector<int64_t> fill(first.begin(), first.end() - 1);
   for (int64_t t = 0; t < T; ++t)
