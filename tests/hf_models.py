@@ -84,6 +84,15 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                             "short_factor": PHI_SHORT_FACTOR, "long_factor": PHI_LONG_FACTOR},
     }),
+    # Mixtures of experts: Qwen3-MoE's q/k norms, 8 experts of 32, top 2 not
+    # renormalised, its second layer dense (mlp_only_layers); Mixtral's 4 experts
+    # of 32, top 2 renormalised.
+    "qwen3-moe": ("Qwen3MoeConfig", {
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": False, "mlp_only_layers": [1],
+    }),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": None}),
 }
 
 

@@ -223,17 +223,24 @@ def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
                 "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
         cfg = transformers.Phi3Config(**common, **_PHI_TOKENS, tie_word_embeddings=True,
                                       original_max_position_embeddings=16, rope_parameters=rope)
+    elif arch == "qwen3_moe":  # 8 experts of 48, top 3 renormalised, a dense first layer
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                          moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])
+    elif arch == "mixtral":  # 4 experts, top 2, a window of 4
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
     else:
         raise AssertionError(arch)
     return cfg, save
 
 
-ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4_mini"]
+ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4_mini",
+         "qwen3_moe", "mixtral"]
 
 
 def _plan_layer(spec: ModelSpec) -> bool:
     """Whether the CPU plan serves this model's layer (the plain Llama layer)."""
-    return not spec.sandwich_norms  # (Gemma's four norms and the rest: the reference serves)
+    # (Gemma's four norms and the rest, and experts: the reference serves)
+    return not spec.sandwich_norms and not spec.num_experts
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -282,6 +289,13 @@ def test_tiny_checkpoint_shape(tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec
         assert spec.rotary_dim == 12 and spec.sliding_window is None and spec.tie_word_embeddings
         assert spec.rope_scaling is not None and spec.rope_scaling["original_max_position_embeddings"] == 16
         assert spec.rope_scaling["attention_factor"] == math.sqrt(1 + math.log(64 / 16) / math.log(16))
+    if arch == "qwen3_moe":
+        assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (8, 3, 48)
+        assert spec.norm_topk_prob and spec.dense_layers == (0,) and spec.qk_norm
+        assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["LlamaMLP", "SparseMoeBlock"]
+    if arch == "mixtral":
+        assert spec.architecture == "MixtralForCausalLM" and spec.norm_topk_prob and spec.sliding_window == 4
+        assert (spec.num_experts, spec.moe_intermediate_size, spec.dense_layers) == (4, 96, ())
     if arch == "llama3_tied":
         assert spec.tie_word_embeddings
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -587,7 +601,7 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
         if kernels_run:
-            assert "(1 + w) norms" in line
+            assert ("mixture-of-experts layers" if spec.num_experts else "(1 + w) norms") in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model

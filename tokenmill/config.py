@@ -187,6 +187,12 @@ class ModelSpec:
     local_rope_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta's RoPE)
     attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) before the softmax
     final_logit_softcapping: float | None = None  # the same on the logits
+    # Mixture of experts (Qwen3-MoE, Mixtral: model/spec_moe.py); 0 experts: every MLP dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: each token's MLP is the weighted sum of its router's top k experts
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the top k weights renormalised to sum to 1 (Mixtral's always are)
+    dense_layers: tuple[int, ...] = ()  # layers that keep the dense MLP (Qwen3-MoE's mlp_only_layers)
     # Encoders (BERT, XLM-R: model/spec_bert.py, model/bert.py); the defaults are the decoder.
     # encoder_only: every token attends to its whole prompt (no causal mask), so a
     # prompt runs in one step, keeps no K/V and generates nothing (pooling only).
@@ -205,6 +211,10 @@ class ModelSpec:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates with the sliding layers' base (local_rope_theta)."""

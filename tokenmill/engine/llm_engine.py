@@ -222,6 +222,9 @@ class LLMEngine:
             drafter = DraftModelProposer(
                 speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
                 self.device, self.cpu_options)
+        if self.lora_config is not None and spec.num_experts:
+            raise ValueError(f"LoRA adapters are not supported on {spec.architecture} (a mixture of experts) "
+                             "yet; drop --enable-lora")
         self.runner = ModelRunner(
             model, model.spec, num_blocks, cache_config.block_size, self.dtype, self.device, self.cpu_options,
             seed=model_config.seed, eos_token_ids=self.eos_token_ids, forward=forward,

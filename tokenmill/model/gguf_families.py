@@ -37,6 +37,14 @@ _QK_NORM_LAYER: Mapping[str, str] = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# A mixture-of-experts layer's router and its experts stacked [E, out, in], split
+# per expert at load (model/moe_checkpoint.py).
+_MOE_LAYER: Mapping[str, str] = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the MLP's input norm (HF's
 # pre_feedforward_layernorm), and HF's post_attention_layernorm the attention output's.
 _GEMMA_LAYER: Mapping[str, str] = {
@@ -83,11 +91,13 @@ class GGUFFamily:
 
 
 GGUF_FAMILIES: Mapping[str, GGUFFamily] = {
-    # Llama, SmolLM2, Mistral (llama.cpp converts Mistral as llama).
-    "llama": GGUFFamily("LlamaForCausalLM", _LLAMA_LAYER, permuted_qk=True),
+    # Llama, SmolLM2, Mistral, Mixtral (llama.cpp converts Mistral and Mixtral as llama).
+    "llama": GGUFFamily("LlamaForCausalLM", {**_LLAMA_LAYER, **_MOE_LAYER}, permuted_qk=True),
     "qwen2": GGUFFamily("Qwen2ForCausalLM", _LLAMA_LAYER, permuted_qk=False, attention_bias=True),
     "qwen3": GGUFFamily("Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
                         qk_norm=True),
+    "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM", {**_LLAMA_LAYER, **_QK_NORM_LAYER, **_MOE_LAYER},
+                           permuted_qk=False, qk_norm=True),
     "gemma2": GGUFFamily("Gemma2ForCausalLM", _GEMMA_LAYER, permuted_qk=False, norm_shift=1.0),
     "gemma3": GGUFFamily("Gemma3ForCausalLM", {**_GEMMA_LAYER, **_QK_NORM_LAYER}, permuted_qk=False,
                          qk_norm=True, norm_shift=1.0),
@@ -102,8 +112,8 @@ def gguf_family(arch: object, path: str) -> GGUFFamily:
     if family is None:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported (general.architecture); "
-            f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2, "
-            "Gemma 3, Phi-3 / Phi-4); "
+            f"supported: {', '.join(GGUF_FAMILIES)} (Llama, SmolLM2, Mistral, Mixtral, Qwen2, Qwen3, "
+            "Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 / Phi-4); "
             "use a Hugging Face directory of a supported model instead"
         )
     return family

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 / 3 as one nn.Module.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and the
+mixtures of experts (Qwen3-MoE, Mixtral) as one nn.Module.
 
 Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn...`)
 except two fused projections, one matmul each instead of three and two:
@@ -237,21 +238,22 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, spec: ModelSpec, device: torch.device | str | None, dtype: torch.dtype, layer: int = 0
+        self, spec: ModelSpec, device: torch.device | str | None, dtype: torch.dtype, layer: int = 0,
+        intermediate_size: int | None = None,  # an expert's (None: the model's)
     ) -> None:
         super().__init__()
         self.layer = layer
-        self.intermediate_size = spec.intermediate_size
+        self.intermediate_size = spec.intermediate_size if intermediate_size is None else intermediate_size
         self.geglu = spec.hidden_act == "gelu_pytorch_tanh"  # Gemma (else SwiGLU)
         self.gate_up_proj = MergedLinear(
             spec.hidden_size,
-            {"gate": spec.intermediate_size, "up": spec.intermediate_size},
+            {"gate": self.intermediate_size, "up": self.intermediate_size},
             bias=False,
             device=device,
             dtype=dtype,
         )
         self.down_proj = Linear(
-            spec.intermediate_size,
+            self.intermediate_size,
             spec.hidden_size,
             bias=False,
             device=device,
@@ -263,6 +265,49 @@ class LlamaMLP(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
         return project(self.down_proj, act * up, lora, self.layer, "down_proj")
+
+
+class Router(Linear):
+    """A mixture of experts' router (HF's `mlp.gate`): stays in the model's float
+    dtype under every quantization, as llama.cpp and vLLM keep it, since a
+    rounded logit can pick another expert."""
+
+    keep_float = True
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's and Mixtral's MLP: each token's output is the weighted sum of
+    the SwiGLU experts its router ranks top k. As transformers computes it: the
+    router's logits in the dtype, softmax in float32, the top k (renormalised
+    where the config says), the weights cast to the dtype; each expert's output
+    times its weight, added in the dtype in increasing expert order (index_add),
+    so a row's sum has one order whatever else is in the step."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str | None, dtype: torch.dtype, layer: int) -> None:
+        super().__init__()
+        self.top_k = spec.num_experts_per_tok
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.gate = Router(spec.hidden_size, spec.num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = nn.ModuleList(
+            LlamaMLP(spec, device, dtype, layer, spec.moe_intermediate_size) for _ in range(spec.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, k] in x's dtype, expert ids [n, k]) of each row."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+        assert lora is None, "LoRA adapters on experts are refused at load (engine/arg_utils.py)"
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():  # (sorted: increasing expert order, as HF's loop)
+            rows, slot = torch.where(ids == e)
+            y = self.experts[e](x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -282,7 +327,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(spec, backend, device, dtype, layer)
         self.post_attention_layernorm = norm()  # Llama: before the MLP; Gemma: after the attention
-        self.mlp = LlamaMLP(spec, device, dtype, layer)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(spec, device, dtype, layer) if spec.layer_moe(layer) else LlamaMLP(spec, device, dtype, layer))
         self.local_rope = spec.layer_local_rope(layer)  # Gemma 3's sliding layers: their own base
         self.sandwich = spec.sandwich_norms
         if self.sandwich:  # Gemma: a norm before the MLP and one after it

@@ -10,11 +10,15 @@ checkpoint tensor per shard; the only renames are the fused projections:
     model.layers.N.mlp.gate_proj.W     ->  model.layers.N.mlp.gate_up_proj.W    (gate)
     model.layers.N.mlp.up_proj.W       ->  model.layers.N.mlp.gate_up_proj.W    (up)
 
+(and each expert's, model.layers.N.mlp.experts.E.gate_proj.W, likewise).
+
 A checkpoint tensor that maps to nothing, or a parameter shard no tensor
 fills, is an error naming it. GGUF names are first renamed to HF names by
 the file's row of model/gguf_families.py (one row per `general.architecture`).
 Phi-3's fused qkv_proj and gate_up_proj are split into the names above first,
-and with partial rotary its q/k rows reordered (model/fused_checkpoint.py).
+and with partial rotary its q/k rows reordered (model/fused_checkpoint.py);
+experts stacked in one tensor are split per expert and Mixtral's names renamed
+(model/moe_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from tokenmill.model.gguf_tensors import (
     unpermute_rope_rows,
 )
 from tokenmill.model.llama import Embedding, Linear, LlamaForCausalLM, MergedLinear
+from tokenmill.model.moe_checkpoint import expert_names, stacked_shape
 from tokenmill.model.quantization import (
     KQUANT_FORMATS,
     Q4_1_BYTES,
@@ -64,8 +69,9 @@ FUSED_WEIGHTS: Mapping[str, tuple[str, str]] = {
     ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
     ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
     ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-    ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
-    ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
+    # (a dense MLP's, and each expert's: .mlp.experts.E.gate_proj.)
+    ".gate_proj.": (".gate_up_proj.", "gate"),
+    ".up_proj.": (".gate_up_proj.", "up"),
 }
 
 logger = logging.getLogger("tokenmill")
@@ -335,6 +341,8 @@ def _q8_0_destinations(
         module = model.get_submodule(name.rpartition(".")[0])
         if not name.endswith(".weight") or not isinstance(module, Linear | Embedding):
             continue
+        if getattr(module, "keep_float", False):  # a MoE router (llama.Router)
+            continue
         rows, k = param.shape
         if k % Q8_0_BLOCK:
             raise ValueError(f"quantization={quantization!r} needs every projection's input size to be a "
@@ -352,7 +360,10 @@ def _short_list(names: list[str], limit: int = 10) -> str:
 def _as_llama_names(tensors: dict[str, TensorThunk], storage: dict[str, str],
                     spec: ModelSpec) -> tuple[dict[str, TensorThunk], dict[str, str]]:
     """Phi-3's fused tensors split into the Llama layer's names, and with partial
-    rotary its q/k rows in the order model/rope.py rotates (model/fused_checkpoint.py)."""
+    rotary its q/k rows in the order model/rope.py rotates (model/fused_checkpoint.py);
+    experts one tensor each, under the SparseMoeBlock's names (model/moe_checkpoint.py)."""
+    if spec.num_experts:
+        tensors, storage = expert_names(tensors, storage, spec)
     if spec.architecture in PHI3_ARCHITECTURES:
         tensors, storage = split_fused(tensors, storage, spec)
     if spec.rotary_dim is not None:
@@ -402,6 +413,7 @@ def _load_hf(model_config: ModelConfig, source: ModelSource) -> tuple[LlamaForCa
                        for name, thunk in tensors.items()}
         _check_hf_layer_count(tensors, spec.num_layers, config_path)
         tensors, _ = _as_llama_names(tensors, {}, spec)
+        _check_hf_expert_count(tensors, spec, config_path)
         model = LlamaForCausalLM(
             spec,
             max_positions=model_config.max_model_len,
@@ -423,6 +435,18 @@ def _check_hf_layer_count(names: Mapping[str, Any], num_layers: int, path: str,
             f"{path}: num_hidden_layers={num_layers} is invalid; the checkpoint's tensors are of "
             f"{len(layers)} layers ({prefix}N)"
         )
+
+
+def _check_hf_expert_count(names: Mapping[str, Any], spec: ModelSpec, path: str) -> None:
+    """A MoE config's expert count is the number of experts its checkpoint holds,
+    checked before the model is built (one module each)."""
+    if not spec.num_experts:
+        return
+    experts = {name.split(".mlp.experts.")[1].split(".")[0] for name in names if ".mlp.experts." in name}
+    if spec.num_experts != len(experts):
+        field = "num_experts" if spec.architecture == "Qwen3MoeForCausalLM" else "num_local_experts"
+        raise ValueError(f"{path}: {field}={spec.num_experts} is invalid; the checkpoint's tensors are of "
+                         f"{len(experts)} experts (mlp.experts.E)")
 
 
 # An encoder checkpoint's names that are not the model's weights: buffers some
@@ -543,6 +567,13 @@ def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec, family: 
     arch = reader.fields.get("general.architecture")
     for tensor in reader.tensors:
         name = family.hf_name(tensor.name)
+        actual = tuple(int(d) for d in reversed(tensor.shape))
+        stacked = stacked_shape(name, spec)
+        if stacked is not None and actual != stacked:
+            raise WeightLoadError(
+                f"{reader.path}: tensor {tensor.name} has shape {list(actual)}, but the metadata makes it "
+                f"{list(stacked)} ({arch}.expert_count={spec.num_experts}, {arch}.embedding_length="
+                f"{spec.hidden_size}, {arch}.expert_feed_forward_length={spec.moe_intermediate_size})")
         target = targets.get(name)
         if target is None and name in params:  # a fused tensor (Phi-3's): the whole parameter's rows
             target = (name, None)
@@ -554,7 +585,6 @@ def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec, family: 
             module = model.get_submodule(param_name.rpartition(".")[0])
             assert isinstance(module, MergedLinear), param_name
             shape = tuple(params[param_name][module.shard_slice(shard)].shape)
-        actual = tuple(int(d) for d in reversed(tensor.shape))
         if actual != shape:
             raise WeightLoadError(
                 f"{reader.path}: tensor {tensor.name} has shape {list(actual)}, but the metadata "

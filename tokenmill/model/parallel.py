@@ -57,6 +57,9 @@ class ShardLayout:
     def of(cls, spec: ModelSpec, rank: int, size: int) -> ShardLayout:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside the group of {size}")
+        if spec.num_experts:
+            raise ValueError(f"tensor parallelism does not split {spec.architecture}'s experts yet; "
+                             "drop --tensor-parallel-size")
         if size > spec.num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size={size} is more than the model's {spec.num_kv_heads} KV "

@@ -21,6 +21,7 @@ from tokenmill.model.spec_gemma import (
     gemma_fields,
     gemma_gguf_fields,
 )
+from tokenmill.model.spec_moe import MOE_ARCHITECTURES, moe_gguf_fields, moe_hf_fields
 from tokenmill.model.spec_phi3 import (
     PHI3_ARCHITECTURES,
     phi3_config,
@@ -38,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     *GEMMA_ARCHITECTURES,
     *PHI3_ARCHITECTURES,
+    *MOE_ARCHITECTURES,
 )
 # Checkpoints saved without their LM head (Qwen3-Embedding ships as Qwen3Model):
 # the decoder they are, pooling only (ModelSpec.headless).
@@ -59,6 +61,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -100,7 +104,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
         rope_theta, rope_scaling = _hf_rope(cfg, max_position_embeddings, path)
     if architecture == "Qwen2ForCausalLM":
         attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
-    elif architecture in ("MistralForCausalLM", *PHI3_ARCHITECTURES):
+    elif architecture in ("MistralForCausalLM", "MixtralForCausalLM", *PHI3_ARCHITECTURES):
         attention_bias = False
     else:
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -110,8 +114,10 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
     num_layers = _positive_int(_require(cfg, "num_hidden_layers", path), "num_hidden_layers", path)
     family: dict[str, Any] = (
         gemma_fields(cfg, architecture, num_layers, path) if gemma else phi3 if phi3 is not None else
-        {"qk_norm": architecture == "Qwen3ForCausalLM",
+        {"qk_norm": architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
          "sliding_window": _hf_sliding_window(cfg, architecture, path)})
+    if architecture in MOE_ARCHITECTURES:
+        family.update(moe_hf_fields(cfg, architecture, num_layers, path))
     return ModelSpec(
         architecture=architecture,
         vocab_size=vocab_size,
@@ -244,10 +250,10 @@ def _hf_rope(
 
 
 def _hf_sliding_window(cfg: Mapping[str, Any], architecture: str, path: str) -> int | None:
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         window = cfg.get("sliding_window")
         return _positive_int(window, "sliding_window", path) if window is not None else None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
             return None
         # Qwen slides only in layers >= max_window_layers; we support all or none.
@@ -351,8 +357,12 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         rope_scaling = extra.pop("rope_scaling")
     else:
         rope_scaling = _gguf_rope_scaling(reader, str(arch))
+    moe = moe_gguf_fields(fields, str(arch), path)
+    extra.update(moe)
+    # (llama.cpp converts Mixtral as `llama`, its experts making the difference)
+    architecture = "MixtralForCausalLM" if moe and family.architecture == "LlamaForCausalLM" else family.architecture
     return ModelSpec(
-        architecture=family.architecture,
+        architecture=architecture,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=positive_int("feed_forward_length"),

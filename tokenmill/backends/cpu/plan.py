@@ -45,7 +45,7 @@ from tokenmill.backends.cpu.formats import pack_module
 from tokenmill.backends.cpu.kernels import CppLoraAdapterWeights, CppPackedWeight, CpuOps
 from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tokenmill.model.lora import PROJECTIONS as LORA_PROJECTIONS
 from tokenmill.model.lora import LoRAAdapter, LoRABatch
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
@@ -122,8 +122,10 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
     ) if used]
     if gemma:
         return f"{', '.join(gemma)} (the plan runs the plain Llama layer)"
+    if spec.num_experts:
+        return "mixture-of-experts layers (the plan's MLP is dense)"
     for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)
+        assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, LlamaMLP)
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj):
             if dtype == torch.bfloat16 and lin.in_features % 2:
@@ -189,6 +191,7 @@ class CpuPlan:
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, LlamaMLP), "unsupported() refuses mixtures of experts"
             if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
                 self.all_reduce = a.o_proj.all_reduce
             q_norm, k_norm = (_NO_NORM, _NO_NORM) if a.q_norm is None or a.k_norm is None else (

@@ -1,0 +1,117 @@
+"""Experts' checkpoint tensors under the names model/llama.py's SparseMoeBlock has.
+
+Its parameters are one module per expert (`mlp.experts.E.gate_up_proj`,
+`mlp.experts.E.down_proj`) and the router (`mlp.gate`), so the quantized
+formats and the CPU plan take each expert as any other projection. Checkpoints
+hold them in three shapes:
+- Qwen3-MoE's Hugging Face files: one tensor per expert and projection
+  (`mlp.experts.E.gate_proj.weight`), already our names (the loader fuses gate
+  and up as for a dense MLP);
+- Mixtral's: `block_sparse_moe.gate`, `block_sparse_moe.experts.E.w1 / w3 / w2`
+  (gate / up / down), renamed here;
+- stacked, all experts in one tensor [E, out, in]: llama.cpp's `ffn_gate_exps`
+  / `ffn_up_exps` / `ffn_down_exps` (the GGUF row names them
+  `mlp.experts.gate_proj` ...), and transformers 5's in-memory names
+  (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`), split here
+  into a tensor per expert, each a slice of the stacked one read once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from tokenmill.config import ModelSpec
+from tokenmill.model.gguf_tensors import WeightLoadError
+
+_MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
+
+
+def stacked_shape(name: str, spec: ModelSpec) -> tuple[int, int, int] | None:
+    """The shape [experts, out, in] a stacked experts tensor must have, or None
+    where `name` is not one."""
+    match = _STACKED.match(name)
+    if match is None or not spec.num_experts:
+        return None
+    width, hidden, experts = spec.moe_intermediate_size, spec.hidden_size, spec.num_experts
+    return {"gate_proj": (experts, width, hidden), "up_proj": (experts, width, hidden),
+            "gate_up_proj": (experts, 2 * width, hidden), "down_proj": (experts, hidden, width)}[match.group(2)]
+
+
+def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str, str],
+                 spec: ModelSpec) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
+    """`tensors` (name -> loader) and `storage` (name -> GGUF type) with Mixtral's
+    names renamed and stacked experts split into one tensor per expert."""
+    out: dict[str, Callable[[], Any]] = {}
+    kinds: dict[str, str] = {}
+    for name, load in tensors.items():
+        mixtral = _MIXTRAL.match(name)
+        stacked = _STACKED.match(name)
+        if mixtral is not None:
+            prefix, part = mixtral.groups()
+            head, _, proj = part.rpartition(".")
+            renamed = f"{prefix}mlp.{head}.{_MIXTRAL_PARTS[proj]}.weight" if head else f"{prefix}mlp.gate.weight"
+            out[renamed] = load
+            if name in storage:
+                kinds[renamed] = storage[name]
+        elif stacked is not None and spec.num_experts:
+            shape = stacked_shape(name, spec)
+            assert shape is not None
+            width = spec.moe_intermediate_size
+            # transformers 5's fused [gate; up] as the two checkpoint names the loader fuses
+            parts = ({"gate_proj": slice(0, width), "up_proj": slice(width, 2 * width)}
+                     if stacked.group(2) == "gate_up_proj" else {stacked.group(2): slice(None)})
+            stack = _Stack(name, load, shape, len(parts))
+            for e in range(spec.num_experts):
+                for part, rows in parts.items():
+                    expert = f"{stacked.group(1)}{e}.{part}.weight"
+                    out[expert] = stack.expert_loader(e, rows)
+                    if name in storage:
+                        kinds[expert] = storage[name]
+        else:
+            out[name] = load
+            if name in storage:
+                kinds[name] = storage[name]
+    return out, kinds
+
+
+class _Stack:
+    """A stacked experts tensor, read once for all its experts: the first
+    expert's read loads it, the last one's drops it."""
+
+    def __init__(self, name: str, load: Callable[[], Any], shape: tuple[int, int, int], parts: int) -> None:
+        self.name, self.load, self.shape = name, load, shape
+        self.value: Any = None
+        self.left = shape[0] * parts  # reads before it is dropped
+
+    def expert_loader(self, e: int, rows: slice) -> Callable[[], Any]:
+        return lambda: self.take(e, rows)
+
+    def take(self, e: int, rows: slice) -> Any:
+        if self.value is None:
+            self.value = self.load()
+        value = self.value
+        self.left -= 1
+        if self.left == 0:
+            self.value = None
+        if isinstance(value, tuple):  # (Q8_0 q, d) with the experts' rows one after the other
+            return tuple(self._rows(part, e)[rows] for part in value)
+        if isinstance(value, torch.Tensor):
+            return self._rows(value, e)[rows]
+        # a GGUF type's own blocks (loader.GgufBlocks): rows [E * out, blocks, bytes]
+        return type(value)(value.type, self._rows(value.blocks, e)[rows])
+
+    def _rows(self, value: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's rows of the stacked value ([E, out, in], or its rows flattened)."""
+        experts, rows, _ = self.shape
+        if value.dim() == 3 and value.shape[:2] == (experts, rows):
+            return value[e]
+        if value.shape[0] != experts * rows:
+            raise WeightLoadError(f"tensor {self.name} has shape {list(value.shape)}, expected "
+                                  f"{list(self.shape)} ({experts} experts of {rows} rows)")
+        return value[e * rows:(e + 1) * rows]
