@@ -27,7 +27,7 @@ from tokenmill.backends.cpu.plan import CpuPlan, unsupported
 from tokenmill.config import ModelConfig, ModelSpec
 from tokenmill.engine.arg_utils import EngineArgs
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.llama import LlamaForCausalLM, SparseMoeBlock
 from tokenmill.model.loader import cpu_has_bf16, load_model
 from tokenmill.model.source import ModelNotFoundError, ModelSource, resolve_model_source
 from tokenmill.worker.model_runner import ModelForward, ModelRunner, pick_forward
@@ -238,9 +238,8 @@ ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"
 
 
 def _plan_layer(spec: ModelSpec) -> bool:
-    """Whether the CPU plan serves this model's layer (the plain Llama layer)."""
-    # (Gemma's four norms and the rest, and experts: the reference serves)
-    return not spec.sandwich_norms and not spec.num_experts
+    """Whether the CPU plan serves this model's layer (the Llama layer, its MLP dense or experts)."""
+    return not spec.sandwich_norms  # (Gemma's four norms and the rest: the reference serves)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -417,8 +416,12 @@ def test_the_runners_plan_holds_the_only_copy_of_each_weight(
         pytest.skip("the CPU plan does not serve this model here")
     picked = pick_forward(released, getattr(torch, dtype), torch.device("cpu"), CpuBackendOptions())[0]
     assert isinstance(picked, CpuPlan)
-    down = released.model.layers[0].mlp.down_proj
+    mlp = released.model.layers[-1].mlp  # (a mixture of experts: its last expert's)
+    down = mlp.experts[-1].down_proj if isinstance(mlp, SparseMoeBlock) else mlp.down_proj
     assert down.weight.device.type == "meta" and released.lm_head.weight.device.type == "meta"
+    # Every projection's weight released: a router's and every expert's too (biases stay: the packed share them).
+    assert all(p.device.type == "meta" for name, p in released.model.layers.named_parameters()
+               if name.endswith(".weight") and "norm" not in name)
     assert sum(p.numel() for p in released.parameters()) == params
     assert picked.embed_from_head == spec.tie_word_embeddings
     with pytest.raises(RuntimeError, match="released to the CPU plan"):
@@ -457,6 +460,9 @@ def test_split_layer_stack_gives_the_same_bits(
     monkeypatch.setattr(plan, "choose_path", spy)
     monkeypatch.setattr(plan, "threads", lambda: 2)
     facts = fast.path_facts
+    # (experts serve top_k / E of a thread's rows each: E / top_k times the rows a thread)
+    sparsity = spec.num_experts / spec.num_experts_per_tok if spec.num_experts else 1.0
+    assert facts.split_min_rows == dispatch.SPLIT_ROWS_PER_WEIGHT_BYTE * getattr(torch, dtype).itemsize * sparsity
     fast.path_facts = dataclasses.replace(facts, split_max_share=1.0, split_min_rows=10**9)
     whole = run_schedule(model, spec, seqs, MIXED_SCHEDULE, one_call=True, forward=fast)
     assert not splits
@@ -601,7 +607,7 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
         if kernels_run:
-            assert ("mixture-of-experts layers" if spec.num_experts else "(1 + w) norms") in line
+            assert "(1 + w) norms" in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model
