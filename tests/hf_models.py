@@ -168,6 +168,10 @@ HF_TO_GGUF = {
     # Phi-3's fused tensors, as llama.cpp keeps them (ffn_up: gate and up rows).
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    # A mixture of experts' router and stacked experts (transformers 5 holds
+    # gate and up fused [E, 2I, H]: gguf_tensors splits them as llama.cpp's converter).
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 # Gemma's four norms under llama.cpp's names (its ffn_norm is the MLP's input norm).
 GEMMA_TO_GGUF = {
@@ -177,7 +181,7 @@ GEMMA_TO_GGUF = {
 }
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # llama.cpp's converter permutes Q/K rows for these model types only.
-PERMUTED_QK = ("llama", "mistral")
+PERMUTED_QK = ("llama", "mistral", "mixtral")
 
 
 def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWriter:
@@ -210,6 +214,12 @@ def gguf_writer(hf_model: Any, path: Path, arch: str = "llama") -> gguf.GGUFWrit
             writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if cfg.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:  # (llama.cpp writes Qwen3-MoE's expert width; Mixtral's is feed_forward_length)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if cfg.model_type == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_bos_token_id(1)
@@ -230,6 +240,14 @@ def gguf_tensors(hf_model: Any) -> Iterator[tuple[str, str, int | None, np.ndarr
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         parts = name.split(".")
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            halves = param.view(param.shape[0], 2, -1, param.shape[-1])  # (views: a caller may write them)
+            for half, part in ((halves[:, 0], "ffn_gate_exps"), (halves[:, 1], "ffn_up_exps")):
+                yield f"blk.{parts[2]}.{part}.weight", part, None, np.ascontiguousarray(half.float().numpy()), half
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{parts[2]}.ffn_down_exps.weight", "ffn_down_exps", None, param.float().numpy(), param
+            continue
         if name.startswith("model.layers."):
             module = ".".join(parts[3:-1])
             part = GEMMA_TO_GGUF[module] if gemma and module in GEMMA_TO_GGUF else HF_TO_GGUF[module]

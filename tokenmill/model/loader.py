@@ -592,7 +592,8 @@ def _check_gguf_tensors(reader: Any, model: nn.Module, spec: ModelSpec, family: 
                 f"{arch}.attention.head_count={spec.num_heads}, "
                 f"{arch}.attention.head_count_kv={spec.num_kv_heads}, head size {spec.head_dim}, "
                 f"{arch}.feed_forward_length={spec.intermediate_size}, "
-                f"{spec.vocab_size} tokens)"
+                + (f"{arch}.expert_count={spec.num_experts}, " if spec.num_experts else "")
+                + f"{spec.vocab_size} tokens)"
             )
         if "norm" in tensor.name and tensor.tensor_type.name not in _FLOAT_TYPES:
             raise WeightLoadError(

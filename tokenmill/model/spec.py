@@ -357,7 +357,7 @@ def spec_from_gguf(reader: GGUFFile) -> ModelSpec:
         rope_scaling = extra.pop("rope_scaling")
     else:
         rope_scaling = _gguf_rope_scaling(reader, str(arch))
-    moe = moe_gguf_fields(fields, str(arch), path)
+    moe = moe_gguf_fields(fields, str(arch), num_layers, tensor_names, path)
     extra.update(moe)
     # (llama.cpp converts Mixtral as `llama`, its experts making the difference)
     architecture = "MixtralForCausalLM" if moe and family.architecture == "LlamaForCausalLM" else family.architecture

@@ -41,10 +41,12 @@ def moe_hf_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int, pa
     return _checked(experts, cfg.get("num_experts_per_tok", 2), "num_experts_per_tok", width, norm, dense, path)
 
 
-def moe_gguf_fields(fields: Mapping[str, Any], arch: str, path: str) -> dict[str, Any]:
+def moe_gguf_fields(fields: Mapping[str, Any], arch: str, num_layers: int, tensor_names: set[str],
+                    path: str) -> dict[str, Any]:
     """The MoE fields of a GGUF's `{arch}.` keys (none: a dense model, {}).
     llama.cpp's qwen3moe and llama (Mixtral) graphs renormalise the top k weights
-    unless the file says otherwise (`expert_weights_norm`)."""
+    unless the file says otherwise (`expert_weights_norm`). A layer without a
+    router (`blk.N.ffn_gate_inp`) keeps its dense MLP (Qwen3-MoE's mlp_only_layers)."""
     experts = fields.get(f"{arch}.expert_count")
     if not experts:
         return {}
@@ -52,8 +54,9 @@ def moe_gguf_fields(fields: Mapping[str, Any], arch: str, path: str) -> dict[str
     width = fields.get(f"{arch}.expert_feed_forward_length", fields.get(f"{arch}.feed_forward_length"))
     width = positive_int(width, f"{arch}.expert_feed_forward_length", path)
     norm = bool(fields.get(f"{arch}.expert_weights_norm", True))
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
     return _checked(experts, fields.get(f"{arch}.expert_used_count"), f"{arch}.expert_used_count", width, norm,
-                    (), path)
+                    dense, path)
 
 
 def _checked(experts: int, top_k: Any, top_k_field: str, width: int, norm: bool, dense: tuple[int, ...],

@@ -1,14 +1,17 @@
-"""Maintainer check: Phi-3 files written by llama.cpp's own converter load in tokenmill
-and give the Hugging Face directory's tokens.
+"""Maintainer check: files written by llama.cpp's own converter load in tokenmill
+and give the Hugging Face directory's tokens, for the families whose converter
+does more than rename (Phi-3's fused tensors and LongRoPE factors, the experts of
+Qwen3-MoE and Mixtral stacked into ffn_*_exps).
 
-For a tiny random Phi-3 (a sliding window of 16) and Phi-4-mini (3/4 of each head
-rotated, LongRoPE, a tied head), the sdist's `convert_hf_to_gguf.py` (Phi3MiniModel:
-fused attn_qkv / ffn_up, rope_factors_short / _long, phi3.rope.* keys) writes a
-float32 GGUF; tokenmill's greedy tokens on it, on the C++ plan and on the reference,
-must equal transformers' on the directory, logprobs within 1e-4. Sequences stay
-within the LongRoPE model's original context (96), where the two agree exactly.
+For each tiny random model, the sdist's `convert_hf_to_gguf.py` writes a float32
+GGUF; tokenmill's greedy tokens on it, on the C++ plan and on the reference, must
+equal transformers' on the directory, logprobs within 1e-4. The cases: Phi-3 (a
+sliding window of 16), Phi-4-mini (3/4 of each head rotated, LongRoPE within its
+original context of 96, a tied head), Qwen3-MoE (8 experts, top 2, q/k norms;
+llama.cpp's graph renormalises the top k, so the model does too) and Mixtral
+(4 experts, top 2; a `llama` file with Q/K rows permuted).
 
-    flock /tmp/tokenmill-heavy.lock .venv/bin/python benchmarks/phi3_converter_check.py [--llama-cpp DEST]
+    flock /tmp/tokenmill-heavy.lock .venv/bin/python benchmarks/converter_check.py [--llama-cpp DEST] [CASE ...]
 
 The converter needs a known tokenizer: the default model's (SmolLM2's byte-level BPE,
 llama.cpp's "smollm"), so the tiny models have its vocabulary. Exit status 1 on a mismatch.
@@ -34,14 +37,19 @@ from tokenmill.bench.sizes_files import find_llama_cpp
 from tokenmill.bench.vllm_peer import save_gguf_tokenizer
 from tokenmill.model.source import resolve_model_source
 
-CASES: dict[str, dict[str, Any]] = {
-    "phi3": {"sliding_window": 16},
-    "phi4-mini": {
+# case -> (transformers config class, its fields beyond the common ones)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3": ("Phi3Config", {"sliding_window": 16}),
+    "phi4-mini": ("Phi3Config", {
         "tie_word_embeddings": True, "original_max_position_embeddings": 96,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                             "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]},
-    },
+    }),
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": None}),
 }
 
 
@@ -51,10 +59,12 @@ def write_directory(case: str, directory: Path, tokenizer_gguf: str) -> Any:
     config_path = directory / "tokenizer_config.json"  # (Phi3MiniModel.set_vocab reads its class)
     tok_config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**tok_config, "tokenizer_class": "GPT2Tokenizer"}, indent=2))
-    config = transformers.Phi3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0, **CASES[case])
+    config_class, fields = CASES[case]
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "initializer_range": 0.1, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "pad_token_id": 0, **fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # norms spread, so a swapped or lost one shows
@@ -89,7 +99,11 @@ def tokenmill_greedy(path: str, prompts: list[list[int]], lengths: list[int], cp
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-cpp", help="build_llama_cpp.sh's DEST (default /work/llama.cpp-build)")
+    parser.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
     args = parser.parse_args()
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
     llama_cpp = find_llama_cpp(args.llama_cpp)
     llama_cpp.require(llama_cpp.converter)
     rng = np.random.default_rng(7)
@@ -97,7 +111,7 @@ def main() -> int:
     lengths = rng.integers(4, 20, size=len(prompts)).tolist()
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for case in CASES:
+        for case in args.cases or CASES:
             directory = Path(tmp) / case
             directory.mkdir()
             model = write_directory(case, directory, resolve_model_source(None).path)
