@@ -68,7 +68,8 @@ class Case:
     """A router over E experts and each expert's gate_up and down in one format, packed
     as the plan packs them (formats.pack), with x of ROWS rows."""
 
-    def __init__(self, fmt: str, dtype: torch.dtype, hidden: int, inter: int, seed: int = 0) -> None:
+    def __init__(self, fmt: str, dtype: torch.dtype, hidden: int, inter: int, seed: int = 0,
+                 experts: int = E) -> None:
         ops = self.ops = _ops()
         self.fmt, self.dtype = fmt, dtype
         down_fmt = "q6_k" if fmt == "parts" else fmt  # (parts are a gate_up's)
@@ -76,7 +77,7 @@ class Case:
         # x leans positive and the unpicked expert's router row is negative: its logits far below.
         self.x = (torch.randn(ROWS, hidden, generator=g) * 0.5 + 1.0).to(dtype)
         router_fmt = fmt if fmt in ("float32", "bfloat16") else "q8_0"  # (a block format's: Q8_0)
-        router_src, self.router_values = _weight(router_fmt, E, hidden, seed + 1, dtype)
+        router_src, self.router_values = _weight(router_fmt, experts, hidden, seed + 1, dtype)
         if router_fmt == "q8_0":
             q, d = router_src
             q[UNPICKED] = -q[UNPICKED].abs()
@@ -89,7 +90,7 @@ class Case:
         self.down: list[CppPackedWeight] = []
         self.gate_up_values: list[torch.Tensor] = []
         self.down_values: list[torch.Tensor] = []
-        for e in range(E):
+        for e in range(experts):
             src, values = _weight(fmt, 2 * inter, hidden, seed + 10 + 2 * e, dtype)
             self.gate_up.append(formats.pack(ops, formats.PARTS if fmt == "parts" else fmt, src))
             self.gate_up_values.append(values)
@@ -243,6 +244,16 @@ def test_all_experts_chosen_and_ties() -> None:
             assert torch.equal(full, case.kernels_reference(case.x, top_k, True))
             for r in range(0, ROWS, 6):
                 assert torch.equal(case.op(case.x[r:r + 1], top_k, True), full[r:r + 1])
+
+
+def test_many_experts_top_8() -> None:
+    """Qwen3-MoE's kind: 64 experts, top 8 renormalised, bf16 logits (ties at the
+    8th place happen): the rule's bits, each row's alone and in the batch."""
+    case = Case("bfloat16", torch.bfloat16, 64, 32, seed=7, experts=64)
+    full = case.op(case.x, 8, True)
+    assert torch.equal(full, case.kernels_reference(case.x, 8, True))
+    for r in range(ROWS):
+        assert torch.equal(case.op(case.x[r:r + 1], 8, True), full[r:r + 1]), f"row {r}"
 
 
 def test_bad_arguments_are_refused() -> None:
