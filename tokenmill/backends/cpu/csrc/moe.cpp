@@ -3,10 +3,10 @@
 // rows routed to it, in any weight format (formats.h: every GEMM goes through
 // packed_gemm / packed_gemm_silu, so no format has code here).
 //
-//   logits = x R^T                      packed_gemm, in x's dtype (F.linear rounds there)
-//   probs  = softmax(float32(logits))   \
-//   w, ids = topk(probs, top_k)          } torch's own kernels (at::softmax, at::topk,
-//   w     /= sum(w) where norm_topk_prob /  at::sum): transformers' bits, ties included
+//   logits = x R^T                        packed_gemm, in x's dtype (F.linear rounds there)
+//   probs  = softmax(float32(logits))     torch's own kernels for these three (at::softmax,
+//   w, ids = topk(probs, top_k)           at::topk, at::sum): transformers' bits, ties
+//   w     /= sum(w) where norm_topk_prob  included
 //   w      = w in x's dtype
 //   for each expert e that any row chose, in increasing e:
 //     rows  = the rows that chose e (a counting sort by expert: one pass, token order)
