@@ -93,6 +93,15 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                                   "sliding_window": None}),
+    # gpt-oss: a window of 8 on its first layer, the second global; sinks; biases
+    # everywhere; 4 experts of 32, top 2; YaRN (factor 4 over an original 128, so
+    # the interpolated and extrapolated bands both show within 512 positions).
+    "gpt-oss": ("GptOssConfig", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+    }),
 }
 
 
@@ -102,11 +111,13 @@ def build_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Modul
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    if arch.startswith(("gemma", "phi")):  # norms start equal: spread them, so a swapped or lost one shows
+    if arch.startswith(("gemma", "phi", "gpt-oss")):  # norms start equal: spread them, so a swapped or lost one shows
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:  # (Gemma's (1 + w) starts at w = 0, the others' at 1)
                     param.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
+                if name.endswith(("sinks", "bias")):  # (gpt-oss: zeros at init would hide them)
+                    param.normal_(0.0, 0.5)
     # Generation runs to max_new_tokens: no EOS, like ignore_eos on our side.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

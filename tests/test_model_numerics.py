@@ -228,18 +228,25 @@ def _tiny(arch: str) -> tuple[Any, dict[str, Any]]:
                                           moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])
     elif arch == "mixtral":  # 4 experts, top 2, a window of 4
         cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+    elif arch == "gpt_oss":  # sinks, biases, a window of 4 then a global layer, YaRN past an original 16
+        rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+        cfg = transformers.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters=rope)
     else:
         raise AssertionError(arch)
     return cfg, save
 
 
 ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3", "phi4_mini",
-         "qwen3_moe", "mixtral"]
+         "qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def _plan_layer(spec: ModelSpec) -> bool:
     """Whether the CPU plan serves this model's layer (the Llama layer, its MLP dense or experts)."""
-    return not spec.sandwich_norms  # (Gemma's four norms and the rest: the reference serves)
+    # (Gemma's four norms and the rest, gpt-oss's sinks and biased experts: the reference serves)
+    return not spec.sandwich_norms and not spec.attention_sinks
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -295,6 +302,11 @@ def test_tiny_checkpoint_shape(tiny_pair: tuple[Any, LlamaForCausalLM, ModelSpec
     if arch == "mixtral":
         assert spec.architecture == "MixtralForCausalLM" and spec.norm_topk_prob and spec.sliding_window == 4
         assert (spec.num_experts, spec.moe_intermediate_size, spec.dense_layers) == (4, 96, ())
+    if arch == "gpt_oss":
+        assert spec.attention_sinks and spec.moe_bias and spec.moe_topk_then_softmax and spec.norm_in_float32
+        assert spec.attention_bias and spec.swiglu_limit == 7.0 and spec.layer_types == (
+            "sliding_attention", "full_attention")
+        assert spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "yarn"
     if arch == "llama3_tied":
         assert spec.tie_word_embeddings
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -607,7 +619,7 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
         if kernels_run:
-            assert "(1 + w) norms" in line
+            assert ("attention sinks" if spec.attention_sinks else "(1 + w) norms") in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model

@@ -56,9 +56,18 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def phi_target(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Phi-4-mini's kind (partial rotary, LongRoPE within its original context)."""
-    return _target("phi4-mini", tmp_path_factory)
+def family_targets(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Each family's target (tests/hf_models.ARCHS), built once on first use: Phi-4-mini's
+    kind (partial rotary, LongRoPE within its original context), the mixtures of experts,
+    Gemma's windows and soft-caps."""
+    made: dict[str, dict[str, Any]] = {}
+
+    def get(arch: str) -> dict[str, Any]:
+        if arch not in made:
+            made[arch] = _target(arch, tmp_path_factory)
+        return made[arch]
+
+    return get
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -94,9 +103,10 @@ def assert_matches_oracle(llm: LLM, outputs: list[Any], refs: list[Any]) -> None
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("arch", ["llama", "phi4-mini"])
+@pytest.mark.parametrize("arch", ["llama", "phi4-mini", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "gemma2"])
 def test_ngram_greedy_matches_transformers(request: pytest.FixtureRequest, arch: str, scenario: str) -> None:
-    target: dict[str, Any] = request.getfixturevalue("target" if arch == "llama" else "phi_target")
+    target: dict[str, Any] = (request.getfixturevalue("target") if arch == "llama" else
+                              request.getfixturevalue("family_targets")(arch))
     llm, outputs = run_greedy(target["path"], NGRAM, **SCENARIOS[scenario])
     assert_matches_oracle(llm, outputs, target["refs"])
     stats = llm.engine.stats().spec_decoding

@@ -22,7 +22,7 @@ from tokenmill.sampling_params import (
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
-    from tokenmill.model.source import default_model_path
+    from tokenmill.model.source import default_model_path, gemma3_270m_path
 
 __all__ = [
     "LLM",
@@ -40,6 +40,7 @@ __all__ = [
     "ScoringRequestOutput",
     "StructuredOutputsParams",
     "default_model_path",
+    "gemma3_270m_path",
 ]
 
 
@@ -50,7 +51,11 @@ def __getattr__(name: str) -> object:
 
         return LLM
     if name == "default_model_path":
-        from tokenmill.model.source import default_model_path
+        from tokenmill.model.source import default_model_path, gemma3_270m_path
 
         return default_model_path
+    if name == "gemma3_270m_path":  # the real Gemma 3 270M Q4_K_M file (`make setup` installs it)
+        from tokenmill.model.source import gemma3_270m_path
+
+        return gemma3_270m_path
     raise AttributeError(name)

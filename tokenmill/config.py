@@ -193,6 +193,15 @@ class ModelSpec:
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = False  # the top k weights renormalised to sum to 1 (Mixtral's always are)
     dense_layers: tuple[int, ...] = ()  # layers that keep the dense MLP (Qwen3-MoE's mlp_only_layers)
+    # gpt-oss (model/spec_moe.py): its router and experts carry biases; the router's
+    # top k logits, softmaxed (not the top k of the softmax); its experts' SwiGLU
+    # clamped: gate <= limit, |up| <= limit, out = gate * sigmoid(alpha * gate) * (up + 1).
+    moe_bias: bool = False
+    moe_topk_then_softmax: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
+    norm_in_float32: bool = False  # RMSNorms scale by w in float32, then cast (gpt-oss; Gemma's are too)
     # Encoders (BERT, XLM-R: model/spec_bert.py, model/bert.py); the defaults are the decoder.
     # encoder_only: every token attends to its whole prompt (no causal mask), so a
     # prompt runs in one step, keeps no K/V and generates nothing (pooling only).

@@ -123,24 +123,37 @@ def plan_rows(shapes: list[str], formats: list[str], servers: list[str], repeats
 # ---- real files -----------------------------------------------------------------------------
 
 # Files no one here wrote, run beside the random shapes in their own format:
-# name -> (format, the module-level function of tokenmill.model.source giving its path).
+# name -> (format, the public function of `tokenmill` giving its path).
 REAL_FILES = {
     "gemma3-270m": ("q4_k_m", "gemma3_270m_path"),  # Gemma 3 270M base (`make setup` installs it)
 }
 
 
 def real_file(key: str) -> tuple[dict[str, Path], Shape]:
-    """A REAL_FILES entry's {format: path} and its layout, read from the file's metadata."""
-    from tokenmill.model import source
-    from tokenmill.model.gguf_file import GGUFFile
-    from tokenmill.model.spec import spec_from_gguf
+    """A REAL_FILES entry's {format: path} and its layout, read from the file's
+    metadata (llama.cpp's `{arch}.` keys)."""
+    import gguf
+
+    import tokenmill
 
     fmt, where = REAL_FILES[key]
-    path = Path(getattr(source, where)())
-    spec = spec_from_gguf(GGUFFile(str(path)))
-    shape = Shape(key, spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_heads,
-                  spec.num_kv_heads, spec.head_dim, spec.tie_word_embeddings, spec.vocab_size,
-                  spec.max_position_embeddings, spec.rope_theta)
+    path = Path(getattr(tokenmill, where)())
+    reader = gguf.GGUFReader(str(path))
+
+    def field(name: str) -> Any:
+        f = reader.fields[name]
+        return f.contents()
+
+    arch = field("general.architecture")
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    shape = Shape(key, int(field(f"{arch}.block_count")), hidden, int(field(f"{arch}.feed_forward_length")), heads,
+                  int(field(f"{arch}.attention.head_count_kv")),
+                  int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields
+                  else hidden // heads,
+                  "output.weight" not in names, len(field("tokenizer.ggml.tokens")),
+                  int(field(f"{arch}.context_length")))
     return {fmt: path}, shape
 
 

@@ -15,7 +15,8 @@ attends to its request's whole context read back from the cache (earlier
 chunks and prefix-cache hits included), so both paths see the same data.
 A sliding window W lets a query at position p see keys p - W + 1 .. p (HF's);
 a logit soft-cap c (Gemma 2) maps each scaled score s to c * tanh(s / c)
-before the mask and the softmax.
+before the mask and the softmax; sinks (gpt-oss) add a learned logit per query
+head to each softmax's denominator, a key that has no value.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's k, v [num_tokens, num_kv_heads, head_dim] at their
         slots, then attend q [num_tokens, num_heads, head_dim] -> the same shape."""
@@ -55,6 +57,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend q to a cache that already holds this step's K/V."""
         ...
@@ -99,9 +102,10 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+        return self.attend(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)
 
     def attend(
         self,
@@ -111,17 +115,18 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_decodes = meta.num_decodes
         if (self.batch_invariant and num_decodes < meta.num_reqs and meta.token_seq_ids is not None
                 and meta.token_seq_lens is not None):
-            return self._rows_as_decodes(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+            return self._rows_as_decodes(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_decodes == meta.num_reqs:  # decodes only: no copy
-            return self._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+            return self._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)
         if num_decodes > 0:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, scale, sliding_window,
-                                             logit_softcap)
+                                             logit_softcap, sinks)
         for i in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(
@@ -132,6 +137,7 @@ class TorchAttentionBackend:
                 scale,
                 sliding_window,
                 logit_softcap,
+                sinks,
             )
         return out
 
@@ -143,6 +149,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Every token one decode: its sequence's block table row, its position + 1 as seq_len."""
         assert meta.token_seq_ids is not None and meta.token_seq_lens is not None
@@ -156,7 +163,8 @@ class TorchAttentionBackend:
                 num_decodes=end - start, query_start_loc=list(range(end - start + 1)), seq_lens=rows_lens,
                 max_decode_seq_len=max(rows_lens), slot_mapping=meta.slot_mapping[:0],
                 block_tables=tables[start:end], decode_seq_lens=lens[start:end], block_size=meta.block_size)
-            out[start:end] = self._decode(q[start:end], kv_cache, rows, scale, sliding_window, logit_softcap)
+            out[start:end] = self._decode(q[start:end], kv_cache, rows, scale, sliding_window, logit_softcap,
+                                          sinks)
         return out
 
     def _decode(
@@ -167,6 +175,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
@@ -191,7 +200,8 @@ class TorchAttentionBackend:
         if sliding_window is not None:
             visible &= key_pos[None, :] > seq_lens - 1 - sliding_window
         scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        sink = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1)
+        probs = _softmax(scores, sink).to(value.dtype)
         out = torch.matmul(probs, value)  # [B, kv_heads, group, head_dim]
         return out.reshape(num_decodes, num_heads, head_dim)
 
@@ -204,6 +214,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
         q_len = q.shape[0]
         num_blocks = -(-seq_len // kv_cache.shape[2])
@@ -220,15 +231,17 @@ class TorchAttentionBackend:
             mask = key_pos <= query_pos  # [q_len, seq_len], True = attend
             if sliding_window is not None:
                 mask &= key_pos > query_pos - sliding_window
-        if logit_softcap is not None:  # (SDPA has no soft-cap) the decode's arithmetic
+        if logit_softcap is not None or sinks is not None:  # (SDPA has neither) the decode's arithmetic
             group = q.shape[1] // key.shape[0]
             qg = q.transpose(0, 1).reshape(key.shape[0], group, q_len, -1)  # [kv_heads, group, q_len, hd]
             scores = torch.matmul(qg, key[:, None].transpose(-1, -2)).float() * scale
-            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            if logit_softcap is not None:
+                scores = torch.tanh(scores / logit_softcap) * logit_softcap
             if mask is None:
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril()
             scores.masked_fill_(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(value.dtype)
+            sink = None if sinks is None else sinks.float().view(key.shape[0], group, 1, 1)
+            probs = _softmax(scores, sink).to(value.dtype)
             out_g = torch.matmul(probs, value[:, None])  # [kv_heads, group, q_len, hd]
             return out_g.reshape(q.shape[1], q_len, -1).transpose(0, 1)
         out = F.scaled_dot_product_attention(
@@ -241,3 +254,14 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
+
+
+
+def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of float32 scores; with `sink` (gpt-oss: each query
+    head's sink logit, float32, broadcastable to scores less their last dim, then 1)
+    in the denominator too, as HF's concatenated column that it then drops."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    full = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(full, dim=-1)[..., :-1]

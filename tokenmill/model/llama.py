@@ -1,5 +1,5 @@
 """The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and the
-mixtures of experts (Qwen3-MoE, Mixtral) as one nn.Module.
+mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) as one nn.Module.
 
 Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn...`)
 except two fused projections, one matmul each instead of three and two:
@@ -131,21 +131,24 @@ class MergedLinear(Linear):
 class RMSNorm(nn.Module):
     def __init__(
         self, hidden_size: int, eps: float, device: torch.device | str | None, dtype: torch.dtype,
-        unit_offset: bool = False,
+        unit_offset: bool = False, float32_scale: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps = eps
         self.unit_offset = unit_offset  # Gemma: scale by (1 + w), in float32
+        self.float32_scale = float32_scale  # gpt-oss: scale by w in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, then scale in the input dtype, exactly as HF
-        # (Gemma scales in float32 and casts after: HF's Gemma RMSNorm).
+        # (Gemma and gpt-oss scale in float32 and cast after: their HF RMSNorms).
         input_dtype = x.dtype
         x_fp32 = x.float()
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (x_fp32 * (1.0 + self.weight.float())).to(input_dtype)
+        if self.float32_scale:
+            return (self.weight.float() * x_fp32).to(input_dtype)
         return self.weight * x_fp32.to(input_dtype)
 
     def add_forward(
@@ -209,6 +212,10 @@ class LlamaAttention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
+        # gpt-oss: a learned logit per query head that every softmax's denominator includes
+        self.sinks: nn.Parameter | None = None
+        if spec.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(spec.num_heads, device=device, dtype=dtype))
 
     def forward(
         self,
@@ -232,7 +239,7 @@ class LlamaAttention(nn.Module):
         k = apply_rotary_emb(k, cos, sin)
         with record_function("tokenmill::attention"):
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                                       self.logit_softcap)
+                                       self.logit_softcap, self.sinks)
         return project(self.o_proj, out.reshape(num_tokens, self.q_size), lora, self.layer, "o_proj")
 
 
@@ -245,17 +252,22 @@ class LlamaMLP(nn.Module):
         self.layer = layer
         self.intermediate_size = spec.intermediate_size if intermediate_size is None else intermediate_size
         self.geglu = spec.hidden_act == "gelu_pytorch_tanh"  # Gemma (else SwiGLU)
+        expert = intermediate_size is not None
+        # gpt-oss's experts: biases, and the clamped SwiGLU (ModelSpec.swiglu_limit)
+        self.limit = spec.swiglu_limit if expert else None
+        self.alpha = spec.swiglu_alpha
+        bias = expert and spec.moe_bias
         self.gate_up_proj = MergedLinear(
             spec.hidden_size,
             {"gate": self.intermediate_size, "up": self.intermediate_size},
-            bias=False,
+            bias=bias,
             device=device,
             dtype=dtype,
         )
         self.down_proj = Linear(
             self.intermediate_size,
             spec.hidden_size,
-            bias=False,
+            bias=bias,
             device=device,
             dtype=dtype,
         )
@@ -263,6 +275,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
         gate_up = project(self.gate_up_proj, x, lora, self.layer, "gate_up_proj")
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.limit is not None:  # gpt-oss, as HF's GptOssExperts._apply_gate
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return project(self.down_proj, (up + 1) * (gate * torch.sigmoid(gate * self.alpha)), lora,
+                           self.layer, "down_proj")
         act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
         return project(self.down_proj, act * up, lora, self.layer, "down_proj")
 
@@ -287,12 +304,16 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
-        self.gate = Router(spec.hidden_size, spec.num_experts, bias=False, device=device, dtype=dtype)
+        self.topk_then_softmax = spec.moe_topk_then_softmax
+        self.gate = Router(spec.hidden_size, spec.num_experts, bias=spec.moe_bias, device=device, dtype=dtype)
         self.experts = nn.ModuleList(
             LlamaMLP(spec, device, dtype, layer, spec.moe_intermediate_size) for _ in range(spec.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, k] in x's dtype, expert ids [n, k]) of each row."""
+        if self.topk_then_softmax:  # gpt-oss: the top k logits, softmaxed in the dtype
+            top, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -322,7 +343,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
 
         def norm() -> RMSNorm:
-            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset,
+                           spec.norm_in_float32)
 
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(spec, backend, device, dtype, layer)
@@ -374,7 +396,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, backend, device, dtype, i) for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.norm_unit_offset,
+                            spec.norm_in_float32)
         self.rotary_emb = RotaryEmbedding(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions, device, spec.rotary_dim
         )

@@ -13,7 +13,10 @@ hold them in three shapes:
   / `ffn_up_exps` / `ffn_down_exps` (the GGUF row names them
   `mlp.experts.gate_proj` ...), and transformers 5's in-memory names
   (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`), split here
-  into a tensor per expert, each a slice of the stacked one read once.
+  into a tensor per expert, each a slice of the stacked one read once;
+- gpt-oss's: the router `mlp.router` (renamed `mlp.gate`), and its experts
+  stacked transposed, [E, in, out], with biases, gate and up interleaved
+  (`gate_up_proj` [E, H, 2I]: gate in the even columns, up in the odd).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from tokenmill.model.gguf_tensors import WeightLoadError
 _MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
+_GPT_OSS_ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp\.)router\.(weight|bias)$")
+_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
 
 
 def stacked_shape(name: str, spec: ModelSpec) -> tuple[int, int, int] | None:
@@ -47,6 +52,8 @@ def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str,
                  spec: ModelSpec) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
     """`tensors` (name -> loader) and `storage` (name -> GGUF type) with Mixtral's
     names renamed and stacked experts split into one tensor per expert."""
+    if spec.moe_bias:
+        return _gpt_oss_names(tensors, spec), dict(storage)
     out: dict[str, Callable[[], Any]] = {}
     kinds: dict[str, str] = {}
     for name, load in tensors.items():
@@ -80,25 +87,72 @@ def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str,
     return out, kinds
 
 
+def _gpt_oss_names(tensors: Mapping[str, Callable[[], Any]], spec: ModelSpec) -> dict[str, Callable[[], Any]]:
+    """gpt-oss's router renamed and its experts split: each expert's [in, out] slice
+    transposed, gate_up's even columns (and bias entries) the gate's, odd the up's."""
+    out: dict[str, Callable[[], Any]] = {}
+    experts, width, hidden = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    for name, load in tensors.items():
+        router = _GPT_OSS_ROUTER.match(name)
+        stacked = _GPT_OSS_EXPERTS.match(name)
+        if router is not None:
+            out[f"{router.group(1)}gate.{router.group(2)}"] = load
+            continue
+        if stacked is None:
+            out[name] = load
+            continue
+        prefix, proj, bias = stacked.groups()
+        kind = "bias" if bias else "weight"
+        gate_up = proj == "gate_up_proj"
+        shape = ((experts, 2 * width) if gate_up else (experts, hidden)) if bias else (
+            (experts, hidden, 2 * width) if gate_up else (experts, width, hidden))
+        parts: dict[str, Callable[[torch.Tensor], torch.Tensor]] = (
+            {"gate_proj": lambda t: t[..., 0::2], "up_proj": lambda t: t[..., 1::2]} if gate_up
+            else {"down_proj": lambda t: t})
+        stack = _Stack(name, load, shape, len(parts))
+        for e in range(experts):
+            for part, pick in parts.items():
+                out[f"{prefix}{e}.{part}.{kind}"] = stack.expert_loader(e, slice(None), pick, transpose=not bias)
+    return out
+
+
 class _Stack:
     """A stacked experts tensor, read once for all its experts: the first
     expert's read loads it, the last one's drops it."""
 
-    def __init__(self, name: str, load: Callable[[], Any], shape: tuple[int, int, int], parts: int) -> None:
+    def __init__(self, name: str, load: Callable[[], Any], shape: tuple[int, ...], parts: int) -> None:
         self.name, self.load, self.shape = name, load, shape
         self.value: Any = None
         self.left = shape[0] * parts  # reads before it is dropped
 
-    def expert_loader(self, e: int, rows: slice) -> Callable[[], Any]:
-        return lambda: self.take(e, rows)
+    def expert_loader(self, e: int, rows: slice, pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      transpose: bool = False) -> Callable[[], Any]:
+        """Expert e's `rows`; with `pick` (gpt-oss: a float [E, ...] tensor) its slice
+        of columns, transposed to [out, in] where `transpose`."""
+        if pick is None:
+            return lambda: self.take(e, rows)
 
-    def take(self, e: int, rows: slice) -> Any:
+        def picked() -> torch.Tensor:
+            value = self._next()
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != self.shape:
+                raise WeightLoadError(f"tensor {self.name} has shape {list(getattr(value, 'shape', []))}, "
+                                      f"expected {list(self.shape)}")
+            part = pick(value[e])
+            return part.T if transpose else part
+
+        return picked
+
+    def _next(self) -> Any:
         if self.value is None:
             self.value = self.load()
         value = self.value
         self.left -= 1
         if self.left == 0:
             self.value = None
+        return value
+
+    def take(self, e: int, rows: slice) -> Any:
+        value = self._next()
         if isinstance(value, tuple):  # (Q8_0 q, d) with the experts' rows one after the other
             return tuple(self._rows(part, e)[rows] for part in value)
         if isinstance(value, torch.Tensor):
@@ -108,7 +162,7 @@ class _Stack:
 
     def _rows(self, value: torch.Tensor, e: int) -> torch.Tensor:
         """Expert e's rows of the stacked value ([E, out, in], or its rows flattened)."""
-        experts, rows, _ = self.shape
+        experts, rows = self.shape[0], self.shape[1]
         if value.dim() == 3 and value.shape[:2] == (experts, rows):
             return value[e]
         if value.shape[0] != experts * rows:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
 
 def compute_inv_freq(
@@ -52,6 +52,8 @@ def compute_inv_freq(
         # llama.cpp's per-frequency divisors (a GGUF `rope_freqs` tensor).
         factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float)
         return inv_freq / factors
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope_theta, rope_scaling)
     raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
 
 
@@ -75,6 +77,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) ->
     smoothed_inv_freq = smoothed_inv_freq + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def _yarn_inv_freq(dim: int, rope_theta: float, scaling: Mapping[str, Any]) -> torch.Tensor:
+    # YaRN (gpt-oss): frequencies that turn fewer than beta_slow times within the
+    # original context are interpolated (divided by factor), those turning more
+    # than beta_fast times kept, a linear ramp between; transformers' order of operations.
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = rope_theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_attention_factor(scaling: Mapping[str, Any]) -> float:
+    """The factor on YaRN's cos and sin: its `attention_factor`, else 0.1 ln(factor) + 1
+    (or the mscale ratio where both mscale and mscale_all_dim are given), as transformers."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]))
+    return mscale()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +140,8 @@ def rope_angles(positions: torch.Tensor, dim: int, rope_theta: float,
     scaling = rope_scaling or {}
     if scaling.get("rope_type") != "longrope":
         inv_freq = compute_inv_freq(dim, rope_theta, rope_scaling).to(positions.device)
-        return positions[:, None] * inv_freq[None, :], 1.0
+        factor = yarn_attention_factor(scaling) if scaling.get("rope_type") == "yarn" else 1.0
+        return positions[:, None] * inv_freq[None, :], factor
     short = _longrope_inv_freq(dim, rope_theta, scaling["short_factor"]).to(positions.device)
     long = _longrope_inv_freq(dim, rope_theta, scaling["long_factor"]).to(positions.device)
     within = (positions < scaling["original_max_position_embeddings"])[:, None]
@@ -137,7 +177,7 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float, device=device)
         freqs, scale = rope_angles(positions, rotary, rope_theta, rope_scaling)  # [max_positions, rotary // 2]
         cos, sin = freqs.cos(), freqs.sin()
-        if scale != 1.0:  # LongRoPE: HF scales its float32 cos/sin before the cast
+        if scale != 1.0:  # LongRoPE, YaRN: HF scales its float32 cos/sin before the cast
             cos, sin = cos * scale, sin * scale
         if rotary < head_dim:  # the pass-through pairs: angle 0, unscaled
             pad = (max_positions, (head_dim - rotary) // 2)

@@ -20,6 +20,7 @@ from tokenmill.model.spec_gemma import (
     gemma_config,
     gemma_fields,
     gemma_gguf_fields,
+    layer_types,
 )
 from tokenmill.model.spec_moe import MOE_ARCHITECTURES, moe_gguf_fields, moe_hf_fields
 from tokenmill.model.spec_phi3 import (
@@ -63,6 +64,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -116,6 +118,9 @@ def spec_from_hf_config(cfg: Mapping[str, Any], path: str = "config.json") -> Mo
         gemma_fields(cfg, architecture, num_layers, path) if gemma else phi3 if phi3 is not None else
         {"qk_norm": architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
          "sliding_window": _hf_sliding_window(cfg, architecture, path)})
+    if architecture == "GptOssForCausalLM":  # alternating windowed and global layers
+        family = {"layer_types": layer_types(cfg, architecture, num_layers, path),
+                  "sliding_window": _positive_int(_require(cfg, "sliding_window", path), "sliding_window", path)}
     if architecture in MOE_ARCHITECTURES:
         family.update(moe_hf_fields(cfg, architecture, num_layers, path))
     return ModelSpec(

@@ -37,7 +37,7 @@ _DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     },
 }
 # Without layer_types: every n-th layer global, the others sliding.
-_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 
 
 def gemma_config(cfg: Mapping[str, Any], architecture: str, path: str) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def gemma_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int,
         "query_pre_attn_scalar": positive_float(cfg.get("query_pre_attn_scalar"), "query_pre_attn_scalar",
                                                 path),
         "sliding_window": None if window is None else positive_int(window, "sliding_window", path),
-        "layer_types": _layer_types(cfg, architecture, num_layers, path),
+        "layer_types": layer_types(cfg, architecture, num_layers, path),
         "local_rope_theta": (positive_float(cfg.get("rope_local_base_freq"), "rope_local_base_freq", path)
                              if architecture == "Gemma3ForCausalLM" else None),
         "attn_logit_softcapping": _cap(cfg, "attn_logit_softcapping", path),
@@ -87,7 +87,9 @@ def gemma_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int,
     }
 
 
-def _layer_types(cfg: Mapping[str, Any], architecture: str, num_layers: int, path: str) -> tuple[str, ...]:
+def layer_types(cfg: Mapping[str, Any], architecture: str, num_layers: int, path: str) -> tuple[str, ...]:
+    """Each layer's "sliding_attention" or "full_attention": the config's `layer_types`,
+    else every n-th layer global (the family's n; gpt-oss's too)."""
     types = cfg.get("layer_types")
     if types is None:
         pattern = positive_int(

@@ -1,8 +1,11 @@
-"""Mixture-of-experts ModelSpec fields (Qwen3-MoE, Mixtral) from a config.json or GGUF metadata.
+"""Mixture-of-experts ModelSpec fields (Qwen3-MoE, Mixtral, gpt-oss) from a config.json or GGUF metadata.
 
-Both families are the Llama layer with its MLP replaced, in the layers that say
-so, by a router and `num_experts` SwiGLU experts (model/llama.py SparseMoeBlock):
-Qwen3-MoE is Qwen3's attention (q/k norms), Mixtral Mistral's.
+Each is the Llama layer with its MLP replaced, in the layers that say so, by a
+router and `num_experts` SwiGLU experts (model/llama.py SparseMoeBlock):
+Qwen3-MoE is Qwen3's attention (q/k norms), Mixtral Mistral's. gpt-oss adds
+biases on the attention's projections, the router and the experts, attention
+sinks, alternating sliding and global layers, YaRN, a router that softmaxes its
+top k logits, a clamped SwiGLU and RMSNorms scaled in float32.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenmill.model.spec_checks import positive_int
+from tokenmill.model.spec_checks import positive_float, positive_int
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 # More experts than any released model has (Qwen3-Next: 512): a corrupt count,
 # refused before a module is built for each.
 MAX_EXPERTS = 1 << 12
@@ -21,6 +24,14 @@ MAX_EXPERTS = 1 << 12
 def moe_hf_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int, path: str) -> dict[str, Any]:
     """The MoE fields of a config.json; a value out of range is a ValueError naming it."""
     dense: tuple[int, ...]
+    if architecture == "GptOssForCausalLM":
+        fields = _checked(positive_int(cfg.get("num_local_experts"), "num_local_experts", path),
+                          cfg.get("num_experts_per_tok"), "num_experts_per_tok",
+                          positive_int(cfg.get("intermediate_size"), "intermediate_size", path), False, (), path)
+        return {**fields, "moe_bias": True, "moe_topk_then_softmax": True, "attention_sinks": True,
+                "norm_in_float32": True,
+                "swiglu_limit": positive_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", path),
+                "swiglu_alpha": positive_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", path)}
     if architecture == "MixtralForCausalLM":
         experts = positive_int(cfg.get("num_local_experts", 8), "num_local_experts", path)
         width = positive_int(cfg.get("intermediate_size"), "intermediate_size", path)

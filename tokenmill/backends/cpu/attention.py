@@ -2,8 +2,8 @@
 layer serves a whole step, every token one query reading K/V in place from its
 blocks (no gathered copies), a prefill chunk's tokens each seeing the context
 up to its own position. Where the kernel does not apply (another device or
-dtype, per-request metadata with prefills, a logit soft-cap: Gemma 2), the
-torch reference serves."""
+dtype, per-request metadata with prefills, a logit soft-cap: Gemma 2, attention
+sinks: gpt-oss), the torch reference serves."""
 
 from __future__ import annotations
 
@@ -64,11 +64,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        call = self.kernel_call(q, kv_cache, meta) if logit_softcap is None else None
+        call = self.kernel_call(q, kv_cache, meta) if logit_softcap is None and sinks is None else None
         if call is not None:
             return self.run(call, q, kv_cache, scale, sliding_window)
-        return super().attend(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+        return super().attend(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)
 
     def _decode(
         self,
@@ -78,10 +79,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         # The decodes of a mixed step with per-request metadata: the kernel, the prefills torch's.
-        if (logit_softcap is None and q.device.type == "cpu" and q.dtype == kv_cache.dtype
+        if (logit_softcap is None and sinks is None and q.device.type == "cpu" and q.dtype == kv_cache.dtype
                 and kernels.load() is not None):
             call = KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
             return self.run(call, q, kv_cache, scale, sliding_window)
-        return super()._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+        return super()._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)

@@ -135,6 +135,13 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
     ) if used]
     if gemma:
         return f"{', '.join(gemma)} (the plan runs the plain Llama layer)"
+    gpt_oss = [what for what, used in (
+        ("attention sinks", spec.attention_sinks), ("biased experts", spec.moe_bias),
+        ("the router's top k softmaxed", spec.moe_topk_then_softmax),
+        ("the clamped SwiGLU", spec.swiglu_limit is not None), ("norms scaled in float32", spec.norm_in_float32),
+    ) if used]
+    if gpt_oss:  # (moe_mlp runs Qwen3-MoE's and Mixtral's experts)
+        return f"gpt-oss's {', '.join(gpt_oss)} (the plan runs the plain Llama layer)"
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         mlps = [layer.mlp] if isinstance(layer.mlp, LlamaMLP) else _experts_of(layer.mlp)
