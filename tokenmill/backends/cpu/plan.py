@@ -20,8 +20,8 @@ through them fails). Built directly (tests), it leaves the model as it is.
 The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu);
 a mixture of experts' MLP (SparseMoeBlock) is one op, moe_mlp (csrc/moe.cpp:
 the router, the top k, each expert's GEMMs on its rows), its router and every
-expert packed as any projection. With `output_rows` (the rows the runner samples) the last layer runs past
-its K/V write for those rows only.
+expert packed as any projection. With `output_rows` (the rows the runner
+samples) the last layer runs past its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
 all-reduces after each of those two GEMMs (their float32 sums, rounded after
