@@ -487,19 +487,24 @@ def test_split_layer_stack_gives_the_same_bits(
 
 
 @pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "experts"])
 def test_decode_steps_with_the_kv_prefetch_give_the_same_bits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, split: bool,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, split: bool, moe: bool,
 ) -> None:
     """Decode-only steps of 8-48 rows in bf16 with head_dim 64 are where the
     C++ layers prefetch the next layer's K/V during the projections (on some
     CPUs; here switched on for any CPU by the plan's option)
     (csrc/kv_prefetch.h: each thread of the layer loop for its part of the
-    attention kernel's queries, or each thread of a split step for its own).
+    attention kernel's queries, or each thread of a split step for its own;
+    with experts, their GEMMs feed the streams).
     Prefetches are hints: the logits must be those without them, to the bit."""
-    cfg = transformers.LlamaConfig(
+    common: dict[str, Any] = dict(
         vocab_size=320, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = (transformers.Qwen3MoeConfig(**common, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=128, norm_topk_prob=True) if moe
+           else transformers.LlamaConfig(**common))
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     _randomize(hf_model, seed=7)
@@ -522,7 +527,14 @@ def test_decode_steps_with_the_kv_prefetch_give_the_same_bits(
     for req_id in seqs:
         assert torch.equal(results[0][req_id], results[1][req_id]), req_id
     ref = run_schedule(model, spec, seqs, schedule, one_call=True, forward=model)
-    _assert_near_reference(results[0], ref, "bfloat16")
+    if not moe:
+        _assert_near_reference(results[0], ref, "bfloat16")
+        return
+    # With experts, a token whose top 2 is a near tie (a margin of 1e-3 in probability)
+    # may pick another expert where the router's bf16 logits round otherwise (the plan's
+    # GEMM sums in another order than torch's): its row then differs, the others do not.
+    rows = torch.cat([(results[0][r].float() - ref[r].float()).abs().amax(-1) / ref[r].abs().amax() for r in seqs])
+    assert float((rows <= 0.05).float().mean()) >= 0.9, rows
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
