@@ -38,6 +38,8 @@ CASES = [
     ("decodes, some rows not sampled: loop", DECODES, FACTS, False, False, 2, False, Path.LOOP),
     ("decodes, one thread: loop", DECODES, FACTS, False, True, 1, False, Path.LOOP),
     ("few decodes a thread: loop", _meta([1] * 8), FACTS, False, True, 2, False, Path.LOOP),
+    ("decodes of a model with experts (E / top_k = 16 times the rows a thread): loop", DECODES,
+     dataclasses.replace(FACTS, split_min_rows=16.0 * 16), False, True, 2, False, Path.LOOP),
     ("a prefill chunk, token metadata: loop", MIXED, FACTS, False, True, 2, False, Path.LOOP),
     ("a prefill, per-request metadata: python", _meta([1, 32], per_token=False), FACTS, False, True, 2,
      False, Path.PYTHON),

@@ -6,7 +6,8 @@ each prompt runs alone, all together, in a KV pool so small that most requests
 are preempted (and recomputed), under chunk budgets of 7, 16 and 61 tokens,
 after a prefix-cache hit, and with n-gram speculation; on the C++ plan and on
 the reference forward (kernels off), in every weight format: bf16, q8_0, and a
-GGUF file's own blocks (k-quants and the 32-value formats mixed).
+GGUF file's own blocks (k-quants and the 32-value formats mixed); and a tiny
+Qwen3-MoE in bf16 (8 experts, top 2: each step's rows share experts differently).
 
 The opt-out (TOKENMILL_BATCH_INVARIANT=0) is shown to matter where it changes
 the arithmetic on this CPU: the reference path's tokens then move with the load.
@@ -89,7 +90,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG),
                                                              dtype=torch.float32).eval()
     directory = save_hf_model(hf_model, tmp_path_factory.mktemp("bf16"))
+    moe = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
+        **CONFIG, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+        norm_topk_prob=True), dtype=torch.float32).eval()
     return {
+        "moe": {"model": save_hf_model(moe, tmp_path_factory.mktemp("moe"))},
         "bf16": {"model": directory},
         "q8_0": {"model": directory, "quantization": "q8_0"},
         "gguf": {"model": _gguf_file(hf_model, tmp_path_factory.mktemp("gguf")), "quantization": "gguf"},
@@ -125,7 +130,7 @@ def _alone(models: dict[str, dict[str, Any]], fmt: str, cpp: bool) -> list[list[
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "gguf"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "gguf", "moe"])
 @pytest.mark.parametrize("cpp", [True, False], ids=["plan", "reference"])
 def test_greedy_tokens_do_not_depend_on_the_load(models: dict[str, dict[str, Any]], fmt: str,
                                                  scenario: str, cpp: bool) -> None:

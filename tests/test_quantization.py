@@ -46,7 +46,7 @@ from tokenmill.backends.cpu import formats, kernels
 from tokenmill.backends.cpu.plan import CpuPlan
 from tokenmill.config import ModelConfig
 from tokenmill.engine.arg_utils import EngineArgs
-from tokenmill.model.llama import Linear
+from tokenmill.model.llama import Linear, SparseMoeBlock
 from tokenmill.model.loader import load_model, unpermute_rope_rows
 from tokenmill.model.quantization import (
     dequantize_q8_0,
@@ -67,10 +67,11 @@ NEEDS_KERNELS = pytest.mark.skipif(
 
 
 def _dequantized(hf_model: torch.nn.Module) -> torch.nn.Module:
-    """hf_model with every 2-D weight but the norms set to its Q8_0 round trip."""
+    """hf_model with every matrix but the norms and a MoE router (kept float:
+    llama.Router) set to its Q8_0 round trip, stacked experts [E, out, in] each."""
     with torch.no_grad():
-        for param in hf_model.parameters():
-            if param.dim() == 2:
+        for name, param in hf_model.named_parameters():
+            if param.dim() >= 2 and not name.endswith("mlp.gate.weight"):
                 param.copy_(dequantize_q8_0(*quantize_q8_0(param)))
     return hf_model
 
@@ -185,7 +186,7 @@ def test_q8_layout_and_row_counts() -> None:
             assert torch.equal(ops.packed_gemm(x[start:start + m], packed, True), full[start:start + m])
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2", "qwen3-moe", "mixtral"])
 def q8_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     arch = request.param
     model = build_hf_model(arch)
@@ -263,7 +264,10 @@ def test_the_plan_holds_the_only_copy_of_each_q8_0_weight(q8_case: dict[str, Any
     if not isinstance(plan, CpuPlan):
         pytest.skip("the C++ kernels are not built here")
     model = llm.engine.runner.model
-    down = model.model.layers[1].mlp.down_proj
+    mlp = model.model.layers[1].mlp  # (a mixture of experts: its last expert's; its router is float)
+    down = mlp.experts[-1].down_proj if isinstance(mlp, SparseMoeBlock) else mlp.down_proj
+    if isinstance(mlp, SparseMoeBlock):
+        assert mlp.gate.weight.device.type == "meta" and mlp.gate.weight.dtype == torch.bfloat16
     assert down.qweight.device.type == "meta" and down.qscale.device.type == "meta"
     assert down.qweight.shape == (down.out_features, down.in_features)
     assert model.model.embed_tokens.qweight.device.type == "cpu"

@@ -22,7 +22,8 @@ from tokenmill.model.attention_metadata import AttentionMetadata
 # Split the rows between threads only from this many rows a thread for each
 # byte of a weight (16 rows in bf16, 32 in float32): a split thread reads all
 # of the weights for itself, which pays only once each weight serves enough
-# rows (docs/perf-notes.md).
+# rows (docs/perf-notes.md). A model with experts: E / top_k times as many, an
+# expert's weights serving only top_k / E of a thread's rows (the plan's split_min_rows).
 SPLIT_ROWS_PER_WEIGHT_BYTE = 8
 SPLIT_MAX_SHARE = 0.6  # no split where one thread would get more than this share of the work
 
@@ -42,7 +43,8 @@ class PathFacts:
     shard: bool  # a tensor-parallel shard (o/down all-reduce after their GEMMs)
     tp_layer_loop: bool  # a shard may take TP_LOOP (CpuBackendOptions.tp_layer_loop)
     row_cost: float  # a query row's cost in context tokens read (split_bounds)
-    split_min_rows: float  # the fewest rows a thread for SPLIT (SPLIT_ROWS_PER_WEIGHT_BYTE x weight bytes)
+    split_min_rows: float  # the fewest rows a thread for SPLIT (SPLIT_ROWS_PER_WEIGHT_BYTE x weight bytes
+    # x E / top_k with experts)
     split_max_share: float = SPLIT_MAX_SHARE
 
 

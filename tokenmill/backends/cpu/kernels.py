@@ -30,11 +30,11 @@ logger = logging.getLogger("tokenmill")
 _CSRC = Path(__file__).parent / "csrc"
 # One translation unit, in this order: bindings.cpp (the PYBIND11_MODULE) last.
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "packed_gemm.cpp", "q8_gemm.cpp",
-                                      "q4_gemm.cpp", "kq_gemm.cpp", "kq_pack.cpp", "parts_gemm.cpp", "cpu_features.cpp", "distributed.cpp",
+                                      "q4_gemm.cpp", "kq_gemm.cpp", "kq_pack.cpp", "parts_gemm.cpp", "moe.cpp", "cpu_features.cpp", "distributed.cpp",
                                       "layer_loop.cpp", "layer_stack.cpp", "lora_delta.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
                                       "act_quant.h", "formats.h", "block_gemm.h", "kq_formats.h", "cpu_features.h",
-                                      "distributed.h", "layer_loop.h")]
+                                      "distributed.h", "layer_loop.h", "moe.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a
@@ -49,8 +49,9 @@ class CppLayerWeights(Protocol):
     qkv: CppPackedWeight
     o: CppPackedWeight
     norm2: torch.Tensor
-    gate_up: CppPackedWeight  # [gate; up], no bias
+    gate_up: CppPackedWeight  # [gate; up], no bias (a sparse MLP: none)
     down: CppPackedWeight
+    num_experts: int  # a sparse MLP's (csrc/moe.h); 0: the dense MLP above
     q_norm: torch.Tensor  # per-head RMSNorm weight [head_dim] before RoPE (Qwen3); empty: none
     k_norm: torch.Tensor
     sliding_window: int  # 0: none
@@ -126,10 +127,16 @@ class CpuOps(Protocol):
     def PackedWeight(self, *, format: int, n: int, k: int, data: torch.Tensor,
                      bias: torch.Tensor, parts: list[CppPackedWeight] = ...) -> CppPackedWeight: ...
 
+    # (the MLP: gate_up and down, or a sparse MLP's router and experts, csrc/moe.h)
     def LayerWeights(self, *, norm1: torch.Tensor, qkv: CppPackedWeight, o: CppPackedWeight,
-                     norm2: torch.Tensor, gate_up: CppPackedWeight, down: CppPackedWeight,
-                     q_norm: torch.Tensor, k_norm: torch.Tensor, sliding_window: int,
-                     scale: float) -> CppLayerWeights: ...
+                     norm2: torch.Tensor, gate_up: CppPackedWeight | None = None,
+                     down: CppPackedWeight | None = None, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                     sliding_window: int, scale: float, router: CppPackedWeight | None = None,
+                     experts_gate_up: list[CppPackedWeight] = ..., experts_down: list[CppPackedWeight] = ...,
+                     top_k: int = 0, norm_topk_prob: bool = False) -> CppLayerWeights: ...
+
+    def moe_mlp(self, x: torch.Tensor, router: CppPackedWeight, experts_gate_up: list[CppPackedWeight],
+                experts_down: list[CppPackedWeight], top_k: int, norm_topk_prob: bool) -> torch.Tensor: ...
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,

@@ -17,9 +17,11 @@ neither the load's peak nor RSS after it holds a weight twice; the released
 modules keep meta tensors of their shapes (their size still counts, a forward
 through them fails). Built directly (tests), it leaves the model as it is.
 
-The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu),
-and with `output_rows` (the rows the runner samples) the last layer runs past
-its K/V write for those rows only.
+The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu);
+a mixture of experts' MLP (SparseMoeBlock) is one op, moe_mlp (csrc/moe.cpp:
+the router, the top k, each expert's GEMMs on its rows), its router and every
+expert packed as any projection. With `output_rows` (the rows the runner
+samples) the last layer runs past its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
 all-reduces after each of those two GEMMs (their float32 sums, rounded after
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ from tokenmill.backends.cpu.formats import pack_module
 from tokenmill.backends.cpu.kernels import CppLoraAdapterWeights, CppPackedWeight, CpuOps
 from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, SparseMoeBlock
 from tokenmill.model.lora import PROJECTIONS as LORA_PROJECTIONS
 from tokenmill.model.lora import LoRAAdapter, LoRABatch
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
@@ -58,17 +60,28 @@ _MAX_LORA_WEIGHTS = 64  # adapters' packed weights kept before those not in the 
 _NO_NORM = torch.empty(0)  # a layer without q/k norms (the C++ takes an empty tensor for none)
 
 
+class _Experts(NamedTuple):
+    """A sparse MLP (SparseMoeBlock) as moe_mlp takes it."""
+
+    router: CppPackedWeight
+    gate_up: list[CppPackedWeight]  # each expert's [gate; up]
+    down: list[CppPackedWeight]
+    top_k: int
+    norm_topk_prob: bool
+
+
 class _Layer(NamedTuple):
     norm1: torch.Tensor
     qkv: CppPackedWeight
     o: CppPackedWeight
     norm2: torch.Tensor
-    gate_up: CppPackedWeight
-    down: CppPackedWeight
+    gate_up: CppPackedWeight | None  # the dense MLP's (None: experts)
+    down: CppPackedWeight | None
     q_norm: torch.Tensor  # [head_dim], or empty: no q/k norms
     k_norm: torch.Tensor
     scale: float
     sliding_window: int | None
+    experts: _Experts | None = None  # a sparse MLP's (None: the dense one above)
 
 
 # The tensors a module holds a weight in (model/quantization.py: a float Parameter, or
@@ -122,14 +135,19 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
     ) if used]
     if gemma:
         return f"{', '.join(gemma)} (the plan runs the plain Llama layer)"
-    if spec.attention_sinks or spec.moe_bias:
-        return "gpt-oss's attention sinks and biased experts (the plan runs the plain Llama layer)"
-    if spec.num_experts:
-        return "mixture-of-experts layers (the plan's MLP is dense)"
+    gpt_oss = [what for what, used in (
+        ("attention sinks", spec.attention_sinks), ("biased experts", spec.moe_bias),
+        ("the router's top k softmaxed", spec.moe_topk_then_softmax),
+        ("the clamped SwiGLU", spec.swiglu_limit is not None), ("norms scaled in float32", spec.norm_in_float32),
+    ) if used]
+    if gpt_oss:  # (moe_mlp runs Qwen3-MoE's and Mixtral's experts)
+        return f"gpt-oss's {', '.join(gpt_oss)} (the plan runs the plain Llama layer)"
     for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, LlamaMLP)
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj):
+        assert isinstance(layer, LlamaDecoderLayer)
+        mlps = [layer.mlp] if isinstance(layer.mlp, LlamaMLP) else _experts_of(layer.mlp)
+        router = [layer.mlp.gate] if isinstance(layer.mlp, SparseMoeBlock) else []
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *router,
+                    *(p for mlp in mlps for p in (mlp.gate_up_proj, mlp.down_proj))):
             if dtype == torch.bfloat16 and lin.in_features % 2:
                 return "a projection with an odd number of inputs (packed bf16 takes pairs)"
     if dtype == torch.bfloat16 and model.lm_head.in_features % 2:
@@ -193,15 +211,20 @@ class CpuPlan:
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, LlamaMLP), "unsupported() refuses mixtures of experts"
             if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
                 self.all_reduce = a.o_proj.all_reduce
             q_norm, k_norm = (_NO_NORM, _NO_NORM) if a.q_norm is None or a.k_norm is None else (
                 a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous())
+            qkv, o = packed(a.qkv_proj), packed(a.o_proj)
+            experts, gate_up, down = None, None, None
+            if isinstance(mlp, SparseMoeBlock):  # (each expert packed as any projection)
+                experts = _Experts(packed(mlp.gate), [packed(e.gate_up_proj) for e in _experts_of(mlp)],
+                                   [packed(e.down_proj) for e in _experts_of(mlp)], mlp.top_k, mlp.norm_topk_prob)
+            else:
+                gate_up, down = packed(mlp.gate_up_proj), packed(mlp.down_proj)
             self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach(), packed(a.qkv_proj), packed(a.o_proj),
-                layer.post_attention_layernorm.weight.detach(), packed(mlp.gate_up_proj),
-                packed(mlp.down_proj), q_norm, k_norm, float(a.scale), a.sliding_window,
+                layer.input_layernorm.weight.detach(), qkv, o, layer.post_attention_layernorm.weight.detach(),
+                gate_up, down, q_norm, k_norm, float(a.scale), a.sliding_window, experts,
             ))
         # A Q8_0 embedding's rows come from q8_embed (the same bits as embed_rows).
         self.embed_q8 = q8_0_of(embed)
@@ -219,9 +242,8 @@ class CpuPlan:
         # The same for the C++ layer calls (csrc/layer_loop.cpp, layer_stack.cpp), by name (csrc/layer_stack.h).
         self.weights = self.ops.ModelWeights(
             layers=[self.ops.LayerWeights(
-                norm1=lay.norm1, qkv=lay.qkv, o=lay.o, norm2=lay.norm2, gate_up=lay.gate_up,
-                down=lay.down, q_norm=lay.q_norm, k_norm=lay.k_norm, sliding_window=lay.sliding_window or 0,
-                scale=lay.scale,
+                norm1=lay.norm1, qkv=lay.qkv, o=lay.o, norm2=lay.norm2, q_norm=lay.q_norm, k_norm=lay.k_norm,
+                sliding_window=lay.sliding_window or 0, scale=lay.scale, **_mlp_weights(lay),
             ) for lay in self.layers],
             final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -233,13 +255,17 @@ class CpuPlan:
         self.row_cost = 0.0
         if self.layers:
             first = self.layers[0]
-            params = sum(_data_numel(p) for p in (first.qkv, first.o, first.gate_up, first.down))
+            params = _data_numel(first.qkv) + _data_numel(first.o) + _mlp_row_numel(first)
             kv_bytes = 2 * self.num_kv_heads * self.head_dim * first.qkv.data.element_size()
             self.row_cost = params / (10.0 * kv_bytes)
+        # A split thread reads the weights its rows need for itself: an expert's serve
+        # top_k / E of them, so a sparse model needs E / top_k times the rows a thread.
+        sparsity = max((len(lay.experts.gate_up) / lay.experts.top_k for lay in self.layers if lay.experts),
+                       default=1.0)
         self.path_facts = PathFacts(
             has_layers=bool(self.layers), shard=self.all_reduce is not None,
             tp_layer_loop=self.options.tp_layer_loop, row_cost=self.row_cost,
-            split_min_rows=SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize)
+            split_min_rows=SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize * sparsity)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding's rows: q8_embed for a Q8_0 table (one C++ op for
@@ -369,7 +395,10 @@ class CpuPlan:
             ops.lora_delta(out, x, lora_step[0], lora_step[1], layer, LORA_PROJECTIONS.index(projection))
             return out
 
-        gemm, gemm_act = linear_row(matmul), linear_row(mlp_act)
+        def moe_mlp(x: torch.Tensor, experts: _Experts) -> torch.Tensor:
+            return ops.moe_mlp(x, *experts)
+
+        gemm, gemm_act, moe = linear_row(matmul), linear_row(mlp_act), linear_row(moe_mlp)
         gemm_out = gemm if all_reduce is None else linear_row(row_parallel)
         cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         eps = self.eps
@@ -408,9 +437,13 @@ class CpuPlan:
             if lora_step is not None:
                 hidden = delta(hidden, attn, i, "o_proj")
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
-            if lora_step is None:
+            if layer.experts is not None:  # (no LoRA, no shard: the engine and ShardLayout refuse them)
+                hidden = moe(hidden, layer.experts)
+            elif lora_step is None:
+                assert layer.gate_up is not None and layer.down is not None
                 hidden = gemm_out(gemm_act(hidden, layer.gate_up), layer.down)
             else:  # (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
+                assert layer.gate_up is not None and layer.down is not None
                 act = ops.silu_and_mul(delta(gemm(hidden, layer.gate_up), hidden, i, "gate_up_proj"))
                 hidden = delta(gemm_out(act, layer.down), act, i, "down_proj")
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
@@ -436,6 +469,31 @@ def lora_weights(ops: CpuOps, adapter: LoRAAdapter, dtype: torch.dtype) -> CppLo
 def _data_numel(weight: CppPackedWeight) -> int:
     """The elements of a packed weight's data, its parts' included."""
     return weight.data.numel() + sum(_data_numel(part) for part in weight.parts)
+
+
+def _experts_of(mlp: SparseMoeBlock) -> list[LlamaMLP]:
+    experts = list(mlp.experts)
+    assert all(isinstance(e, LlamaMLP) for e in experts)
+    return cast("list[LlamaMLP]", experts)
+
+
+def _mlp_row_numel(layer: _Layer) -> int:
+    """The elements of the MLP weights a row goes through: the dense MLP's, or the
+    router's and top_k experts' (the first expert's size each)."""
+    if layer.experts is None:
+        assert layer.gate_up is not None and layer.down is not None
+        return _data_numel(layer.gate_up) + _data_numel(layer.down)
+    ex = layer.experts
+    return _data_numel(ex.router) + ex.top_k * (_data_numel(ex.gate_up[0]) + _data_numel(ex.down[0]))
+
+
+def _mlp_weights(layer: _Layer) -> dict[str, Any]:
+    """A layer's MLP as LayerWeights takes it: gate_up and down, or a router and experts."""
+    if layer.experts is None:
+        return {"gate_up": layer.gate_up, "down": layer.down}
+    ex = layer.experts
+    return {"router": ex.router, "experts_gate_up": ex.gate_up, "experts_down": ex.down, "top_k": ex.top_k,
+            "norm_topk_prob": ex.norm_topk_prob}
 
 
 def threads() -> int:

@@ -5,8 +5,11 @@
 
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "distributed.h"
 #include "layer_stack.h"
+#include "moe.h"
 
 namespace py = pybind11;
 
@@ -38,12 +41,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("bias", &PackedWeight::bias)
       .def_readonly("parts", &PackedWeight::parts);
   py::class_<LayerWeights>(m, "LayerWeights")
-      .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2, PackedWeight gate_up,
-                       PackedWeight down, at::Tensor q_norm, at::Tensor k_norm, int64_t sliding_window, double scale) {
-             return LayerWeights{norm1, qkv, o, norm2, gate_up, down, q_norm, k_norm, sliding_window, scale};
+      .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2,
+                       std::optional<PackedWeight> gate_up, std::optional<PackedWeight> down, at::Tensor q_norm,
+                       at::Tensor k_norm, int64_t sliding_window, double scale, std::optional<PackedWeight> router,
+                       std::vector<PackedWeight> experts_gate_up, std::vector<PackedWeight> experts_down,
+                       int64_t top_k, bool norm_topk_prob) {
+             // The MLP: dense (gate_up, down) or sparse (router, experts), one of the two.
+             const bool dense = gate_up.has_value() && down.has_value();
+             const bool sparse = router.has_value() && !experts_gate_up.empty();
+             TORCH_CHECK(dense != sparse && (dense || (!gate_up.has_value() && !down.has_value())),
+                         "LayerWeights: gate_up and down, or a router and experts");
+             LayerWeights w{norm1, qkv, o, norm2, dense ? *gate_up : PackedWeight{}, dense ? *down : PackedWeight{},
+                            MoeWeights{}, q_norm, k_norm, sliding_window, scale};
+             if (sparse) {
+               w.moe = MoeWeights{*router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob};
+               check_moe(w.moe, norm2.numel());
+             }
+             return w;
            }),
-           py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("sliding_window"), py::arg("scale"))
+           py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"),
+           py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("sliding_window"), py::arg("scale"), py::arg("router") = py::none(),
+           py::arg("experts_gate_up") = std::vector<PackedWeight>{},
+           py::arg("experts_down") = std::vector<PackedWeight>{}, py::arg("top_k") = 0,
+           py::arg("norm_topk_prob") = false)
       .def_readonly("norm1", &LayerWeights::norm1)
       .def_readonly("qkv", &LayerWeights::qkv)
       .def_readonly("o", &LayerWeights::o)
@@ -53,7 +74,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("q_norm", &LayerWeights::q_norm)
       .def_readonly("k_norm", &LayerWeights::k_norm)
       .def_readonly("sliding_window", &LayerWeights::sliding_window)
-      .def_readonly("scale", &LayerWeights::scale);
+      .def_readonly("scale", &LayerWeights::scale)
+      .def_property_readonly("num_experts", [](const LayerWeights& w) {
+        return static_cast<int64_t>(w.moe.gate_up.size());
+      });
   py::class_<ModelWeights>(m, "ModelWeights")
       .def(py::init([](std::vector<LayerWeights> layers, at::Tensor final_norm, double eps, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, bool prefill_tiles) {
@@ -112,6 +136,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm_silu", torch::wrap_pybind_function([](at::Tensor x, const PackedWeight& w) {
           return packed_gemm_silu(std::move(x), w, KvStreams{});
         }), py::arg("x"), py::arg("weight"));
+  m.def("moe_mlp", torch::wrap_pybind_function([](const at::Tensor& x, const PackedWeight& router,
+                                                   std::vector<PackedWeight> experts_gate_up,
+                                                   std::vector<PackedWeight> experts_down, int64_t top_k,
+                                                   bool norm_topk_prob) {
+          const MoeWeights w{router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob};
+          return moe_mlp(x, w, KvStreams{});
+        }), py::arg("x"), py::arg("router"), py::arg("experts_gate_up"), py::arg("experts_down"), py::arg("top_k"),
+        py::arg("norm_topk_prob"));
   m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
   m.def("weight_formats", torch::wrap_pybind_function(weight_formats));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),

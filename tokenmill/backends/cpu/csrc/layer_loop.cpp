@@ -82,6 +82,8 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
                       const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch, const ShmGroup* tp,
                       const LoraStep* lora) {
   TORCH_CHECK(!lora || (!out_rows && !tp), "layer_loop: LoRA rows run with every row, unsharded");
+  for (const LayerWeights& w : s.layers)
+    TORCH_CHECK(!w.moe.has_experts() || (!lora && !tp), "layer_loop: a sparse MLP runs without LoRA, unsharded");
   const size_t layers = kv_caches.size();
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
@@ -137,6 +139,10 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
     const at::Tensor attn = out.view({m, q_size});
     h = lora ? lora_gemm(attn, w.o, kv, *lora, i, kLoraO) : row_parallel(attn, w.o, tp, kv);
     fused_add_rms_norm(h, residual, w.norm2, s.eps);
+    if (w.moe.has_experts()) {  // the sparse MLP: its experts' GEMMs feed the streams as the dense ones do
+      h = moe_mlp(h, w.moe, kv);
+      continue;
+    }
     at::Tensor act;
     if (lora) {  // (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
       act = silu_and_mul(lora_gemm(h, w.gate_up, kv, *lora, i, kLoraGateUp));

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "formats.h"
+#include "moe.h"
 
 #include <cstdint>
 #include <vector>
@@ -15,8 +16,9 @@ struct LayerWeights {
   PackedWeight qkv;      // qkv_proj (formats.h: any format, with its bias)
   PackedWeight o;        // o_proj
   at::Tensor norm2;      // post_attention_layernorm weight [hidden]
-  PackedWeight gate_up;  // gate_up_proj ([gate; up] rows, no bias)
-  PackedWeight down;     // down_proj
+  PackedWeight gate_up;  // gate_up_proj ([gate; up] rows, no bias); a sparse MLP: none
+  PackedWeight down;     // down_proj; a sparse MLP: none
+  MoeWeights moe;        // a sparse MLP's router and experts (moe.h); none: the dense MLP above
   at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3); empty: none
   int64_t sliding_window = 0;  // 0: none
   double scale = 1.0;          // the attention scale
