@@ -55,6 +55,9 @@ class CppLayerWeights(Protocol):
     k_norm: torch.Tensor
     sliding_window: int  # 0: none
     scale: float
+    attn_out_norm: torch.Tensor  # Gemma's norm on the attention's output [hidden]; empty: none
+    mlp_out_norm: torch.Tensor  # Gemma's norm on the MLP's output [hidden]; empty: none
+    logit_softcap: float  # Gemma 2's attention soft-cap; 0: none
 
 
 class CppModelWeights(Protocol):
@@ -88,7 +91,8 @@ class CpuOps(Protocol):
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                        seq_ids: torch.Tensor, prefill_tiles: bool = False) -> torch.Tensor: ...
+                        seq_ids: torch.Tensor, prefill_tiles: bool = False,
+                        logit_softcap: float = 0.0) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -101,6 +105,8 @@ class CpuOps(Protocol):
                        k_norm: torch.Tensor, eps: float) -> None: ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def q8_embed(self, qweight: torch.Tensor, qscale: torch.Tensor, ids: torch.Tensor,
                  float32_out: bool) -> torch.Tensor: ...
@@ -129,11 +135,12 @@ class CpuOps(Protocol):
     def LayerWeights(self, *, norm1: torch.Tensor, qkv: CppPackedWeight, o: CppPackedWeight,
                      norm2: torch.Tensor, gate_up: CppPackedWeight, down: CppPackedWeight,
                      q_norm: torch.Tensor, k_norm: torch.Tensor, sliding_window: int,
-                     scale: float) -> CppLayerWeights: ...
+                     scale: float, attn_out_norm: torch.Tensor, mlp_out_norm: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, logit_softcap: float) -> CppLayerWeights: ...
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
-                     sin: torch.Tensor, prefill_tiles: bool) -> CppModelWeights: ...
+                     sin: torch.Tensor, prefill_tiles: bool, act: str) -> CppModelWeights: ...
 
     def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,

@@ -10,6 +10,9 @@
 
 namespace py = pybind11;
 
+void prepare_gelu_tanh();  // (fused_ops.cpp)
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
+
 #define TOKENMILL_DEF(name, ...) m.def(#name, torch::wrap_pybind_function(name), __VA_ARGS__)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -39,11 +42,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("parts", &PackedWeight::parts);
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2, PackedWeight gate_up,
-                       PackedWeight down, at::Tensor q_norm, at::Tensor k_norm, int64_t sliding_window, double scale) {
-             return LayerWeights{norm1, qkv, o, norm2, gate_up, down, q_norm, k_norm, sliding_window, scale};
+                       PackedWeight down, at::Tensor q_norm, at::Tensor k_norm, int64_t sliding_window, double scale,
+                       at::Tensor attn_out_norm, at::Tensor mlp_out_norm, at::Tensor cos, at::Tensor sin,
+                       double logit_softcap) {
+             TORCH_CHECK(logit_softcap >= 0, "LayerWeights: logit_softcap > 0, or 0 for none");
+             TORCH_CHECK(cos.numel() == sin.numel(), "LayerWeights: cos and sin, both or neither");
+             return LayerWeights{norm1, qkv, o, norm2, gate_up, down, q_norm, k_norm, sliding_window, scale,
+                                 attn_out_norm, mlp_out_norm, cos, sin, logit_softcap};
            }),
            py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("sliding_window"), py::arg("scale"))
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("sliding_window"), py::arg("scale"),
+           py::arg("attn_out_norm"), py::arg("mlp_out_norm"), py::arg("cos"), py::arg("sin"),
+           py::arg("logit_softcap"))
       .def_readonly("norm1", &LayerWeights::norm1)
       .def_readonly("qkv", &LayerWeights::qkv)
       .def_readonly("o", &LayerWeights::o)
@@ -53,15 +63,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("q_norm", &LayerWeights::q_norm)
       .def_readonly("k_norm", &LayerWeights::k_norm)
       .def_readonly("sliding_window", &LayerWeights::sliding_window)
-      .def_readonly("scale", &LayerWeights::scale);
+      .def_readonly("scale", &LayerWeights::scale)
+      .def_readonly("attn_out_norm", &LayerWeights::attn_out_norm)
+      .def_readonly("mlp_out_norm", &LayerWeights::mlp_out_norm)
+      .def_readonly("logit_softcap", &LayerWeights::logit_softcap);
   py::class_<ModelWeights>(m, "ModelWeights")
       .def(py::init([](std::vector<LayerWeights> layers, at::Tensor final_norm, double eps, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, bool prefill_tiles) {
+                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, bool prefill_tiles,
+                       const std::string& act) {
+             TORCH_CHECK(act == "silu" || act == "gelu_pytorch_tanh", "ModelWeights: act silu or gelu_pytorch_tanh");
+             const MlpAct a = act == "silu" ? MlpAct::kSilu : MlpAct::kGeluTanh;
+             if (a == MlpAct::kGeluTanh) prepare_gelu_tanh();  // (its table, outside the kernels' regions)
              return ModelWeights{std::move(layers), final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin,
-                                 prefill_tiles};
+                                 prefill_tiles, a};
            }),
            py::kw_only(), py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("prefill_tiles"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("prefill_tiles"),
+           py::arg("act"))
       .def_readonly("layers", &ModelWeights::layers)
       .def_readonly("final_norm", &ModelWeights::final_norm)
       .def_readonly("eps", &ModelWeights::eps)
@@ -93,13 +111,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("size", &ShmGroup::size);
 
   TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles") = false);
+                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles") = false,
+                py::arg("logit_softcap") = 0.0);
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
                 py::arg("head_dim"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
                 py::arg("slot_mapping"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"));
   TOKENMILL_DEF(silu_and_mul, py::arg("gate_up"));
+  TOKENMILL_DEF(gelu_tanh_and_mul, py::arg("gate_up"));
   TOKENMILL_DEF(kq_pack, py::arg("fmt"), py::arg("blocks"), py::arg("out"));
   TOKENMILL_DEF(q8_pack, py::arg("q"), py::arg("d"), py::arg("out"));
   TOKENMILL_DEF(q8_embed, py::arg("qweight"), py::arg("qscale"), py::arg("ids"), py::arg("float32_out"));
