@@ -186,7 +186,7 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
   // threads' queries unfed.) Not in float32 on AVX2, where it cost
   // (docs/perf-notes.md).
   const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
-                           (head_dim == 32 || head_dim == 64 || head_dim == 128);
+                           (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
   bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on(kv_prefetch) &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
                   kv_fits_l3(kv_caches, s.layers, seq_lens);
