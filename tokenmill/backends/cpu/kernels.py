@@ -43,7 +43,8 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trappi
 
 
 class CppLayerWeights(Protocol):
-    """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h)."""
+    """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h).
+    Norm weights are in the model's dtype, or float32 1 + w for Gemma's (plan.norm_weight)."""
 
     norm1: torch.Tensor
     qkv: CppPackedWeight
@@ -51,7 +52,7 @@ class CppLayerWeights(Protocol):
     norm2: torch.Tensor
     gate_up: CppPackedWeight  # [gate; up], no bias
     down: CppPackedWeight
-    q_norm: torch.Tensor  # per-head RMSNorm weight [head_dim] before RoPE (Qwen3); empty: none
+    q_norm: torch.Tensor  # per-head RMSNorm weight [head_dim] before RoPE (Qwen3, Gemma 3); empty: none
     k_norm: torch.Tensor
     sliding_window: int  # 0: none
     scale: float
