@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tests.test_quantization_kquants import _random_blocks
 from tokenmill.backends.cpu import formats, kernels, memory
 from tokenmill.backends.cpu.attention import CpuAttentionBackend
+from tokenmill.backends.cpu.plan import norm_weight
 from tokenmill.model.attention import TorchAttentionBackend, write_kv_cache
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.llama import RMSNorm
@@ -58,16 +59,20 @@ def decode_case(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-# 8: the plain C++ loop; 16: AVX-512 on float32 rows; 64, 128: AVX512-BF16 for bf16.
-@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
+# 8: the plain C++ loop; 16: AVX-512 on float32 rows; 64, 128, 256: AVX512-BF16 for bf16.
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128, 256])
+# A logit soft-cap (Gemma 2's) low enough to bend these scores.
+@pytest.mark.parametrize("softcap", [None, 1.5])
 def test_paged_attention_kernel_matches_torch(
     kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-    sliding_window: int | None, head_dim: int,
+    sliding_window: int | None, head_dim: int, softcap: float | None,
 ) -> None:
     q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, sliding_window, head_dim)
-    scale = 0.25
-    ours = CpuAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window)
-    ref = TorchAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window)
+    # (The bf16 reference rounds q.k to bf16 before scaling: at 256 dims and 0.25 the
+    # scores' steps reach ~0.1, so the head's own scale there, as a model has it.)
+    scale = 0.25 if head_dim <= 128 else head_dim**-0.5
+    ours = CpuAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window, softcap)
+    ref = TorchAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -112,14 +117,16 @@ def _same(ours: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
 @pytest.mark.parametrize("exact_sums", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norms_match_torch(dtype: torch.dtype, exact_sums: bool) -> None:
+def test_fused_norms_match_torch(dtype: torch.dtype, exact_sums: bool, unit_offset: bool) -> None:
     """The norms round where torch's code rounds. The mean of squares is summed
     in another order than torch's (whose order depends on the machine's vector
     width): with random values the last bit of that sum can move a bf16
     rounding by one step; with values whose squares add up exactly in float32
-    (multiples of 1/8 up to 2) the order cannot matter, and every bit must agree."""
+    (multiples of 1/8 up to 2) the order cannot matter, and every bit must agree.
+    Gemma's (1 + w) norms: the kernels take float32 1 + w and scale in float32."""
     gen = torch.Generator().manual_seed(1)
     if exact_sums:
         x = (torch.randint(-16, 17, (37, 576), generator=gen) / 8).to(dtype)
@@ -127,15 +134,16 @@ def test_fused_norms_match_torch(dtype: torch.dtype, exact_sums: bool) -> None:
     else:
         x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
         residual = torch.randn(37, 576, generator=gen).to(dtype)
-    norm = RMSNorm(576, 1e-5, None, dtype)
-    norm.weight.data.copy_(torch.rand(576, generator=gen) + 0.5)
+    norm = RMSNorm(576, 1e-5, None, dtype, unit_offset)
+    norm.weight.data.copy_(torch.rand(576, generator=gen) + (-0.5 if unit_offset else 0.5))
+    weight = norm_weight(norm)
     ops: Any = _fused_or_skip(x)
     same = _same if exact_sums or dtype == torch.float32 else _same_but_sum_order
-    same(ops.rms_norm(x, norm.weight, norm.eps), _torch_rms(norm, x))
+    same(ops.rms_norm(x, weight, norm.eps), _torch_rms(norm, x))
     ref_residual = x + residual
     ref = _torch_rms(norm, ref_residual)
     xx, rr = x.clone(), residual.clone()
-    ops.fused_add_rms_norm(xx, rr, norm.weight, norm.eps)
+    ops.fused_add_rms_norm(xx, rr, weight, norm.eps)
     assert torch.equal(rr, ref_residual)
     same(xx, ref)
 
@@ -162,6 +170,32 @@ def test_fused_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     _same(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:])
 
 
+def test_fused_gelu_tanh_and_mul_gives_torchs_bits_in_bf16() -> None:
+    """GeGLU (Gemma): bf16(gelu_tanh(gate)) * up, rounded, for every bf16 gate
+    value (the kernel's table is torch's own GELU of each), up random."""
+    gen = torch.Generator().manual_seed(4)
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(128, 512)
+    up = torch.randn(128, 512, generator=gen).to(torch.bfloat16)
+    gate_up = torch.cat([gate, up], dim=1)
+    ops: Any = _fused_or_skip(gate_up)
+    ours, ref = ops.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up
+    nan = ref.isnan()
+    assert torch.equal(ours.isnan(), nan)  # (NaN gates; a NaN's payload aside)
+    assert torch.equal(ours[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
+def test_fused_gelu_tanh_and_mul_matches_torch_in_float32() -> None:
+    """float32: torch's formula, a tanh of ~1e-7 absolute error: within a few
+    float32 steps of the result's scale (where 1 + tanh cancels, torch's own
+    rounding is the larger one)."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(33, 2 * 96, generator=gen) * 6
+    ops: Any = _fused_or_skip(gate_up)
+    ours = ops.gelu_tanh_and_mul(gate_up)
+    ref = F.gelu(gate_up[:, :96], approximate="tanh") * gate_up[:, 96:]
+    torch.testing.assert_close(ours, ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_argmax_rows_matches_torch(rows: int) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -178,11 +212,11 @@ def test_argmax_rows_matches_torch(rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: int, qk_norm: bool) -> None:
+@pytest.mark.parametrize("qk_norm", [None, "w", "1+w"])
+def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: int, qk_norm: str | None) -> None:
     """RoPE on q and k and the K/V write, after Qwen3's per-head q/k norms where
-    given (values whose squares add up exactly: every bit agrees, as in
-    test_fused_norms_match_torch)."""
+    given (Gemma 3's (1 + w): float32 1 + w, scaled in float32) (values whose
+    squares add up exactly: every bit agrees, as in test_fused_norms_match_torch)."""
     gen = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads = 29, 6, 2
     rope = RotaryEmbedding(head_dim, 10000.0, None, 4096)
@@ -192,9 +226,10 @@ def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: in
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     slots = torch.randperm(8 * 16, generator=gen)[:tokens]
     ops: Any = _fused_or_skip(qkv)
-    q_norm, k_norm = RMSNorm(head_dim, 1e-6, None, dtype), RMSNorm(head_dim, 1e-6, None, dtype)
+    offset = qk_norm == "1+w"
+    q_norm, k_norm = (RMSNorm(head_dim, 1e-6, None, dtype, offset), RMSNorm(head_dim, 1e-6, None, dtype, offset))
     for norm in (q_norm, k_norm):
-        norm.weight.data.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+        norm.weight.data.copy_(torch.rand(head_dim, generator=gen) + (-0.5 if offset else 0.5))
 
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
@@ -210,7 +245,7 @@ def test_fused_rope_and_cache_write_match_torch(dtype: torch.dtype, head_dim: in
     cache = torch.zeros_like(ref_cache)
     none = torch.empty(0, dtype=dtype)
     ops.rope_qkv_cache(ours, heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, cache, slots,
-                       q_norm.weight.detach() if qk_norm else none, k_norm.weight.detach() if qk_norm else none,
+                       norm_weight(q_norm) if qk_norm else none, norm_weight(k_norm) if qk_norm else none,
                        1e-6)
     _same(ours[:, : heads * head_dim].reshape(tokens, heads, head_dim), ref_q)
     _same(cache, ref_cache)
@@ -428,18 +463,20 @@ def test_one_kernel_call_serves_decodes_and_prefill_chunks(
 LONG_CHUNKS = [(40, 1), (7, 1), (0, 37), (30, 40), (100, 2), (5, 17)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
 @pytest.mark.parametrize("invariant", [True, False], ids=["as-decodes", "tiles"])
+@pytest.mark.parametrize("softcap", [None, 1.5])
 def test_prefill_chunks_match_torch(
-    kernel_available: None, head_dim: int, num_heads: int, num_kv_heads: int, invariant: bool
+    kernel_available: None, head_dim: int, num_heads: int, num_kv_heads: int, invariant: bool,
+    softcap: float | None,
 ) -> None:
     """Batch-invariant (the default), a chunk's queries run as decodes; opted
-    out, in 16-query tiles where the build has AVX512-BF16."""
+    out, in 16-query tiles where the build has AVX512-BF16; a soft-cap on both."""
     q, kv_cache, meta = mixed_step_case(torch.bfloat16, head_dim, 16, LONG_CHUNKS, num_heads,
                                         num_kv_heads)
-    ours = CpuAttentionBackend(batch_invariant=invariant).attend(q, kv_cache, meta, 0.125, None)
-    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.125, None)
+    ours = CpuAttentionBackend(batch_invariant=invariant).attend(q, kv_cache, meta, 0.125, None, softcap)
+    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.125, None, softcap)
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

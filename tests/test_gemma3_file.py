@@ -10,7 +10,8 @@ norms stored as 1 + w); in float32 with its weights dequantized
 with the file's own blocks (quantization="gguf": Q5_0, Q4_K, Q6_K and Q8_0
 kept as they are, its q/k/v, whose Q5_0 q and k sit beside a Q8_0 v,
 requantized to Q8_0) the tokens stay the same and the logprobs within
-LOGPROB_BOUND of the dequantized run. The file is loaded once a module.
+LOGPROB_BOUND of the dequantized run. Both run on the CPU plan where the C++
+kernels build. The file is loaded once a module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import transformers
 
 from tests.hf_models import TEST_DEVICE, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.backends.cpu import kernels
+from tokenmill.backends.cpu.plan import CpuPlan
 from tokenmill.model.quantization import kquant_of, q8_0_of
 from tokenmill.model.source import ModelNotFoundError, gemma3_270m_path
 from tokenmill.tokenizer import Tokenizer
@@ -80,6 +83,7 @@ def reference(gemma_file: str) -> dict[str, Any]:
 def _generate(path: str, prompts: list[list[int]], quantization: str) -> tuple[Any, list[Any]]:
     llm = LLM(path, dtype="float32", quantization=quantization, max_model_len=256,
               kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True)
+    assert isinstance(llm.engine.runner.forward, CpuPlan) == (kernels.load() is not None)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, [o.outputs[0] for o in outputs]

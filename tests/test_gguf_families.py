@@ -10,7 +10,7 @@ prefill and preemption; with Q8_0 matrices and quantization="gguf", those of
 transformers on the dequantized values. A tiny Gemma 3 (q/k norms, a window
 of 8 on its first layer, a global second with its own RoPE base) and Gemma 2
 (soft-caps) likewise, their norms stored as 1 + w and llama.cpp's names for
-the four norms, on the reference path (the plan does not serve Gemma yet).
+the four norms, on the plan and the reference.
 A tiny Phi-3 (a window of 16) and Phi-4-mini (3/4 of each head rotated,
 LongRoPE, a tied head) are written as `phi3` files: the fused attn_qkv and
 ffn_up (gate and up rows) kept fused, the LongRoPE factors as the tensors
@@ -162,8 +162,6 @@ def test_greedy_matches_transformers(family_case: dict[str, Any], scenario: str,
     matrices served as the file's own blocks (quantization="gguf")."""
     if cpp and kernels.load() is None:
         pytest.skip("no C++ kernels on this machine")
-    if cpp and family_case["arch"].startswith("gemma"):
-        pytest.skip("the plan does not serve Gemma's layer yet: the reference path runs it")
     if cpp and family_case["arch"] == "gpt-oss":
         pytest.skip("the plan does not serve gpt-oss's layer yet: the reference path runs it")
     if not cpp:

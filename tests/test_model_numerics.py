@@ -244,9 +244,8 @@ ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"
 
 
 def _plan_layer(spec: ModelSpec) -> bool:
-    """Whether the CPU plan serves this model's layer (the Llama layer, its MLP dense or experts)."""
-    # (Gemma's four norms and the rest, gpt-oss's sinks and biased experts: the reference serves)
-    return not spec.sandwich_norms and not spec.attention_sinks
+    """Whether the CPU plan serves this model's layer (every family's but gpt-oss's)."""
+    return not spec.attention_sinks  # (gpt-oss's sinks and biased experts: the reference serves)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -370,10 +369,14 @@ def _plan_or_skip(model: LlamaForCausalLM, dtype: str, options: CpuBackendOption
 def _assert_near_reference(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
                            dtype: str) -> None:
     """The plan against the reference model on the same inputs: float32 within
-    the sums' order; bf16 within the drift of roundings in another order
-    (measured: up to 1.5% and 2.6% of the largest logit in these tiny models)."""
+    the sums' order (1e-5, or 2 millionths of the largest logit where that is more:
+    Gemma's norms on the attention's and the MLP's outputs scale their rounding up,
+    measured 1.1e-5 at a largest logit of 7.1); bf16 within the drift of roundings
+    in another order (measured: up to 1.5% and 2.6% of the largest logit in these
+    tiny models)."""
     for req_id in ref:
-        tol = 1e-5 if dtype == "float32" else 0.05 * ref[req_id].abs().max().item()
+        largest = ref[req_id].abs().max().item()
+        tol = max(1e-5, 2e-6 * largest) if dtype == "float32" else 0.05 * largest
         torch.testing.assert_close(ours[req_id], ref[req_id], atol=tol, rtol=0, msg=req_id)
 
 
@@ -556,7 +559,7 @@ def test_output_rows_give_the_same_bits_and_cache(
     forward: ModelForward = model
     if path != "reference":
         if not _plan_layer(spec):
-            pytest.skip("the CPU plan runs the plain Llama layer only")
+            pytest.skip("the CPU plan does not serve this layer (gpt-oss's)")
         forward = _plan_or_skip(model, dtype)
     seqs = _seqs(spec.vocab_size)
     full, part = PagedRunner(model, spec, one_call=one_call, forward=forward), PagedRunner(
@@ -605,8 +608,8 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """At load the runner takes the CPU plan for the model in bf16 or float32 on
-    the CPU (Qwen3's q/k norms included), and the reference model where the
-    kernels are switched off or the layer is Gemma's; one log line says which and why."""
+    the CPU (Qwen3's q/k norms and Gemma's layer included), and the reference
+    model where the kernels are switched off; one log line says which and why."""
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     torch_dtype = getattr(torch, dtype)
@@ -631,7 +634,7 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
         if kernels_run:
-            assert ("attention sinks" if spec.attention_sinks else "(1 + w) norms") in line
+            assert "attention sinks" in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model

@@ -52,6 +52,8 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama-uneven": uneven_llama(Path(tmp_path_factory.mktemp("llama"))),
         "qwen3": save_hf_model(build_hf_model("qwen3"), Path(tmp_path_factory.mktemp("qwen3"))),
         "phi4-mini": save_hf_model(build_hf_model("phi4-mini"), Path(tmp_path_factory.mktemp("phi4"))),
+        "gemma3": save_hf_model(build_hf_model("gemma3"), Path(tmp_path_factory.mktemp("gemma3"))),
+        "gemma2": save_hf_model(build_hf_model("gemma2"), Path(tmp_path_factory.mktemp("gemma2"))),
     }
 
 
@@ -69,7 +71,7 @@ def run(path: str, tp: int) -> tuple[list[Any], int]:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama-uneven", "qwen3", "phi4-mini"])
+@pytest.mark.parametrize("arch", ["llama-uneven", "qwen3", "phi4-mini", "gemma3", "gemma2"])
 def test_tp2_gives_tp1s_greedy_tokens_and_logprobs(model_paths: dict[str, str], arch: str) -> None:
     single, single_preempted = run(model_paths[arch], 1)
     split, split_preempted = run(model_paths[arch], 2)

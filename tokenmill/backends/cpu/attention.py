@@ -1,9 +1,9 @@
 """Paged attention on the C++ kernel (csrc/paged_attention.cpp): one call per
 layer serves a whole step, every token one query reading K/V in place from its
 blocks (no gathered copies), a prefill chunk's tokens each seeing the context
-up to its own position. Where the kernel does not apply (another device or
-dtype, per-request metadata with prefills, a logit soft-cap: Gemma 2, attention
-sinks: gpt-oss), the torch reference serves."""
+up to its own position (a logit soft-cap, Gemma 2's, included). Where the
+kernel does not apply (another device or dtype, per-request metadata with
+prefills, attention sinks: gpt-oss), the torch reference serves."""
 
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return None
 
     def run(self, call: KernelCall, q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+            sliding_window: int | None, logit_softcap: float | None = None) -> torch.Tensor:
         """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel."""
         ops = kernels.load()
         assert ops is not None, "kernel_call gave a call: the kernels are loaded"
         return ops.paged_attention(q, kv_cache, call.tables, call.seq_lens, scale, sliding_window or 0,
-                                   call.seq_ids, prefill_tiles=not self.batch_invariant)
+                                   call.seq_ids, prefill_tiles=not self.batch_invariant,
+                                   logit_softcap=logit_softcap or 0.0)
 
     def attend(
         self,
@@ -66,9 +67,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        call = self.kernel_call(q, kv_cache, meta) if logit_softcap is None and sinks is None else None
+        call = self.kernel_call(q, kv_cache, meta) if sinks is None else None
         if call is not None:
-            return self.run(call, q, kv_cache, scale, sliding_window)
+            return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap)
         return super().attend(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)
 
     def _decode(
@@ -82,8 +83,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         # The decodes of a mixed step with per-request metadata: the kernel, the prefills torch's.
-        if (logit_softcap is None and sinks is None and q.device.type == "cpu" and q.dtype == kv_cache.dtype
-                and kernels.load() is not None):
+        if sinks is None and q.device.type == "cpu" and q.dtype == kv_cache.dtype and kernels.load() is not None:
             call = KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
-            return self.run(call, q, kv_cache, scale, sliding_window)
+            return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap)
         return super()._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)

@@ -43,7 +43,8 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trappi
 
 
 class CppLayerWeights(Protocol):
-    """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h)."""
+    """One decoder layer's weights for layer_loop / layer_stack (csrc/layer_stack.h).
+    Norm weights are in the model's dtype, or float32 1 + w for Gemma's (plan.norm_weight)."""
 
     norm1: torch.Tensor
     qkv: CppPackedWeight
@@ -52,10 +53,13 @@ class CppLayerWeights(Protocol):
     gate_up: CppPackedWeight  # [gate; up], no bias (a sparse MLP: none)
     down: CppPackedWeight
     num_experts: int  # a sparse MLP's (csrc/moe.h); 0: the dense MLP above
-    q_norm: torch.Tensor  # per-head RMSNorm weight [head_dim] before RoPE (Qwen3); empty: none
+    q_norm: torch.Tensor  # per-head RMSNorm weight [head_dim] before RoPE (Qwen3, Gemma 3); empty: none
     k_norm: torch.Tensor
     sliding_window: int  # 0: none
     scale: float
+    attn_out_norm: torch.Tensor  # Gemma's norm on the attention's output [hidden]; empty: none
+    mlp_out_norm: torch.Tensor  # Gemma's norm on the MLP's output [hidden]; empty: none
+    logit_softcap: float  # Gemma 2's attention soft-cap; 0: none
 
 
 class CppModelWeights(Protocol):
@@ -89,7 +93,8 @@ class CpuOps(Protocol):
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                        seq_ids: torch.Tensor, prefill_tiles: bool = False) -> torch.Tensor: ...
+                        seq_ids: torch.Tensor, prefill_tiles: bool = False,
+                        logit_softcap: float = 0.0) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -102,6 +107,8 @@ class CpuOps(Protocol):
                        k_norm: torch.Tensor, eps: float) -> None: ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def q8_embed(self, qweight: torch.Tensor, qscale: torch.Tensor, ids: torch.Tensor,
                  float32_out: bool) -> torch.Tensor: ...
@@ -131,16 +138,18 @@ class CpuOps(Protocol):
     def LayerWeights(self, *, norm1: torch.Tensor, qkv: CppPackedWeight, o: CppPackedWeight,
                      norm2: torch.Tensor, gate_up: CppPackedWeight | None = None,
                      down: CppPackedWeight | None = None, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                     sliding_window: int, scale: float, router: CppPackedWeight | None = None,
-                     experts_gate_up: list[CppPackedWeight] = ..., experts_down: list[CppPackedWeight] = ...,
-                     top_k: int = 0, norm_topk_prob: bool = False) -> CppLayerWeights: ...
+                     sliding_window: int, scale: float, attn_out_norm: torch.Tensor, mlp_out_norm: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, logit_softcap: float,
+                     router: CppPackedWeight | None = None, experts_gate_up: list[CppPackedWeight] = ...,
+                     experts_down: list[CppPackedWeight] = ..., top_k: int = 0,
+                     norm_topk_prob: bool = False) -> CppLayerWeights: ...
 
     def moe_mlp(self, x: torch.Tensor, router: CppPackedWeight, experts_gate_up: list[CppPackedWeight],
                 experts_down: list[CppPackedWeight], top_k: int, norm_topk_prob: bool) -> torch.Tensor: ...
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
-                     sin: torch.Tensor, prefill_tiles: bool) -> CppModelWeights: ...
+                     sin: torch.Tensor, prefill_tiles: bool, act: str) -> CppModelWeights: ...
 
     def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,

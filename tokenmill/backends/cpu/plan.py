@@ -1,7 +1,9 @@
 """The CPU plan: a loaded model's forward and logits on the C++ kernels, with
 every per-call check done once, when the runner builds it.
 
-It serves the Llama layer (with Qwen3's per-head q/k norms) in bf16 or float32 on the CPU
+It serves the Llama layer (with Qwen3's per-head q/k norms) and Gemma 2 / 3's (its
+(1 + w) norms in float32, sandwich norms, GeGLU, scaled embedding, second RoPE
+table and soft-caps) in bf16 or float32 on the CPU
 and runs the reference model's operations in its order on fused kernels
 (tests/test_model_numerics.py compares the two on the same inputs). Each
 forward takes one of the paths that dispatch.choose_path names (the split
@@ -17,11 +19,12 @@ neither the load's peak nor RSS after it holds a weight twice; the released
 modules keep meta tensors of their shapes (their size still counts, a forward
 through them fails). Built directly (tests), it leaves the model as it is.
 
-The MLP's activation comes out of the gate_up GEMM's tiles (packed_gemm_silu);
-a mixture of experts' MLP (SparseMoeBlock) is one op, moe_mlp (csrc/moe.cpp:
-the router, the top k, each expert's GEMMs on its rows), its router and every
-expert packed as any projection. With `output_rows` (the rows the runner
-samples) the last layer runs past its K/V write for those rows only.
+The MLP's SiLU·up comes out of the gate_up GEMM's tiles (packed_gemm_silu; GeGLU
+runs gelu_tanh_and_mul on the GEMM's output); a mixture of experts' MLP
+(SparseMoeBlock) is one op, moe_mlp (csrc/moe.cpp: the router, the top k, each
+expert's GEMMs on its rows), its router and every expert packed as any
+projection. With `output_rows` (the rows the runner samples) the last layer
+runs past its K/V write for those rows only.
 
 A tensor-parallel shard (model/parallel.py: o_proj and down_proj row-parallel)
 all-reduces after each of those two GEMMs (their float32 sums, rounded after
@@ -47,7 +50,13 @@ from tokenmill.backends.cpu.formats import pack_module
 from tokenmill.backends.cpu.kernels import CppLoraAdapterWeights, CppPackedWeight, CpuOps
 from tokenmill.backends.cpu.options import KV_PREFETCH_MODES, CpuBackendOptions
 from tokenmill.model.attention_metadata import AttentionMetadata
-from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, SparseMoeBlock
+from tokenmill.model.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    RMSNorm,
+    SparseMoeBlock,
+)
 from tokenmill.model.lora import PROJECTIONS as LORA_PROJECTIONS
 from tokenmill.model.lora import LoRAAdapter, LoRABatch
 from tokenmill.model.parallel import AllReduce, RowParallelLinear
@@ -81,6 +90,11 @@ class _Layer(NamedTuple):
     k_norm: torch.Tensor
     scale: float
     sliding_window: int | None
+    attn_out_norm: torch.Tensor  # Gemma's on the attention's output, or empty
+    mlp_out_norm: torch.Tensor  # Gemma's on the MLP's output, or empty
+    cos: torch.Tensor  # this layer's rotary tables (Gemma 3's sliding layers: their own base)
+    sin: torch.Tensor
+    logit_softcap: float | None  # Gemma 2's attention soft-cap
     experts: _Experts | None = None  # a sparse MLP's (None: the dense one above)
 
 
@@ -107,6 +121,13 @@ def release_weights(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> N
                 module._buffers[name] = meta
 
 
+def norm_weight(norm: RMSNorm) -> torch.Tensor:
+    """A norm's weight as the kernels take it: Gemma's (1 + w) in float32 (the
+    kernels then scale in float32 and round once, as HF's Gemma RMSNorm), else w."""
+    w = norm.weight.detach()
+    return (1.0 + w.float()).contiguous() if norm.unit_offset else w.contiguous()
+
+
 def _released_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
     raise RuntimeError("this module's weights were released to the CPU plan, which holds the only copy "
                        "(run the plan, or load the model again for the reference forward)")
@@ -127,14 +148,8 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
     if any(p.device.type != "cpu" or p.dtype != dtype for p in model.parameters()):
         return "the weights are not all on the CPU in that dtype"
     spec = model.spec
-    gemma = [what for what, used in (
-        ("(1 + w) norms", spec.norm_unit_offset), ("norms after attention and MLP", spec.sandwich_norms),
-        ("GeGLU", spec.hidden_act != "silu"), ("a scaled embedding", spec.scale_embeddings),
-        ("a second RoPE base", spec.local_rope_theta is not None),
-        ("logit soft-capping", (spec.attn_logit_softcapping, spec.final_logit_softcapping) != (None, None)),
-    ) if used]
-    if gemma:
-        return f"{', '.join(gemma)} (the plan runs the plain Llama layer)"
+    if spec.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        return f"the MLP activation {spec.hidden_act!r} (the plan runs SiLU and GELU-tanh)"
     gpt_oss = [what for what, used in (
         ("attention sinks", spec.attention_sinks), ("biased experts", spec.moe_bias),
         ("the router's top k softmaxed", spec.moe_topk_then_softmax),
@@ -172,6 +187,11 @@ class CpuPlan:
         self.q_size = self.num_heads * self.head_dim
         self.eps = float(spec.rms_norm_eps)
         self.rotary = model.model.rotary_emb
+        self.gelu = spec.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
+        # Gemma: the embedding's rows times sqrt(hidden) rounded to the dtype, as the reference.
+        scale = model.model.embed_scale
+        self.embed_scale = None if scale is None else torch.tensor(scale).to(dtype)
+        self.final_softcap = spec.final_logit_softcapping
         self.layers: list[_Layer] = []
         self.all_reduce: AllReduce | None = None  # a tensor-parallel shard's (set by _pack)
         self.last_path: Path | None = None  # the path of the last forward (logged when it changes)
@@ -208,30 +228,38 @@ class CpuPlan:
                 release_weights(module, keep)
             return weight
 
+        local = model.local_rotary_emb  # Gemma 3's sliding layers' own tables
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
             if isinstance(a.o_proj, RowParallelLinear):  # (down_proj then too: shard_model)
                 self.all_reduce = a.o_proj.all_reduce
             q_norm, k_norm = (_NO_NORM, _NO_NORM) if a.q_norm is None or a.k_norm is None else (
-                a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous())
-            qkv, o = packed(a.qkv_proj), packed(a.o_proj)
+                norm_weight(a.q_norm), norm_weight(a.k_norm))
             experts, gate_up, down = None, None, None
             if isinstance(mlp, SparseMoeBlock):  # (each expert packed as any projection)
                 experts = _Experts(packed(mlp.gate), [packed(e.gate_up_proj) for e in _experts_of(mlp)],
                                    [packed(e.down_proj) for e in _experts_of(mlp)], mlp.top_k, mlp.norm_topk_prob)
             else:
                 gate_up, down = packed(mlp.gate_up_proj), packed(mlp.down_proj)
+            # Gemma's sandwich: post_attention_layernorm on the attention's output, and
+            # pre_feedforward_layernorm the one fused with the residual add before the MLP.
+            sandwich = layer.sandwich
+            rotary = local if layer.local_rope and local is not None else self.rotary
             self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach(), qkv, o, layer.post_attention_layernorm.weight.detach(),
-                gate_up, down, q_norm, k_norm, float(a.scale), a.sliding_window, experts,
+                norm_weight(layer.input_layernorm), packed(a.qkv_proj), packed(a.o_proj),
+                norm_weight(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                gate_up, down, q_norm, k_norm, float(a.scale), a.sliding_window,
+                norm_weight(layer.post_attention_layernorm) if sandwich else _NO_NORM,
+                norm_weight(layer.post_feedforward_layernorm) if sandwich else _NO_NORM,
+                rotary.cos_cache, rotary.sin_cache, a.logit_softcap, experts,
             ))
         # A Q8_0 embedding's rows come from q8_embed (the same bits as embed_rows).
         self.embed_q8 = q8_0_of(embed)
         if self.embed_q8 is not None and not all(t.is_contiguous() for t in self.embed_q8):
             self.embed_q8 = None
         self.embed_f32 = getattr(embed, "compute_dtype", self.dtype) == torch.float32
-        self.final_norm = model.norm.weight.detach()
+        self.final_norm = norm_weight(model.norm)
         # A float head tied to the embedding: the embedding's rows are read out of
         # the packed head (the same values), so the table is held once.
         self.embed_from_head = tied and self.embed_q8 is None
@@ -243,11 +271,15 @@ class CpuPlan:
         self.weights = self.ops.ModelWeights(
             layers=[self.ops.LayerWeights(
                 norm1=lay.norm1, qkv=lay.qkv, o=lay.o, norm2=lay.norm2, q_norm=lay.q_norm, k_norm=lay.k_norm,
-                sliding_window=lay.sliding_window or 0, scale=lay.scale, **_mlp_weights(lay),
+                sliding_window=lay.sliding_window or 0, scale=lay.scale, attn_out_norm=lay.attn_out_norm,
+                mlp_out_norm=lay.mlp_out_norm, cos=_NO_NORM if lay.cos is self.rotary.cos_cache else lay.cos,
+                sin=_NO_NORM if lay.sin is self.rotary.sin_cache else lay.sin,
+                logit_softcap=lay.logit_softcap or 0.0, **_mlp_weights(lay),
             ) for lay in self.layers],
             final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             cos=self.rotary.cos_cache, sin=self.rotary.sin_cache, prefill_tiles=not self.options.batch_invariant,
+            act="gelu_pytorch_tanh" if self.gelu else "silu",
         )
         # A query row through a layer's projections (2 FLOPs a parameter at ~200
         # GFLOP/s a thread) against attention reading one context token's K and
@@ -268,14 +300,19 @@ class CpuPlan:
             split_min_rows=SPLIT_ROWS_PER_WEIGHT_BYTE * self.dtype.itemsize * sparsity)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embedding's rows: q8_embed for a Q8_0 table (one C++ op for
-        embed_rows' six), the packed head's rows where the head is the table
-        (a copy of the same values), else the embedding module."""
+        """The embedding's rows (Gemma's times its scale, as the reference):
+        q8_embed for a Q8_0 table (one C++ op for embed_rows' six), the packed
+        head's rows where the head is the table (a copy of the same values), else
+        the embedding module."""
         if self.embed_q8 is not None and input_ids.dim() == 1:
-            return self.ops.q8_embed(*self.embed_q8, input_ids, self.embed_f32)
-        if self.embed_from_head:
-            return head_rows(self.head, input_ids)
-        return self.model.model.embed_tokens(input_ids)
+            rows = self.ops.q8_embed(*self.embed_q8, input_ids, self.embed_f32)
+        elif self.embed_from_head:
+            rows = head_rows(self.head, input_ids)
+        else:
+            rows = self.model.model.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return rows
+        return rows * self.embed_scale.to(rows.dtype)
 
     def __call__(
         self,
@@ -350,7 +387,13 @@ class CpuPlan:
         packed_gemm's float32 sums at any number of rows: never rounded to bf16
         (whose steps make near-ties exact ties) and the same whatever the batch."""
         with record_function("tokenmill::head"):
-            return self.ops.packed_gemm(hidden.contiguous(), self.head, True)
+            logits = self.ops.packed_gemm(hidden.contiguous(), self.head, True)
+            cap = self.final_softcap
+            if cap is None:
+                return logits
+            # Gemma 2: capped in the model's dtype, then float32, as the reference rounds it.
+            capped = logits.to(self.dtype)
+            return (torch.tanh(capped / cap) * cap).float()
 
     def _python_loop(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, output_rows: torch.Tensor | None,
@@ -370,12 +413,15 @@ class CpuPlan:
         def matmul(x: torch.Tensor, p: CppPackedWeight) -> torch.Tensor:
             return ops.packed_gemm(x, p, False)
 
+        def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+            return ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
+
         def mlp_act(x: torch.Tensor, p: CppPackedWeight) -> torch.Tensor:
             # gate/up on whole blocks of 16 outputs: silu(gate) * up from the GEMM's
-            # tiles (the same bits), as layer_stack.cpp decides it.
-            if p.n % 32 == 0:
+            # tiles (the same bits), as layer_loop.cpp decides it.
+            if p.n % 32 == 0 and not self.gelu:
                 return ops.packed_gemm_silu(x, p)
-            return ops.silu_and_mul(matmul(x, p))
+            return act_and_mul(matmul(x, p))
 
         all_reduce = self.all_reduce
 
@@ -400,7 +446,6 @@ class CpuPlan:
 
         gemm, gemm_act, moe = linear_row(matmul), linear_row(mlp_act), linear_row(moe_mlp)
         gemm_out = gemm if all_reduce is None else linear_row(row_parallel)
-        cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
         eps = self.eps
         residual = hidden
         call = None  # the attention kernel's arguments: the same for every layer of a step
@@ -416,8 +461,8 @@ class CpuPlan:
             qkv = gemm(x, layer.qkv)
             if lora_step is not None:  # (before RoPE and the cache write, as the reference adds it)
                 qkv = delta(qkv, x, i, "qkv_proj")
-            ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
-                               kv_cache, meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
+            ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, layer.cos,
+                               layer.sin, kv_cache, meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             if i == 0:
                 call = self.attention.kernel_call(q, kv_cache, meta)
@@ -429,23 +474,29 @@ class CpuPlan:
                 output_rows = None  # done
             with record_function("tokenmill::attention") if profiling else nullcontext():
                 if call is not None:
-                    out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window)
+                    out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window,
+                                             layer.logit_softcap)
                 else:
-                    out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window)
+                    out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window,
+                                                layer.logit_softcap)
             attn = out.reshape(n, self.q_size)
             hidden = gemm_out(attn, layer.o)
             if lora_step is not None:
                 hidden = delta(hidden, attn, i, "o_proj")
+            if layer.attn_out_norm.numel():  # (Gemma: the attention's output normed before the add)
+                hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)
             ops.fused_add_rms_norm(hidden, residual, layer.norm2, eps)
             if layer.experts is not None:  # (no LoRA, no shard: the engine and ShardLayout refuse them)
                 hidden = moe(hidden, layer.experts)
             elif lora_step is None:
                 assert layer.gate_up is not None and layer.down is not None
                 hidden = gemm_out(gemm_act(hidden, layer.gate_up), layer.down)
-            else:  # (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
+            else:  # (the activation apart from the GEMM, so the delta joins gate/up before it)
                 assert layer.gate_up is not None and layer.down is not None
-                act = ops.silu_and_mul(delta(gemm(hidden, layer.gate_up), hidden, i, "gate_up_proj"))
+                act = act_and_mul(delta(gemm(hidden, layer.gate_up), hidden, i, "gate_up_proj"))
                 hidden = delta(gemm_out(act, layer.down), act, i, "down_proj")
+            if layer.mlp_out_norm.numel():  # (Gemma: the MLP's output normed before the add)
+                hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         if output_rows is not None:  # (no attention kernel call: the torch attention ran)
             hidden, residual = hidden[output_rows], residual[output_rows]
         if not self.layers:

@@ -13,6 +13,9 @@
 
 namespace py = pybind11;
 
+void prepare_gelu_tanh();  // (fused_ops.cpp)
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
+
 #define TOKENMILL_DEF(name, ...) m.def(#name, torch::wrap_pybind_function(name), __VA_ARGS__)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -43,16 +46,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init([](at::Tensor norm1, PackedWeight qkv, PackedWeight o, at::Tensor norm2,
                        std::optional<PackedWeight> gate_up, std::optional<PackedWeight> down, at::Tensor q_norm,
-                       at::Tensor k_norm, int64_t sliding_window, double scale, std::optional<PackedWeight> router,
-                       std::vector<PackedWeight> experts_gate_up, std::vector<PackedWeight> experts_down,
-                       int64_t top_k, bool norm_topk_prob) {
+                       at::Tensor k_norm, int64_t sliding_window, double scale, at::Tensor attn_out_norm,
+                       at::Tensor mlp_out_norm, at::Tensor cos, at::Tensor sin, double logit_softcap,
+                       std::optional<PackedWeight> router, std::vector<PackedWeight> experts_gate_up,
+                       std::vector<PackedWeight> experts_down, int64_t top_k, bool norm_topk_prob) {
+             TORCH_CHECK(logit_softcap >= 0, "LayerWeights: logit_softcap > 0, or 0 for none");
+             TORCH_CHECK(cos.numel() == sin.numel(), "LayerWeights: cos and sin, both or neither");
              // The MLP: dense (gate_up, down) or sparse (router, experts), one of the two.
              const bool dense = gate_up.has_value() && down.has_value();
              const bool sparse = router.has_value() && !experts_gate_up.empty();
              TORCH_CHECK(dense != sparse && (dense || (!gate_up.has_value() && !down.has_value())),
                          "LayerWeights: gate_up and down, or a router and experts");
              LayerWeights w{norm1, qkv, o, norm2, dense ? *gate_up : PackedWeight{}, dense ? *down : PackedWeight{},
-                            MoeWeights{}, q_norm, k_norm, sliding_window, scale};
+                            MoeWeights{}, q_norm, k_norm, sliding_window, scale, attn_out_norm, mlp_out_norm,
+                            cos, sin, logit_softcap};
              if (sparse) {
                w.moe = MoeWeights{*router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob};
                check_moe(w.moe, norm2.numel());
@@ -61,7 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"),
            py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("sliding_window"), py::arg("scale"), py::arg("router") = py::none(),
+           py::arg("sliding_window"), py::arg("scale"), py::arg("attn_out_norm"), py::arg("mlp_out_norm"),
+           py::arg("cos"), py::arg("sin"), py::arg("logit_softcap"), py::arg("router") = py::none(),
            py::arg("experts_gate_up") = std::vector<PackedWeight>{},
            py::arg("experts_down") = std::vector<PackedWeight>{}, py::arg("top_k") = 0,
            py::arg("norm_topk_prob") = false)
@@ -75,17 +83,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k_norm", &LayerWeights::k_norm)
       .def_readonly("sliding_window", &LayerWeights::sliding_window)
       .def_readonly("scale", &LayerWeights::scale)
+      .def_readonly("attn_out_norm", &LayerWeights::attn_out_norm)
+      .def_readonly("mlp_out_norm", &LayerWeights::mlp_out_norm)
+      .def_readonly("logit_softcap", &LayerWeights::logit_softcap)
       .def_property_readonly("num_experts", [](const LayerWeights& w) {
         return static_cast<int64_t>(w.moe.gate_up.size());
       });
   py::class_<ModelWeights>(m, "ModelWeights")
       .def(py::init([](std::vector<LayerWeights> layers, at::Tensor final_norm, double eps, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, bool prefill_tiles) {
+                       int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, bool prefill_tiles,
+                       const std::string& act) {
+             TORCH_CHECK(act == "silu" || act == "gelu_pytorch_tanh", "ModelWeights: act silu or gelu_pytorch_tanh");
+             const MlpAct a = act == "silu" ? MlpAct::kSilu : MlpAct::kGeluTanh;
+             if (a == MlpAct::kGeluTanh) prepare_gelu_tanh();  // (its table, outside the kernels' regions)
              return ModelWeights{std::move(layers), final_norm, eps, num_heads, num_kv_heads, head_dim, cos, sin,
-                                 prefill_tiles};
+                                 prefill_tiles, a};
            }),
            py::kw_only(), py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("prefill_tiles"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("prefill_tiles"),
+           py::arg("act"))
       .def_readonly("layers", &ModelWeights::layers)
       .def_readonly("final_norm", &ModelWeights::final_norm)
       .def_readonly("eps", &ModelWeights::eps)
@@ -117,13 +133,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("size", &ShmGroup::size);
 
   TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles") = false);
+                py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles") = false,
+                py::arg("logit_softcap") = 0.0);
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
                 py::arg("head_dim"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
                 py::arg("slot_mapping"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"));
   TOKENMILL_DEF(silu_and_mul, py::arg("gate_up"));
+  TOKENMILL_DEF(gelu_tanh_and_mul, py::arg("gate_up"));
   TOKENMILL_DEF(kq_pack, py::arg("fmt"), py::arg("blocks"), py::arg("out"));
   TOKENMILL_DEF(q8_pack, py::arg("q"), py::arg("d"), py::arg("out"));
   TOKENMILL_DEF(q8_embed, py::arg("qweight"), py::arg("qscale"), py::arg("ids"), py::arg("float32_out"));

@@ -7,12 +7,16 @@
 // float32 sums (the mean of squares) can differ.
 //
 //   rms_norm(x, w, eps)                    -> w * bf16(x * rsqrt(mean(x^2) + eps))
+//                                             (w float32 with bf16 x: bf16(w * (x * rsqrt(...))),
+//                                             scaled in float32, rounded once: HF Gemma's
+//                                             RMSNorm, w then being its 1 + weight)
 //   fused_add_rms_norm(x, residual, w, eps)   residual = x + residual; x = rms_norm(residual)
 //   rope_qkv_cache(qkv, ..., q_norm, k_norm, eps)   rms_norm each head of q and k in place
-//                                             where q_norm / k_norm are given (Qwen3; empty: none),
-//                                             rotate q and k inside qkv in place (rotate_half
-//                                             RoPE), then store k, v at their cache slots
+//                                             where q_norm / k_norm are given (Qwen3, Gemma 3;
+//                                             empty: none), rotate q and k inside qkv in place
+//                                             (rotate_half RoPE), then store k, v at their cache slots
 //   silu_and_mul(gate_up)                  -> silu(gate) * up
+//   gelu_tanh_and_mul(gate_up)             -> gelu(gate, approximate="tanh") * up (GeGLU: Gemma)
 //   q8_embed(qweight, qscale, ids, f32)    -> the Q8_0 table's rows for ids, dequantized
 //   argmax_rows(logits)                    -> each row's first index of its largest value
 //                                             (a NaN counts as largest), as torch.argmax;
@@ -30,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <type_traits>
 
 namespace {
 
@@ -57,25 +63,35 @@ template <typename T> inline float rnd(float x) { return to_f(from_f<T>(x)); }
 // Parallel over rows only when there is enough work to pay for the threads.
 inline bool worth_threads(int64_t elements) { return elements >= 16384; }
 
+// The normalised value times the weight: a weight in x's dtype scales the
+// normalised value rounded to that dtype (HF's Llama RMSNorm: w * x.to(dtype));
+// a float32 weight with bf16 x scales the float32 value and rounds once (HF's
+// Gemma RMSNorm: (x * (1 + w).float()).to(dtype), the plan holding 1 + w).
+template <typename T, typename W>
+inline T scaled(float normalised, W w) {
+  if constexpr (std::is_same_v<T, W>) return from_f<T>(to_f(w) * rnd<T>(normalised));
+  else return from_f<T>(to_f(w) * normalised);
+}
+
 // One row x -> o (o may be x: the q/k norms run in place).
-template <typename T>
-inline void norm_row(const T* x, T* o, const T* w, int64_t dim, float eps) {
+template <typename T, typename W>
+inline void norm_row(const T* x, T* o, const W* w, int64_t dim, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < dim; ++i) ss += to_f(x[i]) * to_f(x[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv));
+  for (int64_t i = 0; i < dim; ++i) o[i] = scaled<T>(to_f(x[i]) * inv, w[i]);
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, T* out, const T* w, int64_t rows, int64_t dim, float eps) {
+template <typename T, typename W>
+void rms_norm_rows(const T* x, T* out, const W* w, int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (worth_threads(rows * dim))
   for (int64_t r = 0; r < rows; ++r) norm_row(x + r * dim, out + r * dim, w, dim, eps);
 }
 
-template <typename T>
-void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, float eps) {
+template <typename T, typename W>
+void add_rms_norm_rows(T* x, T* res, const W* w, int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (worth_threads(rows * dim))
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * dim;
@@ -89,11 +105,11 @@ void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, floa
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) xr[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(rr[i]) * inv));
+    for (int64_t i = 0; i < dim; ++i) xr[i] = scaled<T>(to_f(rr[i]) * inv, w[i]);
   }
 }
 
-template <typename T>
+template <typename T, typename W>
 void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slots,
@@ -107,13 +123,13 @@ void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_head
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* cos_t = cos.data_ptr<float>();
   const float* sin_t = sin.data_ptr<float>();
-  const T* qn = q_norm.numel() ? q_norm.data_ptr<T>() : nullptr;
-  const T* kn = k_norm.numel() ? k_norm.data_ptr<T>() : nullptr;
+  const W* qn = q_norm.numel() ? q_norm.data_ptr<W>() : nullptr;
+  const W* kn = k_norm.numel() ? k_norm.data_ptr<W>() : nullptr;
 #pragma omp parallel for if (worth_threads(tokens * width))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = base + t * width;
     for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {  // (per head, before RoPE, as Qwen3's attention)
-      const T* w = h < num_heads ? qn : kn;
+      const W* w = h < num_heads ? qn : kn;
       if (w) norm_row(row + h * head_dim, row + h * head_dim, w, head_dim, eps);
     }
     // HF casts cos/sin to the model dtype first, then x' = x*cos + rotate_half(x)*sin,
@@ -178,6 +194,62 @@ void silu_and_mul_impl(const T* in, T* out, int64_t rows, int64_t inter) {
   }
 }
 
+// tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), in float32 with exp_approx
+// (vectorises): absolute error ~1e-7, which is what its callers (GELU's 1 + tanh,
+// a soft-cap's c * tanh) see.
+inline float tanh_approx(float y) {
+  const float e = exp_approx(-2.f * std::fabs(y));
+  const float t = (1.f - e) / (1.f + e);
+  return y < 0.f ? -t : t;
+}
+
+// torch's F.gelu(x, approximate="tanh") in float32, its operations in its order
+// (ATen's GELU kernel): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+inline float gelu_tanh(float x) {
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  const float cube = x * x * x;
+  const float inner = beta * (x + kappa * cube);
+  return 0.5f * x * (1.f + tanh_approx(inner));
+}
+
+// GELU-tanh of every bf16 value, computed once by torch's own kernel (at::gelu): a
+// bf16 gate has 65536 values, and a table of torch's results is its bits exactly,
+// where any other tanh differs from torch's where 1 + tanh cancels (x << 0).
+const uint16_t* gelu_tanh_bf16_table() {
+  static uint16_t table[65536];
+  static std::once_flag once;
+  std::call_once(once, [] {
+    at::Tensor x = at::empty({65536}, at::kBFloat16);  // every bit pattern
+    uint16_t* xp = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (uint32_t i = 0; i < 65536; ++i) xp[i] = static_cast<uint16_t>(i);
+    const at::Tensor y = at::gelu(x, "tanh").contiguous();
+    std::memcpy(table, y.data_ptr(), sizeof(table));
+  });
+  return table;
+}
+
+template <typename T>
+void gelu_tanh_and_mul_impl(const T* in, T* out, int64_t rows, int64_t inter) {
+  [[maybe_unused]] const uint16_t* table = nullptr;
+  if constexpr (!std::is_same_v<T, float>) table = gelu_tanh_bf16_table();
+#pragma omp parallel for if (worth_threads(rows * inter))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = in + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    if constexpr (std::is_same_v<T, float>) {
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = gelu_tanh(g[i]) * u[i];
+    } else {  // bf16(gelu(g)) * u, rounded: the reference's two ops
+      for (int64_t i = 0; i < inter; ++i) {
+        at::BFloat16 act;
+        act.x = table[g[i].x];
+        o[i] = from_f<T>(to_f(act) * to_f(u[i]));
+      }
+    }
+  }
+}
+
 // The first index of the row's maximum: a vectorised pass for the maximum
 // (x * 0 sums to NaN where a NaN or an infinity is in the row: then a plain
 // scan decides), then the first chunk of 64 that holds it.
@@ -222,15 +294,19 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   NoGil no_gil;
   check(x, "x");
   check(weight, "weight");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype differs from x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "rms_norm: the weight in x's dtype or float32");
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim, "rms_norm: a weight per column");
   at::Tensor out = at::empty_like(x);
+  const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), out.data_ptr<float>(), weight.data_ptr<float>(), rows, dim,
-                  static_cast<float>(eps));
+    rms_norm_rows(x.data_ptr<float>(), out.data_ptr<float>(), weight.data_ptr<float>(), rows, dim, e);
+  else if (weight.scalar_type() == at::kFloat)  // (Gemma's: scaled in float32)
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), weight.data_ptr<float>(), rows, dim, e);
   else
     rms_norm_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
-                  weight.data_ptr<at::BFloat16>(), rows, dim, static_cast<float>(eps));
+                  weight.data_ptr<at::BFloat16>(), rows, dim, e);
   return out;
 }
 
@@ -240,14 +316,19 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
   check(residual, "residual");
   check(weight, "weight");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
-              weight.scalar_type() == x.scalar_type(), "x, residual, weight disagree");
+              (weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat),
+              "x, residual, weight disagree (the weight in x's dtype or float32)");
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim, "fused_add_rms_norm: a weight per column");
+  const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat)
-    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
-                      rows, dim, static_cast<float>(eps));
+    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), rows, dim, e);
+  else if (weight.scalar_type() == at::kFloat)  // (Gemma's: scaled in float32)
+    add_rms_norm_rows(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(), weight.data_ptr<float>(),
+                      rows, dim, e);
   else
     add_rms_norm_rows(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
-                      weight.data_ptr<at::BFloat16>(), rows, dim, static_cast<float>(eps));
+                      weight.data_ptr<at::BFloat16>(), rows, dim, e);
 }
 
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -267,17 +348,23 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
   slot_mapping = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
               "one position and one slot per token");
+  // (a float32 q/k norm weight with bf16 qkv: Gemma 3's, scaled in float32 as rms_norm says)
+  const bool f32_norms = q_norm.numel() && q_norm.scalar_type() == at::kFloat;
   for (const at::Tensor* norm : {&q_norm, &k_norm})
     TORCH_CHECK(norm->numel() == 0 || (norm->numel() == head_dim && norm->is_contiguous() &&
-                                       norm->scalar_type() == qkv.scalar_type()),
-                "q_norm / k_norm: empty, or [head_dim] contiguous in qkv's dtype");
+                                       norm->scalar_type() == (f32_norms ? at::kFloat : qkv.scalar_type())),
+                "q_norm / k_norm: empty, or [head_dim] contiguous, both in qkv's dtype or both float32");
+  TORCH_CHECK((q_norm.numel() == 0) == (k_norm.numel() == 0), "q_norm and k_norm: both or neither");
   const float e = static_cast<float>(eps);
   if (qkv.scalar_type() == at::kFloat)
-    rope_qkv_cache_impl<float>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
-                               kv_cache, slot_mapping, q_norm, k_norm, e);
-  else
-    rope_qkv_cache_impl<at::BFloat16>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+    rope_qkv_cache_impl<float, float>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
                                       kv_cache, slot_mapping, q_norm, k_norm, e);
+  else if (f32_norms)
+    rope_qkv_cache_impl<at::BFloat16, float>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+                                             kv_cache, slot_mapping, q_norm, k_norm, e);
+  else
+    rope_qkv_cache_impl<at::BFloat16, at::BFloat16>(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+                                                    kv_cache, slot_mapping, q_norm, k_norm, e);
 }
 
 at::Tensor argmax_rows(at::Tensor logits) {
@@ -381,5 +468,29 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
     silu_and_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
   else
     silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+  return out;
+}
+
+void softcap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] = tanh_approx(s[i] / cap) * cap;
+}
+
+// The bf16 GELU table built now (the plan calls it when it is built, outside
+// the kernels' parallel regions, since at::gelu has its own).
+void prepare_gelu_tanh() { gelu_tanh_bf16_table(); }
+
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up) {
+  NoGil no_gil;
+  check(gate_up, "gate_up");
+  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    gelu_tanh_and_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  else
+    gelu_tanh_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
   return out;
 }

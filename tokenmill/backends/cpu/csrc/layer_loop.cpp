@@ -24,13 +24,15 @@
 #include <omp.h>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
-                        double scale, int64_t sliding_window, at::Tensor seq_ids, bool prefill_tiles);
+                        double scale, int64_t sliding_window, at::Tensor seq_ids, bool prefill_tiles,
+                        double logit_softcap);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                     at::Tensor slot_mapping, at::Tensor q_norm, at::Tensor k_norm, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
 
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
                  const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
@@ -63,6 +65,11 @@ KvPrefetch kv_stream(const at::Tensor& cache, const at::Tensor& tab, const at::T
   p.row_bytes = cache.stride(2) * es;
   p.q_end = lens.numel();
   return p;
+}
+
+// The MLP's act(gate) * up from gate_up's output (the model's activation).
+at::Tensor act_and_mul(const ModelWeights& s, const at::Tensor& gate_up) {
+  return s.act == MlpAct::kGeluTanh ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
 }
 
 // o_proj / down_proj: packed_gemm, or on a shard (tp) its float32 partial sum
@@ -112,8 +119,9 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
     // (the streams are filled after attention; the delta comes before RoPE and the cache write)
     at::Tensor qkv = lora ? lora_gemm(x, w.qkv, KvStreams{}, *lora, i, kLoraQkv)
                           : packed_gemm(x, w.qkv, false, KvStreams{});
-    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, s.cos, s.sin, kv_caches[i], slots, w.q_norm,
-                   w.k_norm, s.eps);
+    const bool own_rope = w.cos.defined() && w.cos.numel();  // (Gemma 3's sliding layers)
+    rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, own_rope ? w.cos : s.cos,
+                   own_rope ? w.sin : s.sin, kv_caches[i], slots, w.q_norm, w.k_norm, s.eps);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
       q = q.index_select(0, *out_rows);
@@ -122,7 +130,8 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       seq = seq.numel() ? seq.index_select(0, *out_rows) : *out_rows;
       m = out_rows->numel();
     }
-    at::Tensor out = paged_attention(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, seq, s.prefill_tiles);
+    at::Tensor out = paged_attention(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, seq, s.prefill_tiles,
+                                     w.logit_softcap);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvStreams kv;
@@ -138,20 +147,22 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
     }
     const at::Tensor attn = out.view({m, q_size});
     h = lora ? lora_gemm(attn, w.o, kv, *lora, i, kLoraO) : row_parallel(attn, w.o, tp, kv);
+    if (w.attn_out_norm.numel()) h = rms_norm(h, w.attn_out_norm, s.eps);  // (Gemma: before the residual add)
     fused_add_rms_norm(h, residual, w.norm2, s.eps);
     if (w.moe.has_experts()) {  // the sparse MLP: its experts' GEMMs feed the streams as the dense ones do
       h = moe_mlp(h, w.moe, kv);
       continue;
     }
     at::Tensor act;
-    if (lora) {  // (SiLU·up apart from the GEMM, so the delta joins gate/up before it)
-      act = silu_and_mul(lora_gemm(h, w.gate_up, kv, *lora, i, kLoraGateUp));
+    if (lora) {  // (the activation apart from the GEMM, so the delta joins gate/up before it)
+      act = act_and_mul(s, lora_gemm(h, w.gate_up, kv, *lora, i, kLoraGateUp));
     } else {
-      // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles.
-      const bool fused_silu = w.gate_up.n % 32 == 0;
-      act = fused_silu ? packed_gemm_silu(h, w.gate_up, kv) : silu_and_mul(packed_gemm(h, w.gate_up, false, kv));
+      // gate/up on whole blocks of 16: silu(gate) * up from the GEMM's tiles (SiLU only).
+      const bool fused_silu = s.act == MlpAct::kSilu && w.gate_up.n % 32 == 0;
+      act = fused_silu ? packed_gemm_silu(h, w.gate_up, kv) : act_and_mul(s, packed_gemm(h, w.gate_up, false, kv));
     }
     h = lora ? lora_gemm(act, w.down, kv, *lora, i, kLoraDown) : row_parallel(act, w.down, tp, kv);
+    if (w.mlp_out_norm.numel()) h = rms_norm(h, w.mlp_out_norm, s.eps);  // (Gemma: before the residual add)
   }
   fused_add_rms_norm(h, residual, s.final_norm, s.eps);
   return h;
@@ -181,7 +192,7 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
   // threads' queries unfed.) Not in float32 on AVX2, where it cost
   // (docs/perf-notes.md).
   const bool bf16_kernel = avx512_bf16(hidden) &&  // (its split is query_range's)
-                           (head_dim == 32 || head_dim == 64 || head_dim == 128);
+                           (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
   bool prefetch = !omp_get_dynamic() && bf16_kernel && kv_prefetch_on(kv_prefetch) &&
                   hidden.size(0) >= kTeamPrefetchMinRows && hidden.size(0) <= kPrefetchMaxRows &&
                   kv_fits_l3(kv_caches, s.layers, seq_lens);

@@ -11,18 +11,28 @@
 #include <cstdint>
 #include <vector>
 
+// Every norm weight is in the model's dtype, or float32 for Gemma's (1 + w)
+// norms, which scale in float32 (fused_ops.cpp rms_norm).
 struct LayerWeights {
   at::Tensor norm1;      // input_layernorm weight [hidden]
   PackedWeight qkv;      // qkv_proj (formats.h: any format, with its bias)
   PackedWeight o;        // o_proj
-  at::Tensor norm2;      // post_attention_layernorm weight [hidden]
+  at::Tensor norm2;      // the norm fused with the residual add before the MLP [hidden]
+                         // (post_attention_layernorm; Gemma's pre_feedforward_layernorm)
   PackedWeight gate_up;  // gate_up_proj ([gate; up] rows, no bias); a sparse MLP: none
   PackedWeight down;     // down_proj; a sparse MLP: none
   MoeWeights moe;        // a sparse MLP's router and experts (moe.h); none: the dense MLP above
-  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3); empty: none
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3, Gemma 3); empty: none
   int64_t sliding_window = 0;  // 0: none
   double scale = 1.0;          // the attention scale
+  // Gemma's sandwich norms: on the attention's output (HF's post_attention_layernorm)
+  // and on the MLP's (post_feedforward_layernorm), before each joins the residual; empty: none.
+  at::Tensor attn_out_norm, mlp_out_norm;
+  at::Tensor cos, sin;          // this layer's own rotary tables (Gemma 3's sliding layers); empty: the model's
+  double logit_softcap = 0.0;   // attention scores' soft-cap (Gemma 2); 0: none
 };
+
+enum class MlpAct : int64_t { kSilu = 0, kGeluTanh = 1 };  // the MLP's act(gate) * up
 
 struct ModelWeights {
   std::vector<LayerWeights> layers;
@@ -31,6 +41,7 @@ struct ModelWeights {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   at::Tensor cos, sin;  // the rotary tables [max_positions, head_dim / 2]
   bool prefill_tiles = false;  // paged_attention's opt-out of batch invariance (paged_attention.cpp)
+  MlpAct act = MlpAct::kSilu;  // SwiGLU, or GeGLU (Gemma)
 };
 
 // One LoRA adapter (model/lora.py's LoRAAdapter) as layer_loop takes it: for

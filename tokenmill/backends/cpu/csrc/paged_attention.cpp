@@ -11,7 +11,9 @@
 //   seq_ids      [num_queries] int64   (query i's sequence: its block table row; empty: row i)
 //   -> out       [num_queries, num_heads, head_dim]
 //
-// Scores, softmax and the weighted sum are accumulated in float32.
+// Scores, softmax and the weighted sum are accumulated in float32. A
+// logit_softcap c > 0 (Gemma 2) maps each scaled score s to c * tanh(s / c)
+// before the softmax, in float32, as the torch reference does.
 //
 // Every query sums the same way whichever step or chunk it comes in (batch
 // invariance), except one opt-out: with prefill_tiles, in bfloat16 on
@@ -41,6 +43,10 @@
 // Rows of the cache are converted to float32 into a small buffer first, so the
 // dot products and sums below run on plain floats (vectorised). bfloat16 is the
 // top half of a float32: the conversion is a 16-bit shift.
+// Gemma 2's logit soft-cap on n scaled scores in place: s = cap * tanh(s / cap),
+// in float32, before the softmax (HF's order); cap 0: none (fused_ops.cpp).
+void softcap_scores(float* s, int64_t n, float cap);
+
 static inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
@@ -66,7 +72,7 @@ static inline void axpy(float alpha, const float* __restrict x, float* __restric
 template <typename scalar_t>
 static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
+                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out) {
   const int64_t num_decodes = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -106,6 +112,7 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
         scores[head * n + (t - first)] =
             dot(&qf[head * head_dim], &row[(head / group) * head_dim], head_dim);
     }
+    softcap_scores(scores.data(), num_heads * n, softcap);
     for (int64_t head = 0; head < num_heads; ++head) {  // softmax, in float32
       float* sh = &scores[head * n];
       float m = -std::numeric_limits<float>::infinity();
@@ -139,7 +146,7 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
 template <typename scalar_t, int C>  // C = head_dim / 16
 static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
+                                double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out) {
   constexpr int64_t head_dim = 16 * C;
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -198,6 +205,7 @@ static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cac
           }
           _mm512_storeu_ps(s + t0, hsum16(acc));
         }
+        softcap_scores(s, n, softcap);
         // Softmax (in float32): padding lanes get -inf, so exp gives 0.
         for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
         __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -266,7 +274,7 @@ static inline void tile_scores(const uint32_t* qt,  // [HC][PD][16]: the heads' 
 template <int C>
 static void prefill_tile_bf16(const at::BFloat16* q_ptr, int64_t q_row, int64_t b0, int64_t nq,
                               const int64_t* lens, const at::BFloat16* const* rows,  // n rows + padding to a multiple of 8 (+1)
-                              int64_t kv_stride, int64_t num_heads, int64_t num_kv_heads, __m512 vscale,
+                              int64_t kv_stride, int64_t num_heads, int64_t num_kv_heads, __m512 vscale, float softcap,
                               __m512i ilo, __m512i ihi, at::BFloat16* out_ptr, std::vector<uint32_t>& qt,
                               std::vector<float>& scores, std::vector<uint32_t>& probs,
                               std::vector<__m512i>& vbuf) {
@@ -305,6 +313,7 @@ static void prefill_tile_bf16(const at::BFloat16* q_ptr, int64_t q_row, int64_t 
       else if (hc == 2) tile_scores<2, PD>(q0, rows, kv_off, n8, vscale, s0, s_head);
       else tile_scores<1, PD>(q0, rows, kv_off, n8, vscale, s0, s_head);
     }
+    softcap_scores(scores.data() + h0 * s_head, group * s_head, softcap);
     // Softmax down the keys, per head, 16 queries at a time; masked lanes -inf
     // (exp gives 0 after rounding), lanes past nq 0 (finite, never stored).
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -463,7 +472,7 @@ static inline void group_values(int gc, const at::BFloat16* const* rows, int64_t
 template <int C>  // C = head_dim / 16, even
 static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out,
+                                    double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out,
                                     bool prefill_tiles) {
   using scalar_t = at::BFloat16;
   constexpr int64_t head_dim = 16 * C;
@@ -571,7 +580,7 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
         fill_rows(bt + seq[b] * max_blocks, 0, n, rows);
         for (int64_t t = n; t < n_rows; ++t) rows[t] = rows[n - 1];
         prefill_tile_bf16<C>(q_ptr, q_row, b, e - b, lens, rows.data(), kv_stride, num_heads, num_kv_heads,
-                             vscale, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
+                             vscale, softcap, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
         pf_table = nullptr;  // the next query prefetches for itself
         b = e - 1;
         continue;
@@ -618,6 +627,7 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
         }
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * n_pad;
+          softcap_scores(s, n, softcap);
           for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
           __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
@@ -649,23 +659,25 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out,
+                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out,
                               [[maybe_unused]] bool prefill_tiles) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     switch (q.size(2)) {
-      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles); return true;
-      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles); return true;
-      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles); return true;
+      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
+      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
+      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
+      case 256: paged_attention_avx512bf16<16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
       default: break;
     }
   }
 #endif
   switch (q.size(2)) {
-    case 16: paged_attention_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-    case 32: paged_attention_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-    case 64: paged_attention_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-    case 128: paged_attention_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 16: paged_attention_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 32: paged_attention_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 64: paged_attention_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 128: paged_attention_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 256: paged_attention_avx512<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
     default: return false;
   }
 }
@@ -721,7 +733,8 @@ static inline __m256 exp8(__m256 x) {
 
 // Softmax of one score row in place, in float32 (the padding lanes get -inf,
 // so exp gives 0 there); returns 1 / the sum.
-static inline float softmax_row(float* sg, int64_t n, int64_t n_pad) {
+static inline float softmax_row(float* sg, int64_t n, int64_t n_pad, float softcap) {
+  softcap_scores(sg, n, softcap);
   for (int64_t i = n; i < n_pad; ++i) sg[i] = -std::numeric_limits<float>::infinity();
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n_pad; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
@@ -762,7 +775,7 @@ static inline void key_dots(const scalar_t* kr, const float* qs, __m256 (&d)[G])
 // KV head; rows_avx2 below takes the others (it is faster where both apply).
 template <typename scalar_t, int C, int G>
 static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kv_off,
-                              int64_t kv_stride, const float* qs, float* s, float* res) {
+                              int64_t kv_stride, const float* qs, float* s, float* res, float softcap) {
   constexpr int64_t D = 8 * C;
   for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores, 8 tokens at a time
     const int64_t cnt = std::min<int64_t>(8, n - t0);
@@ -775,7 +788,7 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * n_pad + t0, hsum8x8(acc[g]));
   }
   __m256 inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = _mm256_set1_ps(softmax_row(s + g * n_pad, n, n_pad));
+  for (int g = 0; g < G; ++g) inv[g] = _mm256_set1_ps(softmax_row(s + g * n_pad, n, n_pad, softcap));
   // out = sum_t p_t v_t / sum: CH vectors of each head's output at a time in registers.
   constexpr int CH = G <= 3 ? 4 : 2;
   static_assert(C % CH == 0, "head_dim / 8 a multiple of the chunk");
@@ -809,7 +822,7 @@ static inline void heads_avx2(const scalar_t* const* rows, int64_t n, int64_t n_
 // measurements, and what was tried and not kept).
 template <typename scalar_t, int C, int G>
 static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int64_t kvh_n, int64_t kv_stride,
-                      const float* qs, float* s, float* acc, float* buf, float* inv) {
+                      const float* qs, float* s, float* acc, float* buf, float* inv, float softcap) {
   constexpr int64_t D = 8 * C;
   const int64_t H = kvh_n * G;
   // Scores: buf[j * H + h] holds token t0 + j's vector for head h until the
@@ -829,7 +842,7 @@ static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int
       _mm256_storeu_ps(s + h * n_pad + t0, hsum8x8(v));
     }
   }
-  for (int64_t h = 0; h < H; ++h) inv[h] = softmax_row(s + h * n_pad, n, n_pad);
+  for (int64_t h = 0; h < H; ++h) inv[h] = softmax_row(s + h * n_pad, n, n_pad, softcap);
   // Weighted sum: acc[h * D ..] += p[h][t] v_t, token by token.
   constexpr int CH = G <= 3 ? 4 : 2;
   std::fill(acc, acc + H * D, 0.f);
@@ -858,7 +871,7 @@ static void rows_avx2(const scalar_t* const* rows, int64_t n, int64_t n_pad, int
 template <typename scalar_t, int C>  // C = head_dim / 8
 static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out) {
+                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out) {
   constexpr int64_t head_dim = 8 * C;
   constexpr int GM = 4;  // query heads of a KV head taken together (more: in turns)
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
@@ -903,10 +916,10 @@ static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache
         const scalar_t* const* r = rows.data();
         float *sp = rscores.data(), *ap = accall.data(), *bp = rbuf.data(), *ip = rinv.data();
         switch (group) {
-          case 1: rows_avx2<scalar_t, C, 1>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
-          case 2: rows_avx2<scalar_t, C, 2>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
-          case 3: rows_avx2<scalar_t, C, 3>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
-          default: rows_avx2<scalar_t, C, 4>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip); break;
+          case 1: rows_avx2<scalar_t, C, 1>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip, softcap); break;
+          case 2: rows_avx2<scalar_t, C, 2>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip, softcap); break;
+          case 3: rows_avx2<scalar_t, C, 3>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip, softcap); break;
+          default: rows_avx2<scalar_t, C, 4>(r, n, n_pad, num_kv_heads, kv_stride, qall.data(), sp, ap, bp, ip, softcap); break;
         }
         scalar_t* ob = out_ptr + b * num_heads * head_dim;
         for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = static_cast<scalar_t>(accall[i]);
@@ -920,10 +933,10 @@ static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache
           for (int64_t i = 0; i < gc * head_dim; ++i) qs[i] = static_cast<float>(qh[i]) * fscale;
           const int64_t kv_off = kvh * head_dim;
           switch (gc) {
-            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
-            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
-            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
-            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data()); break;
+            case 1: heads_avx2<scalar_t, C, 1>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), softcap); break;
+            case 2: heads_avx2<scalar_t, C, 2>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), softcap); break;
+            case 3: heads_avx2<scalar_t, C, 3>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), softcap); break;
+            default: heads_avx2<scalar_t, C, 4>(rows.data(), n, n_pad, kv_off, kv_stride, qs.data(), scores.data(), res.data(), softcap); break;
           }
           scalar_t* oh = out_ptr + (b * num_heads + h0) * head_dim;
           for (int64_t i = 0; i < gc * head_dim; ++i) oh[i] = static_cast<scalar_t>(res[i]);
@@ -936,27 +949,30 @@ static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, const at::Tensor& seq_ids, at::Tensor& out,
+                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out,
                               bool) {
   switch (q.size(2)) {
-    case 32: paged_attention_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-    case 64: paged_attention_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
-    case 128: paged_attention_avx2<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out); return true;
+    case 32: paged_attention_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 64: paged_attention_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 128: paged_attention_avx2<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 256: paged_attention_avx2<scalar_t, 32>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
     default: return false;
   }
 }
 #else
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double, int64_t, const at::Tensor&, at::Tensor&, bool) {
+                              const at::Tensor&, double, int64_t, float, const at::Tensor&, at::Tensor&, bool) {
   return false;
 }
 #endif
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t sliding_window,
-                        at::Tensor seq_ids, bool prefill_tiles) {
+                        at::Tensor seq_ids, bool prefill_tiles, double logit_softcap) {
   NoGil no_gil;
+  TORCH_CHECK(logit_softcap >= 0, "paged_attention: logit_softcap > 0, or 0 for none");
+  const float softcap = static_cast<float>(logit_softcap);
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
@@ -978,12 +994,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_t
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out, prefill_tiles))
-      paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out);
+    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles))
+      paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out,
+    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out,
                                              prefill_tiles))
-      paged_attention_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, seq_ids, out);
+      paged_attention_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
