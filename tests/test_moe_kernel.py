@@ -276,7 +276,9 @@ def test_a_layer_holds_a_dense_mlp_or_experts() -> None:
     ops = case.ops
     attn = formats.pack(ops, "float32", torch.randn(64, 64))
     common: dict[str, Any] = dict(norm1=torch.ones(64), qkv=attn, o=attn, norm2=torch.ones(64),
-                                  q_norm=torch.empty(0), k_norm=torch.empty(0), sliding_window=0, scale=1.0)
+                                  q_norm=torch.empty(0), k_norm=torch.empty(0), sliding_window=0, scale=1.0,
+                                  attn_out_norm=torch.empty(0), mlp_out_norm=torch.empty(0), cos=torch.empty(0),
+                                  sin=torch.empty(0), logit_softcap=0.0)
     sparse = ops.LayerWeights(**common, router=case.router, experts_gate_up=case.gate_up,
                               experts_down=case.down, top_k=2, norm_topk_prob=True)
     assert sparse.num_experts == E
