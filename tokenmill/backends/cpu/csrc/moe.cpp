@@ -22,19 +22,28 @@
 // sum each row alone at any row count; softmax, topk and the sum are per row):
 // a row's result does not depend on which other rows share the step or an expert.
 //
-// Experts run one after the other, each GEMM on the whole OpenMP team (inside
-// an outer region, as layer_stack's, a team of one). One expert's rows are one
-// GEMM call: at decode that is a row an expert, the GEMM then bound by reading
-// the expert's weights, which the team shares out by output blocks.
+// Where at least two experts a thread were hit, they run side by side: each
+// thread its share of the experts (greedy by rows, the largest first), each
+// expert's GEMMs on that thread alone, then the sums in increasing expert id as
+// above. A GEMM gives the same bits on any number of threads (it splits by
+// outputs), so the choice moves no bit; it saves each expert's two team
+// wake-ups, at decode the most of an expert's time (a row's GEMM is a few
+// microseconds of weight reads). Otherwise (fewer experts hit, or inside the
+// split stack's team of one) experts run one after the other, each GEMM on the
+// whole team: one expert's rows are one GEMM call.
 #include <torch/extension.h>
 
 #include "formats.h"
 #include "moe.h"
 #include "no_gil.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <vector>
+
+#include <omp.h>
 
 at::Tensor silu_and_mul(at::Tensor gate_up);  // (fused_ops.cpp)
 
@@ -134,13 +143,55 @@ at::Tensor moe_mlp(const at::Tensor& x_in, const MoeWeights& w, const KvStreams&
       slots[pos] = s;
     }
 
-  // Each expert hit, in increasing id: its rows gathered, its MLP, its share added to theirs.
-  for (int64_t e = 0; e < E; ++e) {
+  // Each expert hit: its rows gathered, its MLP.
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < E; ++e)
+    if (first[e + 1] > first[e]) hit.push_back(e);
+  std::vector<at::Tensor> ys(static_cast<size_t>(E));
+  auto run_expert = [&](int64_t e, const KvStreams& streams) {
     const int64_t n = first[e + 1] - first[e];
-    if (n == 0) continue;
     int64_t* r = rows.data() + first[e];
     const at::Tensor xe = n == T ? x : x.index_select(0, at::from_blob(r, {n}, at::kLong));  // (all: rows 0..T-1)
-    const at::Tensor ye = packed_gemm(swiglu(xe, w.gate_up[e], kv), w.down[e], false, kv).contiguous();
+    ys[e] = packed_gemm(swiglu(xe, w.gate_up[e], streams), w.down[e], false, streams).contiguous();
+  };
+  const int threads = omp_get_max_threads();
+  if (threads > 1 && static_cast<int64_t>(hit.size()) >= 2 * threads) {
+    // Side by side: each thread its experts (the most rows first, to the least loaded thread).
+    std::vector<int64_t> order(hit), load(static_cast<size_t>(threads), 0);
+    std::vector<int> owner(static_cast<size_t>(E), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return first[a + 1] - first[a] > first[b + 1] - first[b];
+    });
+    for (int64_t e : order) {
+      const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+      owner[e] = static_cast<int>(t);
+      load[t] += first[e + 1] - first[e] + 16;  // (+16: an expert's weight reads, worth about 16 rows' sums)
+    }
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
+    const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num();
+      try {
+        omp_set_num_threads(1);  // each GEMM's own region on this thread alone
+        c10::InferenceMode inference_mode(inference);
+        at::AutoGradMode grad_mode(grad);
+        for (int64_t e : hit)
+          if (owner[e] == t) run_expert(e, KvStreams{});  // (the K/V prefetch follows a team's GEMMs only)
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    }
+    for (const auto& err : errors)
+      if (err) std::rethrow_exception(err);
+  } else {
+    for (int64_t e : hit) run_expert(e, kv);
+  }
+  // Each expert's share added to its rows', in increasing id.
+  for (int64_t e : hit) {
+    const int64_t n = first[e + 1] - first[e];
+    int64_t* r = rows.data() + first[e];
+    const at::Tensor& ye = ys[e];
     if (bf16)
       combine(out.data_ptr<at::BFloat16>(), ye.data_ptr<at::BFloat16>(), weights.data_ptr<at::BFloat16>(), r,
               slots.data() + first[e], n, H, k);
