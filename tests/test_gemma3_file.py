@@ -77,7 +77,7 @@ def reference(gemma_file: str) -> dict[str, Any]:
     refs = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
     del model
     gc.collect()
-    return {"prompts": prompts, "refs": refs, "tokenizer": ours}
+    return {"prompts": prompts, "refs": refs, "tokenizer": ours, "hf_tokenizer": hf_tokenizer}
 
 
 def _generate(path: str, prompts: list[list[int]], quantization: str) -> tuple[Any, list[Any]]:
@@ -141,3 +141,29 @@ def test_the_files_own_blocks_stay_within_the_bound(
         assert ours.token_ids == full.token_ids, f"prompt {i}: {PROMPTS[i]!r}"
         worst = max(worst, float(np.max(np.abs(np.array(_logprobs(ours)) - _logprobs(full)))))
     assert worst <= LOGPROB_BOUND, worst
+
+
+def _strings(count: int, seed: int = 50) -> list[str]:
+    """`count` strings of mixed pieces: words, accented and non-Latin scripts, emoji,
+    runs of spaces, tabs and newlines, digits, code and punctuation."""
+    rng = np.random.default_rng(seed)
+    pieces = ["The", " capital", " of", "France", "is", "don't", "naïve", "café", "Zürich", "straße", "日本語",
+              "の", "テキスト", "中文", "Привет", "мир", "مرحبا", "שלום", "😀", "👍🏽", "∑", "→", "  ", "   ",
+              "\t", "\n", "\n\n", " \n ", "0", "7", "42", "2026", "3.14159", "1,000,000", "def", " f(x):",
+              "    return", " x**2", "{", "}", "[]", "<b>", "</b>", "<start_of_turn>", "<end_of_turn>", "user",
+              "model", "http://example.com/a?b=c", "#", "//", "/*", "*/", "!", "?", "...", "—", "'", '"', "`"]
+    return ["".join(pieces[int(i)] for i in rng.integers(0, len(pieces), size=int(rng.integers(1, 12))))
+            for _ in range(count)]
+
+
+def test_the_tokenizer_is_transformers_conversion_of_the_file(reference: dict[str, Any]) -> None:
+    """Our tokenizer (transformers' TokenizersBackend on the file's vocabulary) encodes
+    and decodes 2,000 mixed strings exactly as transformers' own GGUF conversion
+    (AutoTokenizer, GemmaTokenizer) does."""
+    ours, theirs = reference["tokenizer"], reference["hf_tokenizer"]
+    strings = _strings(2000)
+    assert len(set(strings)) > 1800  # (one-piece strings repeat)
+    for text in strings:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
