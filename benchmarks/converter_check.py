@@ -1,15 +1,16 @@
 """Maintainer check: files written by llama.cpp's own converter load in tokenmill
 and give the Hugging Face directory's tokens, for the families whose converter
 does more than rename (Phi-3's fused tensors and LongRoPE factors, the experts of
-Qwen3-MoE and Mixtral stacked into ffn_*_exps).
+Qwen3-MoE and Mixtral stacked into ffn_*_exps, Gemma 3's 1 + w norms).
 
 For each tiny random model, the sdist's `convert_hf_to_gguf.py` writes a float32
 GGUF; tokenmill's greedy tokens on it, on the C++ plan and on the reference, must
 equal transformers' on the directory, logprobs within 1e-4. The cases: Phi-3 (a
 sliding window of 16), Phi-4-mini (3/4 of each head rotated, LongRoPE within its
 original context of 96, a tied head), Qwen3-MoE (8 experts, top 2, q/k norms;
-llama.cpp's graph renormalises the top k, so the model does too) and Mixtral
-(4 experts, top 2; a `llama` file with Q/K rows permuted).
+llama.cpp's graph renormalises the top k, so the model does too), Mixtral
+(4 experts, top 2; a `llama` file with Q/K rows permuted) and Gemma 3 (windows,
+a second RoPE base, q/k norms, its norms written as 1 + w).
 
     flock /tmp/tokenmill-heavy.lock .venv/bin/python benchmarks/converter_check.py [--llama-cpp DEST] [CASE ...]
 
@@ -50,6 +51,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                                   "sliding_window": None}),
+    # Gemma 3 as its converter writes it: no window pattern (llama.cpp's every 6th layer global, so 6
+    # layers here), the query scale the head size's; norms stored as 1 + w.
+    "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 32,
+                                    "sliding_window": 16}),
 }
 
 
