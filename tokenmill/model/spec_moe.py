@@ -28,10 +28,9 @@ def moe_hf_fields(cfg: Mapping[str, Any], architecture: str, num_layers: int, pa
         fields = _checked(positive_int(cfg.get("num_local_experts"), "num_local_experts", path),
                           cfg.get("num_experts_per_tok"), "num_experts_per_tok",
                           positive_int(cfg.get("intermediate_size"), "intermediate_size", path), False, (), path)
-        return {**fields, "moe_bias": True, "moe_topk_then_softmax": True, "attention_sinks": True,
-                "norm_in_float32": True,
-                "swiglu_limit": positive_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", path),
-                "swiglu_alpha": positive_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", path)}
+        # (the family's fixed fields, its SwiGLU's clamp and slope as the config says them)
+        return {**fields, **_GPT_OSS_FIXED, **{key: positive_float(cfg.get(key, _GPT_OSS_FIXED[key]), key, path)
+                                               for key in ("swiglu_limit", "swiglu_alpha")}}
     if architecture == "MixtralForCausalLM":
         experts = positive_int(cfg.get("num_local_experts", 8), "num_local_experts", path)
         width = positive_int(cfg.get("intermediate_size"), "intermediate_size", path)
@@ -70,8 +69,8 @@ def moe_gguf_fields(fields: Mapping[str, Any], arch: str, num_layers: int, tenso
                     dense, path)
 
 
-# What llama.cpp's gpt-oss graph fixes (its LLM_FFN_SWIGLU_OAI_MOE and gating), for a GGUF
-# file, which does not say: the SwiGLU's clamp and slope, the top k logits softmaxed.
+# gpt-oss's fields: what its layer always has, and the SwiGLU's clamp and slope that a
+# config.json may say and a GGUF file does not (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE fixes them).
 _GPT_OSS_FIXED = {"moe_bias": True, "moe_topk_then_softmax": True, "attention_sinks": True,
                   "norm_in_float32": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 
