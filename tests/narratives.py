@@ -19,6 +19,7 @@ from tokenmill.core.contracts import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from tokenmill.core.kv_layout import KVLayout
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.static_scheduler import make_scheduler as make_policy_scheduler
@@ -62,6 +63,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     kv_allocation: str = "paged",
     kv_reserve_output_tokens: int | None = None,
+    layout: KVLayout | None = None,
 ) -> Scheduler:
     return make_policy_scheduler(
         SchedulerConfig(
@@ -74,6 +76,7 @@ def make_scheduler(
                     kv_reserve_output_tokens=kv_reserve_output_tokens),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
+        layout=layout,
     )
 
 

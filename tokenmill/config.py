@@ -305,11 +305,14 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The one token-budget rule: per step at most `max_num_batched_tokens`
-    tokens across at most `max_num_seqs` running requests."""
+    tokens across at most `max_num_seqs` running requests.
+    `disable_hybrid_kv_cache_manager` (vLLM's): one block table for every layer,
+    so layers with a sliding window keep every block (core/kv_layout.py)."""
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     policy: str = "fcfs"
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

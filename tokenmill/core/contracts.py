@@ -53,6 +53,9 @@ class ScheduledRequest:
     # step): its token types, one per token of token_ids; None: all 0.
     token_type_ids: list[int] | None = None
     lora_int_id: int = 0  # its LoRA adapter's id (0: the base model)
+    # The block tables of the KV layer groups after the first (core/kv_layout.py),
+    # as long as block_ids; empty where the cache is one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

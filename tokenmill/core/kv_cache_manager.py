@@ -270,6 +270,11 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The block tables of the layer groups after the first (core/kv_hybrid.py):
+        none with one group."""
+        return []
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

@@ -32,6 +32,8 @@ from tokenmill.config import CacheConfig
 from tokenmill.core.block_pool import KVCacheBlock
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_disk import BlockFiles
+from tokenmill.core.kv_hybrid import HybridKVCacheManager
+from tokenmill.core.kv_layout import KVLayout
 from tokenmill.core.request import Request
 
 
@@ -133,10 +135,18 @@ class ReservingKVCacheManager(KVCacheManager):
 
 
 def make_kv_cache_manager(cache_config: CacheConfig, num_blocks: int,
-                          max_model_len: int, disk: BlockFiles | None = None) -> KVCacheManager:
+                          max_model_len: int, disk: BlockFiles | None = None,
+                          layout: KVLayout | None = None) -> KVCacheManager:
     """The KV manager for `cache_config.kv_allocation`: paging is KVCacheManager;
-    reserving (the batching study's baseline) is its subclass. `disk`: the
-    prefix cache's second tier, or None."""
+    reserving (the batching study's baseline) is its subclass; paging with
+    windows that free blocks (a `layout` of several groups, or one windowed)
+    is HybridKVCacheManager. `disk`: the prefix cache's second tier, or None."""
+    if layout is not None and layout.windows != (None,):
+        if cache_config.kv_allocation != "paged" or disk is not None:
+            raise ValueError("a KV layout that frees sliding windows' blocks is for paging without "
+                             "the disk tier (engine/llm_engine.py keeps one group otherwise)")
+        return HybridKVCacheManager(num_blocks, cache_config.block_size,
+                                    cache_config.enable_prefix_caching, layout.windows)
     if cache_config.kv_allocation == "reserved":
         return ReservingKVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching, max_model_len,

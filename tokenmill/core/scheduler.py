@@ -42,6 +42,7 @@ from tokenmill.core.contracts import (
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_disk import BlockFiles
+from tokenmill.core.kv_layout import KVLayout
 from tokenmill.core.kv_reservation import make_kv_cache_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import RequestQueue, make_request_queue
@@ -107,19 +108,24 @@ class Scheduler:
         num_spec_tokens: int = 0,
         disk: BlockFiles | None = None,
         max_loras: int = 0,
+        layout: KVLayout | None = None,
     ) -> None:
         """`disk`: the prefix cache's second tier (cache_config.kv_offload_dir,
-        under the engine's fingerprint), or None."""
+        under the engine's fingerprint), or None. `layout`: the cache's layer
+        groups (core/kv_layout.py; None: one group)."""
         self.config = scheduler_config
         # LoRA adapters: at most this many distinct ones among the running requests
         # (so in any step); 0 without enable_lora, where no request has one.
         self.max_loras = max_loras
         self.block_size = cache_config.block_size
         # A request must always fit alone in the pool, or preemption could loop.
-        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
-        # Paged or reserved (cache_config.kv_allocation): a policy of the KV manager alone.
+        fits = (num_blocks * self.block_size if layout is None else
+                layout.max_tokens_alone(num_blocks, self.block_size, scheduler_config.max_num_batched_tokens))
+        self.max_model_len = min(max_model_len, fits)
+        # Paged or reserved (cache_config.kv_allocation), one block table or one a
+        # layer group: a policy of the KV manager alone.
         self.kv: KVCacheManager = make_kv_cache_manager(cache_config, num_blocks, self.max_model_len,
-                                                        disk)
+                                                        disk, layout)
         self.requests: dict[str, Request] = {}
         self.queue: RequestQueue = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []  # in admission order
@@ -244,6 +250,7 @@ class Scheduler:
                     token_ids=request.all_token_ids[start : start + num_real] + drafts,
                     num_computed_tokens=start,
                     block_ids=self.kv.block_ids(request.request_id),
+                    group_block_ids=self.kv.group_block_ids(request.request_id),
                     sampling_params=request.sampling_params,
                     bad_words_token_ids=request.bad_words_token_ids,
                     num_draft_tokens=len(drafts),

@@ -22,6 +22,7 @@ from tokenmill.core.contracts import (
     TokenLogprobs,
 )
 from tokenmill.core.kv_disk import BlockFiles
+from tokenmill.core.kv_layout import KVLayout
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 
@@ -172,6 +173,7 @@ def make_scheduler(
     num_spec_tokens: int = 0,
     disk: BlockFiles | None = None,
     max_loras: int = 0,
+    layout: KVLayout | None = None,
 ) -> Scheduler:
     """The scheduler for `scheduler_config.policy`: static batching is its own class
     (without speculative decoding: it is the baseline); FCFS and priority differ
@@ -188,4 +190,4 @@ def make_scheduler(
                              "(the static-batching baseline); use 'fcfs' or 'priority'")
         return StaticBatchScheduler(scheduler_config, cache_config, num_blocks, max_model_len)
     return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, num_spec_tokens,
-                     disk, max_loras)
+                     disk, max_loras, layout)

@@ -38,7 +38,7 @@ def _cpu(value: Any) -> Any:
 
 
 def meta_to_wire(meta: AttentionMetadata) -> dict[str, Any]:
-    return {f.name: _cpu(getattr(meta, f.name)) for f in dataclasses.fields(meta)}
+    return {f.name: _cpu(getattr(meta, f.name)) for f in dataclasses.fields(meta) if f.init}
 
 
 def meta_from_wire(fields: dict[str, Any], device: torch.device) -> AttentionMetadata:

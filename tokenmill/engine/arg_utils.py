@@ -55,6 +55,8 @@ class EngineArgs:
     kv_offload_dir: str | None = None
     kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
     scheduling_policy: str = "fcfs"
+    # vLLM's: windowed layers keep every block (one block table for all layers).
+    disable_hybrid_kv_cache_manager: bool = False
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a folder (engine/generation_config.py)
     # vLLM's speculative_config dict (config.SpeculativeConfig's fields); None: off.
@@ -108,6 +110,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget,
                 policy=self.scheduling_policy,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
         )
 
@@ -198,7 +201,9 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--num-kv-blocks", type=int, default=None,
-                            help="KV cache blocks (default: sized from --kv-cache-memory-bytes)")
+                            help="KV cache blocks of every layer (default: sized from "
+                                 "--kv-cache-memory-bytes); with layer groups (sliding windows) the "
+                                 "same memory in blocks of a group each")
         parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                             action="store_false")
         parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
@@ -222,6 +227,10 @@ class EngineArgs:
             "--kv-offload-bytes", type=int, default=DEFAULT_KV_OFFLOAD_BYTES,
             help="the most bytes of block files in --kv-offload-dir (every engine's), least "
                  f"recently used removed first (default: {DEFAULT_KV_OFFLOAD_BYTES >> 30} GiB)")
+        parser.add_argument(
+            "--disable-hybrid-kv-cache-manager", action="store_true",
+            help="layers with a sliding window keep every block, as full-attention layers do "
+                 "(default: they give back the blocks their window has passed)")
         parser.add_argument("--skip-tokenizer-init", action="store_true",
                             help="no tokenizer: prompts and outputs are token ids")
         parser.add_argument(

@@ -31,6 +31,7 @@ from tokenmill.config import (
 )
 from tokenmill.core.contracts import DRAFT_PLACEHOLDER, SchedulerOutput
 from tokenmill.core.kv_disk import BlockFiles
+from tokenmill.core.kv_layout import KVLayout, make_kv_layout
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.core.static_scheduler import make_scheduler
@@ -178,14 +179,16 @@ class LLMEngine:
                 f"max_model_len={max_model_len} is longer than the model's "
                 f"{spec.max_position_embeddings} positions; lower it"
             )
+        layout = None
         if isinstance(model, EncoderModel):
             scheduler_config, cache_config, num_blocks = self._encoder_configs(max_model_len)
         else:
             if self.tp is not None:  # this rank's shard: its heads, its share of the vocabulary
                 model = self.tp.shard(model)
                 cache_config = self.tp.cache_config(cache_config)
+            layout = self._kv_layout(spec)
             # (model.spec: the shard's heads, for the KV cache; the vocabulary whole.)
-            num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device)
+            num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device, layout)
             if self.tp is not None:
                 self.tp.start(num_blocks, cache_config.block_size)
         # How pooling requests pool (model/pooler_config.py); none are served with
@@ -231,11 +234,12 @@ class LLMEngine:
             drafter=drafter, pooler_config=self.pooler_config, classifier_head=classifier_head,
             kv_offload=disk,
             lora_config=self.lora_config,
+            kv_layout=layout,
         )
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
                                         num_spec_tokens, disk,
-                                        self.lora_config.max_loras if self.lora_config else 0)
+                                        self.lora_config.max_loras if self.lora_config else 0, layout)
         # Adapters removed while requests still ran on them: dropped once idle.
         self._retired_loras: set[int] = set()
         self.ngram: NgramProposer | None = None
@@ -253,6 +257,22 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Request, str, Future[Any]]] = {}
         self._failed_compiles: dict[str, str] = {}  # caller's request id -> why
         self.facts = self._facts(num_blocks)
+
+    def _kv_layout(self, spec: ModelSpec) -> KVLayout:
+        """The KV cache's layer groups (core/kv_layout.py): windowed layers give back
+        the blocks their window has passed where the cache is paged and nothing
+        else reads it whole: not with the disk tier (its files hold every layer of
+        a block), reservations or static batching (the study's baselines), tensor
+        parallelism (each rank's cache is built by its worker) or a draft model
+        (its layers read the first group's table), nor when
+        disable_hybrid_kv_cache_manager asks for one table."""
+        windows = [spec.layer_window(i) for i in range(spec.num_layers)]
+        cache, sched = self.cache_config, self.scheduler_config
+        free = not (sched.disable_hybrid_kv_cache_manager or cache.kv_allocation != "paged"
+                    or cache.kv_offload_dir is not None or sched.policy == "static" or self.tp is not None
+                    or (self.speculative_config is not None
+                        and self.speculative_config.method == "draft_model"))
+        return make_kv_layout(windows, free)
 
     def _serves(self, spec: ModelSpec) -> str:
         """The runner this engine serves as (config.RUNNERS): the asked one, except

@@ -21,11 +21,16 @@ drafts before it; and each row runs the decode kernels, which round exactly
 as decoding one token a step does (speculation leaves greedy output unchanged).
 
 Cache slots: slot = block_id * block_size + offset_in_block.
+
+KV layer groups (core/kv_layout.py: layers with a sliding window that frees
+blocks): each group has its own block tables and slots, stacked in
+group_block_tables / group_slot_mapping; block_tables and slot_mapping are
+group 0's, and `for_layer(i)` is the metadata layer i reads (its group's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,6 +60,32 @@ class AttentionMetadata:
     # i is request i. Rows of one request must stay on one thread (row i reads
     # the K/V row i - 1 writes).
     seq_req: list[int] | None = None
+    # Several KV layer groups: every group's block_tables [G, num_reqs, max_num_blocks]
+    # and slot_mapping [G, num_tokens], and layer i's group. None: one group.
+    group_block_tables: torch.Tensor | None = None
+    group_slot_mapping: torch.Tensor | None = None
+    layer_groups: tuple[int, ...] | None = None
+    _by_group: list[AttentionMetadata] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends with: its group's tables and slots."""
+        if self.layer_groups is None or self.layer_groups[layer] == 0:
+            return self
+        assert self.group_block_tables is not None and self.group_slot_mapping is not None
+        if not self._by_group:
+            self._by_group.extend(
+                replace(self, block_tables=tables, slot_mapping=slots, group_block_tables=None,
+                        group_slot_mapping=None, layer_groups=None)
+                for tables, slots in zip(self.group_block_tables, self.group_slot_mapping, strict=True))
+        return self._by_group[self.layer_groups[layer]]
+
+    def tables_by_group(self) -> torch.Tensor:
+        """[G, num_reqs, max_num_blocks]: every group's block tables (G = 1: block_tables)."""
+        return self.block_tables.unsqueeze(0) if self.group_block_tables is None else self.group_block_tables
+
+    def slots_by_group(self) -> torch.Tensor:
+        """[G, num_tokens]: every group's slots (G = 1: slot_mapping)."""
+        return self.slot_mapping.unsqueeze(0) if self.group_slot_mapping is None else self.group_slot_mapping
 
     @property
     def num_reqs(self) -> int:

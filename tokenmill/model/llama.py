@@ -427,9 +427,9 @@ class LlamaModel(nn.Module):
         if self.local_rotary_emb is not None:
             local = RopeBatch(self.local_rotary_emb, positions, hidden.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, local if layer.local_rope else rope, kv_cache, meta,
-                                     lora)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(hidden, residual, local if layer.local_rope else rope, kv_cache,
+                                     meta.for_layer(i), lora)
         if output_rows is not None:  # (the CPU plan skips the other rows' last layer)
             hidden = hidden[output_rows]
             residual = None if residual is None else residual[output_rows]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.config import CacheConfig, ModelSpec
+from tokenmill.core.kv_layout import KVLayout
 
 # vLLM's CPU backend defaults to 4 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); so do we,
 # unless free memory is scarcer.
@@ -35,17 +36,23 @@ def default_kv_cache_bytes(device: torch.device) -> int:
     return min(DEFAULT_CPU_KV_BYTES, int(available * CPU_FREE_MEMORY_SHARE))
 
 
-def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
+def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, layout: KVLayout | None = None) -> int:
+    """A block's bytes: block_size tokens of K/V in every layer, or in each slot of
+    `layout` (core/kv_layout.py: a block holds one layer group)."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    return spec.kv_bytes_per_token * element_bytes * block_size
+    layers = spec.num_layers if layout is None else layout.slots
+    return spec.kv_bytes_per_token // spec.num_layers * layers * element_bytes * block_size
 
 
 def num_kv_blocks(
-    spec: ModelSpec, dtype: torch.dtype, cache_config: CacheConfig, device: torch.device
+    spec: ModelSpec, dtype: torch.dtype, cache_config: CacheConfig, device: torch.device,
+    layout: KVLayout | None = None,
 ) -> int:
-    per_block = bytes_per_block(spec, dtype, cache_config.block_size)
+    per_block = bytes_per_block(spec, dtype, cache_config.block_size, layout)
     if cache_config.num_blocks_override is not None:
-        num_blocks = cache_config.num_blocks_override
+        # Counted in blocks of every layer (memory): a layout's blocks hold a group each.
+        slots = spec.num_layers if layout is None else layout.slots
+        num_blocks = cache_config.num_blocks_override * spec.num_layers // slots
     else:
         budget = cache_config.kv_cache_memory_bytes or default_kv_cache_bytes(device)
         num_blocks = budget // per_block

@@ -23,7 +23,7 @@ attention, whose float32 sums run in another order). A draft model
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import xgrammar as xgr
@@ -43,6 +43,7 @@ from tokenmill.core.contracts import (
     TokenLogprobs,
 )
 from tokenmill.core.kv_disk import BlockFiles
+from tokenmill.core.kv_layout import KVLayout, one_group
 from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.bert import EncoderModel
@@ -139,6 +140,7 @@ class ModelRunner:
         classifier_head: torch.Tensor | None = None,
         kv_offload: BlockFiles | None = None,
         lora_config: LoRAConfig | None = None,
+        kv_layout: KVLayout | None = None,
     ) -> None:
         """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
         once). `forward`: what runs the model (default: pick_forward's choice for
@@ -149,7 +151,8 @@ class ModelRunner:
         taken before the CPU plan packs the head). An encoder (EncoderModel) keeps
         no KV cache, and its forward takes each request's token types. `kv_offload`:
         the disk tier's files (the scheduler's SchedulerOutput says which blocks move).
-        `lora_config`: LoRA adapters may run (enable_lora); they live here, in `loras`."""
+        `lora_config`: LoRA adapters may run (enable_lora); they live here, in `loras`.
+        `kv_layout`: the cache's layer groups (core/kv_layout.py; None: one group)."""
         self.model = model
         self.encoder = model if isinstance(model, EncoderModel) else None
         self.drafter = drafter
@@ -163,10 +166,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+        # A tensor per slot of the layout, [2 (K, V), num_blocks, block_size, num_kv_heads,
+        # head_dim], and kv_caches[i] the one layer i writes (one tensor a layer: one group).
+        self.layout = kv_layout or one_group(spec.num_layers)
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [] if self.encoder is not None else [
-            zeros(shape, dtype, device) for _ in range(spec.num_layers)]
+        slots = [] if self.encoder is not None else [zeros(shape, dtype, device)
+                                                     for _ in range(self.layout.slots)]
+        self.kv_caches = [slots[self.layout.place(i)[1]] for i in range(len(slots) and spec.num_layers)]
+        self._layer_groups = (None if len(self.layout.groups) == 1 else
+                              tuple(self.layout.place(i)[0] for i in range(spec.num_layers)))
         self.offloader = KVOffloader(self.kv_caches, kv_offload) if kv_offload is not None else None
         self.sampler = Sampler(device, seed, ops=ops)
         # EOS ids found at load time: masked until a request reaches min_tokens.
@@ -186,7 +194,8 @@ class ModelRunner:
         self.pending_grammars[request_id] = RequestGrammar(compiled, reasoning_end_token_id)
 
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        distinct = {t.data_ptr(): t for t in self.kv_caches}.values()
+        return sum(t.numel() * t.element_size() for t in distinct)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -402,6 +411,24 @@ class ModelRunner:
             return self._prepare_decodes(reqs)
         return self._prepare_any(reqs)
 
+    def _tables(self, reqs: list[ScheduledRequest], width: int) -> list[list[list[int]]]:
+        """Each KV layer group's block tables [group][request][width], padded with 0."""
+        out = []
+        for g in range(len(self.layout.groups)):
+            rows = []
+            for r in reqs:
+                ids = (r.block_ids if g == 0 else r.group_block_ids[g - 1])[:width]
+                rows.append(ids + [0] * (width - len(ids)))
+            out.append(rows)
+        return out
+
+    def _groups(self, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> dict[str, Any]:
+        """AttentionMetadata's group fields: none with one group."""
+        if self._layer_groups is None:
+            return {}
+        return {"group_block_tables": block_tables, "group_slot_mapping": slot_mapping,
+                "layer_groups": self._layer_groups}
+
     def _prepare_any(
         self, reqs: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -429,11 +456,8 @@ class ModelRunner:
         num_decodes = next((i for i in range(len(seq_lens))
                             if query_start_loc[i + 1] - query_start_loc[i] != 1), len(seq_lens))
         max_num_blocks = max(-(-s // bs) for s in seq_lens)
-        req_tables = torch.tensor(
-            [r.block_ids[:max_num_blocks] + [0] * (max_num_blocks - len(r.block_ids[:max_num_blocks]))
-             for r in reqs],
-            dtype=torch.int64,
-        )  # [num_reqs, max_num_blocks]
+        req_tables = torch.tensor(self._tables(reqs, max_num_blocks), dtype=torch.int64)
+        # [groups, num_reqs, max_num_blocks]
 
         # Per token: which request, and its position in that request.
         query_lens = torch.tensor([r.num_tokens for r in reqs])
@@ -441,13 +465,14 @@ class ModelRunner:
         first_token = torch.tensor(starts[:-1])
         positions = (torch.arange(len(token_ids)) - first_token[req_index]
                      + torch.tensor([r.num_computed_tokens for r in reqs])[req_index])
-        slot_mapping = req_tables[req_index, positions // bs] * bs + positions % bs
+        slot_mapping = req_tables[:, req_index, positions // bs] * bs + positions % bs  # [groups, tokens]
         if expanded:  # a table row per sequence, and each token's sequence
-            block_tables = req_tables[torch.tensor(seq_req)]
+            block_tables = req_tables[:, torch.tensor(seq_req)]
             token_seq = torch.repeat_interleave(torch.arange(len(seq_req)),
                                                 torch.diff(torch.tensor(query_start_loc)))
         else:
             block_tables, token_seq = req_tables, req_index
+        block_tables, slot_mapping = block_tables.to(self.device), slot_mapping.to(self.device)
 
         decode_seq_lens = seq_lens[:num_decodes]
         meta = AttentionMetadata(
@@ -455,13 +480,14 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             max_decode_seq_len=max(decode_seq_lens, default=0),
-            slot_mapping=slot_mapping.to(self.device),
-            block_tables=block_tables.to(self.device),
+            slot_mapping=slot_mapping[0],
+            block_tables=block_tables[0],
             decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int64, device=self.device),
             block_size=bs,
             token_seq_ids=token_seq.to(self.device),
             token_seq_lens=(positions + 1).to(self.device),
             seq_req=seq_req if expanded else None,
+            **self._groups(block_tables, slot_mapping),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, starts
@@ -479,10 +505,15 @@ class ModelRunner:
         positions = [r.num_computed_tokens for r in reqs]
         seq_lens = [p + 1 for p in positions]
         width = max(-(-s // bs) for s in seq_lens)
-        tables = [r.block_ids[:width] + [0] * (width - len(r.block_ids[:width])) for r in reqs]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions, strict=True)]
+        by_group = self._tables(reqs, width)
+        slots_by_group = [[table[p // bs] * bs + p % bs for table, p in zip(tables, positions, strict=True)]
+                          for tables in by_group]
         device = self.device
         lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        tables, slots = by_group[0], slots_by_group[0]
+        groups = {} if len(by_group) == 1 else self._groups(
+            torch.tensor(by_group, dtype=torch.int64, device=device),
+            torch.tensor(slots_by_group, dtype=torch.int64, device=device))
         meta = AttentionMetadata(
             num_decodes=n,
             query_start_loc=list(range(n + 1)),
@@ -495,6 +526,7 @@ class ModelRunner:
             token_seq_ids=torch.arange(n, device=device),
             token_seq_lens=lens,  # (a decode's context is its position + 1; read only)
             seq_req=None,
+            **groups,
         )
         input_ids = torch.tensor([r.token_ids[0] for r in reqs], dtype=torch.int64, device=device)
         return input_ids, torch.tensor(positions, dtype=torch.int64, device=device), meta, list(range(n + 1))

@@ -21,7 +21,7 @@ _ROW_PER_QUERY = torch.empty(0, dtype=torch.int64)  # the kernel's "query i uses
 class KernelCall(NamedTuple):
     """paged_attention's per-step arguments: the same for every layer of a step."""
 
-    tables: torch.Tensor  # block tables [num_reqs, max_num_blocks]
+    tables: torch.Tensor  # block tables [KV groups, num_reqs, max_num_blocks] (AttentionMetadata.tables_by_group)
     seq_lens: torch.Tensor  # each query's seq_len (it sits at seq_len - 1)
     seq_ids: torch.Tensor  # each query's sequence (its row of tables); empty: query i is sequence i
 
@@ -43,17 +43,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return None
         if meta.token_seq_ids is not None and meta.token_seq_lens is not None:
             # Every token one query, prefill chunks included.
-            return KernelCall(meta.block_tables, meta.token_seq_lens, meta.token_seq_ids)
+            return KernelCall(meta.tables_by_group(), meta.token_seq_lens, meta.token_seq_ids)
         if meta.num_decodes == meta.num_reqs:  # decodes only: query i is request i
-            return KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
+            return KernelCall(meta.tables_by_group()[:, : q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
         return None
 
     def run(self, call: KernelCall, q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-            sliding_window: int | None, logit_softcap: float | None = None) -> torch.Tensor:
-        """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel."""
+            sliding_window: int | None, logit_softcap: float | None = None, group: int = 0) -> torch.Tensor:
+        """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel, on
+        KV group `group`'s tables."""
         ops = kernels.load()
         assert ops is not None, "kernel_call gave a call: the kernels are loaded"
-        return ops.paged_attention(q, kv_cache, call.tables, call.seq_lens, scale, sliding_window or 0,
+        return ops.paged_attention(q, kv_cache, call.tables[group], call.seq_lens, scale, sliding_window or 0,
                                    call.seq_ids, prefill_tiles=not self.batch_invariant,
                                    logit_softcap=logit_softcap or 0.0)
 
@@ -84,6 +85,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         # The decodes of a mixed step with per-request metadata: the kernel, the prefills torch's.
         if sinks is None and q.device.type == "cpu" and q.dtype == kv_cache.dtype and kernels.load() is not None:
-            call = KernelCall(meta.block_tables[: q.shape[0]], meta.decode_seq_lens, _ROW_PER_QUERY)
+            call = KernelCall(meta.block_tables[: q.shape[0]].unsqueeze(0), meta.decode_seq_lens, _ROW_PER_QUERY)
             return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap)
         return super()._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)

@@ -153,7 +153,7 @@ class CpuOps(Protocol):
 
     def layer_loop(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                   seq_lens: torch.Tensor, seq_ids: torch.Tensor, output_rows: torch.Tensor,
+                   seq_lens: torch.Tensor, seq_ids: torch.Tensor, layer_groups: list[int], output_rows: torch.Tensor,
                    all_rows: bool, kv_prefetch: int, lora_adapters: list[CppLoraAdapterWeights] = ...,
                    lora_rows: list[torch.Tensor] = ...) -> torch.Tensor: ...
 
@@ -168,8 +168,9 @@ class CpuOps(Protocol):
 
     def layer_loop_tp(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                      seq_lens: torch.Tensor, seq_ids: torch.Tensor, output_rows: torch.Tensor,
-                      all_rows: bool, group: CppShmGroup, kv_prefetch: int) -> torch.Tensor: ...
+                      seq_lens: torch.Tensor, seq_ids: torch.Tensor, layer_groups: list[int],
+                      output_rows: torch.Tensor, all_rows: bool, group: CppShmGroup,
+                      kv_prefetch: int) -> torch.Tensor: ...
 
     def shm_all_reduce(self, group: CppShmGroup, t: torch.Tensor) -> None: ...
 
@@ -182,7 +183,7 @@ class CpuOps(Protocol):
 
     def layer_stack(self, model: CppModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, tables: torch.Tensor,
-                    seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+                    seq_lens: torch.Tensor, seq_ids: torch.Tensor, layer_groups: list[int],
                     bounds: list[int], kv_prefetch: int, lora_adapters: list[CppLoraAdapterWeights] = ...,
                     lora_rows: list[torch.Tensor] = ...) -> torch.Tensor: ...
 

@@ -342,9 +342,10 @@ class CpuPlan:
             return self._python_loop(hidden, positions, kv_caches, meta, output_rows, profiling, lora)
         call = self.attention.kernel_call(hidden, kv_caches[0], meta)
         assert call is not None, "choose_path gave a C++ path: one attention call serves the step"
-        # (model, hidden, positions, kv_caches, slot_mapping, tables, seq_lens, seq_ids): every C++ path's first arguments
-        step = (self.weights, hidden, positions, kv_caches, meta.slot_mapping, call.tables, call.seq_lens,
-                call.seq_ids)
+        # (model, hidden, positions, kv_caches, slot_mapping, tables, seq_lens, seq_ids, layer_groups):
+        # every C++ path's first arguments
+        step = (self.weights, hidden, positions, kv_caches, meta.slots_by_group(), call.tables, call.seq_lens,
+                call.seq_ids, list(meta.layer_groups or ()))
         if route.path is Path.SPLIT:
             assert route.split_bounds is not None
             adapters, lora_rows = ([], []) if lora is None else self._lora_step(lora)
@@ -461,8 +462,10 @@ class CpuPlan:
             qkv = gemm(x, layer.qkv)
             if lora_step is not None:  # (before RoPE and the cache write, as the reference adds it)
                 qkv = delta(qkv, x, i, "qkv_proj")
+            layer_meta = meta.for_layer(i)  # (its KV group's slots and tables)
+            group = meta.layer_groups[i] if meta.layer_groups is not None else 0
             ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, layer.cos,
-                               layer.sin, kv_cache, meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
+                               layer.sin, kv_cache, layer_meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             if i == 0:
                 call = self.attention.kernel_call(q, kv_cache, meta)
@@ -475,9 +478,9 @@ class CpuPlan:
             with record_function("tokenmill::attention") if profiling else nullcontext():
                 if call is not None:
                     out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window,
-                                             layer.logit_softcap)
+                                             layer.logit_softcap, group)
                 else:
-                    out = self.attention.attend(q, kv_cache, meta, layer.scale, layer.sliding_window,
+                    out = self.attention.attend(q, kv_cache, layer_meta, layer.scale, layer.sliding_window,
                                                 layer.logit_softcap)
             attn = out.reshape(n, self.q_size)
             hidden = gemm_out(attn, layer.o)

@@ -166,6 +166,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_formats", torch::wrap_pybind_function(weight_formats));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
+                py::arg("layer_groups"),
                 py::arg("output_rows"), py::arg("all_rows"), py::arg("kv_prefetch"),
                 py::arg("lora_adapters") = std::vector<const LoraAdapterWeights*>{},
                 py::arg("lora_rows") = std::vector<at::Tensor>{});
@@ -173,6 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 py::arg("layer"), py::arg("projection"));
   TOKENMILL_DEF(layer_loop_tp, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
+                py::arg("layer_groups"),
                 py::arg("output_rows"), py::arg("all_rows"), py::arg("group"), py::arg("kv_prefetch"));
   TOKENMILL_DEF(shm_all_reduce, py::arg("group"), py::arg("t"));
   TOKENMILL_DEF(shm_gather, py::arg("group"), py::arg("local"), py::arg("out"), py::arg("widths"));
@@ -180,6 +182,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TOKENMILL_DEF(shm_receive, py::arg("group"));
   TOKENMILL_DEF(layer_stack, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
                 py::arg("slot_mapping"), py::arg("tables"), py::arg("seq_lens"), py::arg("seq_ids"),
+                py::arg("layer_groups"),
                 py::arg("bounds"), py::arg("kv_prefetch"),
                 py::arg("lora_adapters") = std::vector<const LoraAdapterWeights*>{},
                 py::arg("lora_rows") = std::vector<at::Tensor>{});

@@ -35,15 +35,20 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
 
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
-                 const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                 const at::Tensor& seq_ids) {
+                 const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& tables,
+                 const at::Tensor& seq_lens, const at::Tensor& seq_ids, const std::vector<int64_t>& layer_groups) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && s.layers.size() == layers, "layer_stack: a KV cache per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "layer_stack: hidden [n, hidden] contiguous");
   const int64_t n = hidden.size(0);
-  TORCH_CHECK(positions.numel() == n && slot_mapping.numel() == n && seq_lens.numel() == n,
+  TORCH_CHECK(slot_mapping.dim() == 2 && tables.dim() == 3 && slot_mapping.size(0) == tables.size(0),
+              "layer_stack: slot_mapping [groups, n] and tables [groups, sequences, blocks]");
+  TORCH_CHECK(positions.numel() == n && slot_mapping.size(1) == n && seq_lens.numel() == n,
               "layer_stack: a position, a slot and a seq_len per row");
   TORCH_CHECK(seq_ids.numel() == 0 || seq_ids.numel() == n, "layer_stack: seq_ids per row or empty");
+  TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers, "layer_stack: a KV group per layer or none");
+  for (const int64_t g : layer_groups)
+    TORCH_CHECK(g >= 0 && g < tables.size(0), "layer_stack: a layer's KV group out of range");
 }
 
 namespace {
@@ -86,8 +91,8 @@ at::Tensor row_parallel(const at::Tensor& x, const PackedWeight& w, const ShmGro
 // Rows h through every layer (layer_loop.h says how).
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
                       const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
-                      const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch, const ShmGroup* tp,
-                      const LoraStep* lora) {
+                      const at::Tensor& tab, const std::vector<int64_t>& layer_groups, const at::Tensor* out_rows,
+                      Prefetch prefetch, const ShmGroup* tp, const LoraStep* lora) {
   TORCH_CHECK(!lora || (!out_rows && !tp), "layer_loop: LoRA rows run with every row, unsharded");
   for (const LayerWeights& w : s.layers)
     TORCH_CHECK(!w.moe.has_experts() || (!lora && !tp), "layer_loop: a sparse MLP runs without LoRA, unsharded");
@@ -95,7 +100,9 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
   const int64_t q_size = s.num_heads * s.head_dim;
   int64_t m = h.size(0);
   at::Tensor residual = h;
-  at::Tensor pf_lens, pf_tab, pf_seq;  // paged_attention's arguments as the prefetch stream reads them
+  at::Tensor pf_lens, pf_seq;  // paged_attention's arguments as the prefetch stream reads them
+  std::vector<at::Tensor> pf_tab;  // (a table per KV group)
+  auto group = [&](size_t layer) { return layer_groups.empty() ? int64_t{0} : layer_groups[layer]; };
   // The streams the projections after each attention feed (kv_prefetch.h):
   // kOwn one, this thread's (its GEMMs run on it alone); kTeam one for each
   // thread of the team the GEMMs run on. Passed to those GEMMs only.
@@ -104,7 +111,7 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
                                                                : 0);
   if (prefetch != Prefetch::kNone) {
     pf_lens = lens.to(at::kLong).contiguous();
-    pf_tab = tab.to(at::kLong).contiguous();
+    for (int64_t g = 0; g < tab.size(0); ++g) pf_tab.push_back(tab.select(0, g).to(at::kLong).contiguous());
     pf_seq = seq.numel() ? seq.to(at::kLong).contiguous() : seq;
   }
   for (size_t i = 0; i < layers; ++i) {
@@ -121,7 +128,7 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
                           : packed_gemm(x, w.qkv, false, KvStreams{});
     const bool own_rope = w.cos.defined() && w.cos.numel();  // (Gemma 3's sliding layers)
     rope_qkv_cache(qkv, s.num_heads, s.num_kv_heads, s.head_dim, pos, own_rope ? w.cos : s.cos,
-                   own_rope ? w.sin : s.sin, kv_caches[i], slots, w.q_norm, w.k_norm, s.eps);
+                   own_rope ? w.sin : s.sin, kv_caches[i], slots.select(0, group(i)), w.q_norm, w.k_norm, s.eps);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({m, s.num_heads, s.head_dim});
     if (out_rows && i + 1 == layers) {  // every K/V is written: the rest for the rows out
       q = q.index_select(0, *out_rows);
@@ -130,13 +137,15 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       seq = seq.numel() ? seq.index_select(0, *out_rows) : *out_rows;
       m = out_rows->numel();
     }
-    at::Tensor out = paged_attention(q, kv_caches[i], tab, lens, w.scale, w.sliding_window, seq, s.prefill_tiles,
+    at::Tensor out = paged_attention(q, kv_caches[i], tab.select(0, group(i)), lens, w.scale, w.sliding_window, seq,
+                                     s.prefill_tiles,
                                      w.logit_softcap);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvStreams kv;
     if (pf) {
-      const KvPrefetch next_kv = kv_stream(kv_caches[i + 1], pf_tab, pf_lens, pf_seq, s.layers[i + 1].sliding_window);
+      const KvPrefetch next_kv = kv_stream(kv_caches[i + 1], pf_tab[group(i + 1)], pf_lens, pf_seq,
+                                           s.layers[i + 1].sliding_window);
       const int64_t nth = static_cast<int64_t>(streams.size());
       for (int64_t t = 0; t < nth; ++t) {
         KvPrefetch& p = streams[t] = next_kv;
@@ -177,12 +186,13 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
 namespace {
 at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                            std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                           at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
-                           KvPrefetchMode kv_prefetch, const ShmGroup* tp, const LoraStep* lora = nullptr) {
+                           at::Tensor seq_lens, at::Tensor seq_ids, const std::vector<int64_t>& layer_groups,
+                           at::Tensor output_rows, bool all_rows, KvPrefetchMode kv_prefetch, const ShmGroup* tp,
+                           const LoraStep* lora = nullptr) {
   NoGil no_gil;
   const ModelWeights& s = model;
   const int64_t head_dim = s.head_dim;
-  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids);
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, tables, seq_lens, seq_ids, layer_groups);
   if (!all_rows) output_rows = output_rows.to(at::kLong).contiguous();
   // The K/V prefetch (kv_prefetch.h) as in layer_stack's split steps, each
   // thread for the queries its part of the bf16 attention kernel takes: for
@@ -201,20 +211,21 @@ at::Tensor layer_loop_impl(const ModelWeights& model, at::Tensor hidden, at::Ten
     const int64_t* q = r.data_ptr<int64_t>();
     for (int64_t i = 1; i < r.numel() && prefetch; ++i) prefetch = q[i] != q[i - 1];
   }
-  return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids, tables,
+  return run_layers(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids, tables, layer_groups,
                     all_rows ? nullptr : &output_rows, prefetch ? Prefetch::kTeam : Prefetch::kNone, tp, lora);
 }
 }  // namespace
 
 at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                       std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                      at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
+                      at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> layer_groups,
+                      at::Tensor output_rows, bool all_rows,
                       int64_t kv_prefetch, std::vector<const LoraAdapterWeights*> lora_adapters,
                       std::vector<at::Tensor> lora_rows) {
   TORCH_CHECK(lora_adapters.empty() || all_rows, "layer_loop: LoRA steps return every row");
   const LoraStep step = lora_step(std::move(lora_adapters), std::move(lora_rows), kv_caches.size(), hidden.size(0));
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         seq_ids, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), nullptr,
+                         seq_ids, layer_groups, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), nullptr,
                          step.adapters.empty() ? nullptr : &step);
 }
 
@@ -223,11 +234,11 @@ at::Tensor layer_loop(const ModelWeights& model, at::Tensor hidden, at::Tensor p
 // inside the loop (no Python between the kernels of a step).
 at::Tensor layer_loop_tp(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                          std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                         at::Tensor seq_lens, at::Tensor seq_ids, at::Tensor output_rows, bool all_rows,
-                         const ShmGroup& group, int64_t kv_prefetch) {
+                         at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> layer_groups,
+                         at::Tensor output_rows, bool all_rows, const ShmGroup& group, int64_t kv_prefetch) {
   check_group(group);
   return layer_loop_impl(model, hidden, positions, std::move(kv_caches), slot_mapping, tables, seq_lens,
-                         seq_ids, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), &group);
+                         seq_ids, layer_groups, output_rows, all_rows, kv_prefetch_mode(kv_prefetch), &group);
 }
 
 // The cache slots (block * block_size + offset) of the K rows that the

@@ -12,6 +12,8 @@
 
 // Rows h (changed in place) through every layer and the final norm, each
 // kernel with the OpenMP team it gets; `seq` empty: query i reads table row i.
+// `slots` [groups, n] and `tab` [groups, sequences, blocks]: each KV layer
+// group's (core/kv_layout.py); layer i uses group layer_groups[i] (empty: 0).
 // With `out_rows`, the last layer runs on past its K/V write for those rows
 // only (the result has one row each), as plan.py does. With a
 // prefetch mode, the projections after each layer's attention ask for the
@@ -26,11 +28,12 @@ enum class Prefetch { kNone, kOwn, kTeam };
 // adapters' deltas (lora_delta) before it goes on.
 at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, at::Tensor h,
                       const at::Tensor& pos, const at::Tensor& slots, at::Tensor lens, at::Tensor seq,
-                      const at::Tensor& tab, const at::Tensor* out_rows, Prefetch prefetch = Prefetch::kNone,
-                      const ShmGroup* tp = nullptr, const LoraStep* lora = nullptr);
+                      const at::Tensor& tab, const std::vector<int64_t>& layer_groups, const at::Tensor* out_rows,
+                      Prefetch prefetch = Prefetch::kNone, const ShmGroup* tp = nullptr,
+                      const LoraStep* lora = nullptr);
 
 // Throws unless the stack's arguments have a K/V cache per layer and a position,
 // slot and seq_len per row.
 void check_stack(const ModelWeights& s, const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
-                 const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                 const at::Tensor& seq_ids);
+                 const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& tables,
+                 const at::Tensor& seq_lens, const at::Tensor& seq_ids, const std::vector<int64_t>& layer_groups);

@@ -17,8 +17,9 @@
 //
 //   model       the weights and shape, by name (layer_stack.h)
 //   hidden      [n, hidden] the embeddings (changed in place, as plan.py does)
-//   kv_caches   one per layer; slot_mapping: each row's cache slot
-//   tables, seq_lens, seq_ids: paged_attention's arguments for all n queries
+//   kv_caches   one per layer; slot_mapping [groups, n]: each row's cache slot
+//   tables [groups, ...], seq_lens, seq_ids: paged_attention's arguments for all n queries
+//   layer_groups each layer's KV group (core/kv_layout.py; empty: all group 0)
 //   bounds      [0, r1, ..., n]: thread t takes rows [bounds[t], bounds[t+1]),
 //               each a run of whole requests
 //   kv_prefetch the K/V prefetch's mode (cpu_features.h KvPrefetchMode)
@@ -41,13 +42,14 @@
 
 at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor positions,
                        std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor tables,
-                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> bounds, int64_t kv_prefetch,
+                       at::Tensor seq_lens, at::Tensor seq_ids, std::vector<int64_t> layer_groups,
+                       std::vector<int64_t> bounds, int64_t kv_prefetch,
                        std::vector<const LoraAdapterWeights*> lora_adapters, std::vector<at::Tensor> lora_rows) {
   // A whole forward (up to ~150 ms) without Python: let the server's other
   // threads (HTTP, streaming) run meanwhile. Re-taken on the way out.
   NoGil no_gil;
   const ModelWeights& s = model;
-  check_stack(s, kv_caches, hidden, positions, slot_mapping, seq_lens, seq_ids);
+  check_stack(s, kv_caches, hidden, positions, slot_mapping, tables, seq_lens, seq_ids, layer_groups);
   const int64_t n = hidden.size(0);
   TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == n &&
                   std::is_sorted(bounds.begin(), bounds.end()),
@@ -90,10 +92,10 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
       const int64_t r0 = bounds[t], m = bounds[t + 1] - r0;
       if (m > 0) {
         const at::Tensor seq = per_query_row ? seq_ids : seq_ids.narrow(0, r0, m);
-        const at::Tensor tab = per_query_row ? tables.narrow(0, r0, m) : tables;
+        const at::Tensor tab = per_query_row ? tables.narrow(1, r0, m) : tables;
         result.narrow(0, r0, m).copy_(run_layers(s, kv_caches, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
-                                                 slot_mapping.narrow(0, r0, m), seq_lens.narrow(0, r0, m),
-                                                 seq, tab, nullptr,
+                                                 slot_mapping.narrow(1, r0, m), seq_lens.narrow(0, r0, m),
+                                                 seq, tab, layer_groups, nullptr,
                                                  prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
                                                                                       : Prefetch::kNone,
                                                  nullptr, lora.empty() || lora[t].adapters.empty() ? nullptr : &lora[t]));
