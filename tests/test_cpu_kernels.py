@@ -63,16 +63,19 @@ def decode_case(
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128, 256])
 # A logit soft-cap (Gemma 2's) low enough to bend these scores.
 @pytest.mark.parametrize("softcap", [None, 1.5])
+# Attention sinks (gpt-oss's): a logit per head in the softmax, large enough to take most of it.
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 def test_paged_attention_kernel_matches_torch(
     kernel_available: None, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-    sliding_window: int | None, head_dim: int, softcap: float | None,
+    sliding_window: int | None, head_dim: int, softcap: float | None, sinks: bool,
 ) -> None:
     q, kv_cache, meta = decode_case(dtype, num_heads, num_kv_heads, sliding_window, head_dim)
+    sink = torch.linspace(-2.0, 3.0, num_heads).to(dtype) if sinks else None
     # (The bf16 reference rounds q.k to bf16 before scaling: at 256 dims and 0.25 the
     # scores' steps reach ~0.1, so the head's own scale there, as a model has it.)
     scale = 0.25 if head_dim <= 128 else head_dim**-0.5
-    ours = CpuAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window, softcap)
-    ref = TorchAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window, softcap)
+    ours = CpuAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window, softcap, sink)
+    ref = TorchAttentionBackend()._decode(q, kv_cache, meta, scale, sliding_window, softcap, sink)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -448,13 +451,17 @@ def mixed_step_case(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 16, 64])
 @pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 def test_one_kernel_call_serves_decodes_and_prefill_chunks(
-    kernel_available: None, dtype: torch.dtype, head_dim: int, sliding_window: int | None
+    kernel_available: None, dtype: torch.dtype, head_dim: int, sliding_window: int | None, sinks: bool
 ) -> None:
     q, kv_cache, meta = mixed_step_case(dtype, head_dim)
-    ours = CpuAttentionBackend().attend(q, kv_cache, meta, 0.3, sliding_window)
-    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.3, sliding_window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    sink = torch.linspace(-1.0, 2.0, q.shape[1]).to(dtype) if sinks else None
+    ours = CpuAttentionBackend().attend(q, kv_cache, meta, 0.3, sliding_window, None, sink)
+    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.3, sliding_window, None, sink)
+    # (bf16: probabilities rounded to bf16 on both sides from float32 sums in two orders,
+    # a sink's share normalised in the sum here and in the max there: an output's last bits.)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2 if sinks else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
@@ -477,6 +484,11 @@ def test_prefill_chunks_match_torch(
                                         num_kv_heads)
     ours = CpuAttentionBackend(batch_invariant=invariant).attend(q, kv_cache, meta, 0.125, None, softcap)
     ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.125, None, softcap)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # With sinks the tiles stand aside: every query as a decode.
+    sink = torch.linspace(-1.0, 2.0, num_heads).to(torch.bfloat16)
+    ours = CpuAttentionBackend(batch_invariant=invariant).attend(q, kv_cache, meta, 0.125, None, softcap, sink)
+    ref = TorchAttentionBackend().attend(q, kv_cache, meta, 0.125, None, softcap, sink)
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

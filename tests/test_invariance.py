@@ -101,7 +101,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     gemma: dict[str, Any] = {**CONFIG, "head_dim": 64, "sliding_window": 16}
     gemma3 = transformers.Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"])
     gemma2 = transformers.Gemma2Config(**gemma, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    gpt_oss = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
+        **CONFIG, head_dim=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"]), dtype=torch.float32).eval()
+    with torch.no_grad():  # (sinks and biases start at zero: spread them, so they count)
+        for name, param in gpt_oss.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                param.normal_(0.0, 0.5)
     return {
+        "gpt-oss": {"model": save_hf_model(gpt_oss, tmp_path_factory.mktemp("gpt-oss"))},
         "moe": {"model": save_hf_model(moe, tmp_path_factory.mktemp("moe"))},
         "bf16": {"model": directory},
         "q8_0": {"model": directory, "quantization": "q8_0"},
@@ -143,7 +151,7 @@ def _alone(models: dict[str, dict[str, Any]], fmt: str, cpp: bool) -> list[list[
 # The families beside the Llama layer run every scenario on the plan; on the
 # reference (the slow path, whose invariance is its linears' and attention's,
 # the same code for every family) the two that recompute and chunk the most.
-_FAMILIES = ("moe", "gemma3", "gemma2")
+_FAMILIES = ("moe", "gemma3", "gemma2", "gpt-oss")
 _CASES = [(cpp, fmt, scenario) for cpp in (True, False) for fmt in ("bf16", "q8_0", "gguf", *_FAMILIES)
           for scenario in SCENARIOS
           if cpp or fmt not in _FAMILIES or scenario in ("preempted", "budget7")]
@@ -156,7 +164,7 @@ def test_greedy_tokens_do_not_depend_on_the_load(models: dict[str, dict[str, Any
     if cpp and kernels.load() is None:
         pytest.skip("no C++ kernels on this machine")
     alone = _alone(models, fmt, cpp)
-    options = WINDOWED_SCENARIOS.get(scenario, SCENARIOS[scenario]) if fmt in ("gemma3", "gemma2") else \
+    options = WINDOWED_SCENARIOS.get(scenario, SCENARIOS[scenario]) if fmt in ("gemma3", "gemma2", "gpt-oss") else \
         SCENARIOS[scenario]
     llm = _llm(models[fmt], cpp, **options)
     if scenario == "prefix-hit":  # the shared prefix computed once, its blocks cached

@@ -1,9 +1,9 @@
 """Paged attention on the C++ kernel (csrc/paged_attention.cpp): one call per
 layer serves a whole step, every token one query reading K/V in place from its
 blocks (no gathered copies), a prefill chunk's tokens each seeing the context
-up to its own position (a logit soft-cap, Gemma 2's, included). Where the
-kernel does not apply (another device or dtype, per-request metadata with
-prefills, attention sinks: gpt-oss), the torch reference serves."""
+up to its own position (a logit soft-cap, Gemma 2's, and attention sinks,
+gpt-oss's, included). Where the kernel does not apply (another device or
+dtype, per-request metadata with prefills), the torch reference serves."""
 
 from __future__ import annotations
 
@@ -49,14 +49,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return None
 
     def run(self, call: KernelCall, q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-            sliding_window: int | None, logit_softcap: float | None = None, group: int = 0) -> torch.Tensor:
+            sliding_window: int | None, logit_softcap: float | None = None, group: int = 0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [num_queries, num_heads, head_dim] -> the same shape, through the kernel, on
-        KV group `group`'s tables."""
+        KV group `group`'s tables; `sinks`: [num_heads], any float dtype."""
         ops = kernels.load()
         assert ops is not None, "kernel_call gave a call: the kernels are loaded"
         return ops.paged_attention(q, kv_cache, call.tables[group], call.seq_lens, scale, sliding_window or 0,
                                    call.seq_ids, prefill_tiles=not self.batch_invariant,
-                                   logit_softcap=logit_softcap or 0.0)
+                                   logit_softcap=logit_softcap or 0.0,
+                                   sinks=None if sinks is None else sinks.float().contiguous())
 
     def attend(
         self,
@@ -68,9 +70,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        call = self.kernel_call(q, kv_cache, meta) if sinks is None else None
+        call = self.kernel_call(q, kv_cache, meta)
         if call is not None:
-            return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap)
+            return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap, sinks=sinks)
         return super().attend(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)
 
     def _decode(
@@ -84,7 +86,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         # The decodes of a mixed step with per-request metadata: the kernel, the prefills torch's.
-        if sinks is None and q.device.type == "cpu" and q.dtype == kv_cache.dtype and kernels.load() is not None:
+        if q.device.type == "cpu" and q.dtype == kv_cache.dtype and kernels.load() is not None:
             call = KernelCall(meta.block_tables[: q.shape[0]].unsqueeze(0), meta.decode_seq_lens, _ROW_PER_QUERY)
-            return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap)
+            return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap, sinks=sinks)
         return super()._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)

@@ -94,7 +94,7 @@ class CpuOps(Protocol):
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, sliding_window: int,
                         seq_ids: torch.Tensor, prefill_tiles: bool = False,
-                        logit_softcap: float = 0.0) -> torch.Tensor: ...
+                        logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -142,10 +142,13 @@ class CpuOps(Protocol):
                      cos: torch.Tensor, sin: torch.Tensor, logit_softcap: float,
                      router: CppPackedWeight | None = None, experts_gate_up: list[CppPackedWeight] = ...,
                      experts_down: list[CppPackedWeight] = ..., top_k: int = 0,
-                     norm_topk_prob: bool = False) -> CppLayerWeights: ...
+                     norm_topk_prob: bool = False, topk_then_softmax: bool = False, swiglu_limit: float = 0.0,
+                     swiglu_alpha: float = 1.702, sinks: torch.Tensor | None = None) -> CppLayerWeights: ...
 
     def moe_mlp(self, x: torch.Tensor, router: CppPackedWeight, experts_gate_up: list[CppPackedWeight],
-                experts_down: list[CppPackedWeight], top_k: int, norm_topk_prob: bool) -> torch.Tensor: ...
+                experts_down: list[CppPackedWeight], top_k: int, norm_topk_prob: bool,
+                topk_then_softmax: bool = False, swiglu_limit: float = 0.0,
+                swiglu_alpha: float = 1.702) -> torch.Tensor: ...
 
     def ModelWeights(self, *, layers: list[CppLayerWeights], final_norm: torch.Tensor, eps: float,
                      num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,

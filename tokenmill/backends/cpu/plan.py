@@ -77,6 +77,9 @@ class _Experts(NamedTuple):
     down: list[CppPackedWeight]
     top_k: int
     norm_topk_prob: bool
+    topk_then_softmax: bool  # gpt-oss's routing and clamped SwiGLU (csrc/moe.h)
+    swiglu_limit: float  # 0: silu(gate) * up
+    swiglu_alpha: float
 
 
 class _Layer(NamedTuple):
@@ -96,6 +99,7 @@ class _Layer(NamedTuple):
     sin: torch.Tensor
     logit_softcap: float | None  # Gemma 2's attention soft-cap
     experts: _Experts | None = None  # a sparse MLP's (None: the dense one above)
+    sinks: torch.Tensor | None = None  # gpt-oss's attention sinks [num_heads] float32
 
 
 # The tensors a module holds a weight in (model/quantization.py: a float Parameter, or
@@ -122,10 +126,13 @@ def release_weights(module: nn.Module, keep: tuple[torch.Tensor, ...] = ()) -> N
 
 
 def norm_weight(norm: RMSNorm) -> torch.Tensor:
-    """A norm's weight as the kernels take it: Gemma's (1 + w) in float32 (the
-    kernels then scale in float32 and round once, as HF's Gemma RMSNorm), else w."""
+    """A norm's weight as the kernels take it: Gemma's (1 + w) and gpt-oss's w in
+    float32 (the kernels then scale in float32 and round once, as those HF
+    RMSNorms do), else w."""
     w = norm.weight.detach()
-    return (1.0 + w.float()).contiguous() if norm.unit_offset else w.contiguous()
+    if norm.unit_offset:
+        return (1.0 + w.float()).contiguous()
+    return w.float().contiguous() if norm.float32_scale else w.contiguous()
 
 
 def _released_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -150,13 +157,6 @@ def unsupported(model: LlamaForCausalLM, dtype: torch.dtype, options: CpuBackend
     spec = model.spec
     if spec.hidden_act not in ("silu", "gelu_pytorch_tanh"):
         return f"the MLP activation {spec.hidden_act!r} (the plan runs SiLU and GELU-tanh)"
-    gpt_oss = [what for what, used in (
-        ("attention sinks", spec.attention_sinks), ("biased experts", spec.moe_bias),
-        ("the router's top k softmaxed", spec.moe_topk_then_softmax),
-        ("the clamped SwiGLU", spec.swiglu_limit is not None), ("norms scaled in float32", spec.norm_in_float32),
-    ) if used]
-    if gpt_oss:  # (moe_mlp runs Qwen3-MoE's and Mixtral's experts)
-        return f"gpt-oss's {', '.join(gpt_oss)} (the plan runs the plain Llama layer)"
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         mlps = [layer.mlp] if isinstance(layer.mlp, LlamaMLP) else _experts_of(layer.mlp)
@@ -238,8 +238,10 @@ class CpuPlan:
                 norm_weight(a.q_norm), norm_weight(a.k_norm))
             experts, gate_up, down = None, None, None
             if isinstance(mlp, SparseMoeBlock):  # (each expert packed as any projection)
+                first = _experts_of(mlp)[0]
                 experts = _Experts(packed(mlp.gate), [packed(e.gate_up_proj) for e in _experts_of(mlp)],
-                                   [packed(e.down_proj) for e in _experts_of(mlp)], mlp.top_k, mlp.norm_topk_prob)
+                                   [packed(e.down_proj) for e in _experts_of(mlp)], mlp.top_k, mlp.norm_topk_prob,
+                                   mlp.topk_then_softmax, first.limit or 0.0, first.alpha)
             else:
                 gate_up, down = packed(mlp.gate_up_proj), packed(mlp.down_proj)
             # Gemma's sandwich: post_attention_layernorm on the attention's output, and
@@ -253,6 +255,7 @@ class CpuPlan:
                 norm_weight(layer.post_attention_layernorm) if sandwich else _NO_NORM,
                 norm_weight(layer.post_feedforward_layernorm) if sandwich else _NO_NORM,
                 rotary.cos_cache, rotary.sin_cache, a.logit_softcap, experts,
+                None if a.sinks is None else a.sinks.detach().float().contiguous(),
             ))
         # A Q8_0 embedding's rows come from q8_embed (the same bits as embed_rows).
         self.embed_q8 = q8_0_of(embed)
@@ -274,7 +277,7 @@ class CpuPlan:
                 sliding_window=lay.sliding_window or 0, scale=lay.scale, attn_out_norm=lay.attn_out_norm,
                 mlp_out_norm=lay.mlp_out_norm, cos=_NO_NORM if lay.cos is self.rotary.cos_cache else lay.cos,
                 sin=_NO_NORM if lay.sin is self.rotary.sin_cache else lay.sin,
-                logit_softcap=lay.logit_softcap or 0.0, **_mlp_weights(lay),
+                logit_softcap=lay.logit_softcap or 0.0, sinks=lay.sinks, **_mlp_weights(lay),
             ) for lay in self.layers],
             final_norm=self.final_norm, eps=self.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -478,10 +481,10 @@ class CpuPlan:
             with record_function("tokenmill::attention") if profiling else nullcontext():
                 if call is not None:
                     out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window,
-                                             layer.logit_softcap, group)
+                                             layer.logit_softcap, group, layer.sinks)
                 else:
                     out = self.attention.attend(q, kv_cache, layer_meta, layer.scale, layer.sliding_window,
-                                                layer.logit_softcap)
+                                                layer.logit_softcap, layer.sinks)
             attn = out.reshape(n, self.q_size)
             hidden = gemm_out(attn, layer.o)
             if lora_step is not None:
@@ -547,7 +550,8 @@ def _mlp_weights(layer: _Layer) -> dict[str, Any]:
         return {"gate_up": layer.gate_up, "down": layer.down}
     ex = layer.experts
     return {"router": ex.router, "experts_gate_up": ex.gate_up, "experts_down": ex.down, "top_k": ex.top_k,
-            "norm_topk_prob": ex.norm_topk_prob}
+            "norm_topk_prob": ex.norm_topk_prob, "topk_then_softmax": ex.topk_then_softmax,
+            "swiglu_limit": ex.swiglu_limit, "swiglu_alpha": ex.swiglu_alpha}
 
 
 def threads() -> int:

@@ -49,7 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor k_norm, int64_t sliding_window, double scale, at::Tensor attn_out_norm,
                        at::Tensor mlp_out_norm, at::Tensor cos, at::Tensor sin, double logit_softcap,
                        std::optional<PackedWeight> router, std::vector<PackedWeight> experts_gate_up,
-                       std::vector<PackedWeight> experts_down, int64_t top_k, bool norm_topk_prob) {
+                       std::vector<PackedWeight> experts_down, int64_t top_k, bool norm_topk_prob,
+                       bool topk_then_softmax, double swiglu_limit, double swiglu_alpha,
+                       std::optional<at::Tensor> sinks) {
              TORCH_CHECK(logit_softcap >= 0, "LayerWeights: logit_softcap > 0, or 0 for none");
              TORCH_CHECK(cos.numel() == sin.numel(), "LayerWeights: cos and sin, both or neither");
              // The MLP: dense (gate_up, down) or sparse (router, experts), one of the two.
@@ -60,8 +62,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              LayerWeights w{norm1, qkv, o, norm2, dense ? *gate_up : PackedWeight{}, dense ? *down : PackedWeight{},
                             MoeWeights{}, q_norm, k_norm, sliding_window, scale, attn_out_norm, mlp_out_norm,
                             cos, sin, logit_softcap};
+             if (sinks.has_value() && sinks->numel()) {
+               TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1, "LayerWeights: sinks [num_heads] float32");
+               w.sinks = sinks->contiguous();
+             }
              if (sparse) {
-               w.moe = MoeWeights{*router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob};
+               w.moe = MoeWeights{*router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob,
+                                  topk_then_softmax, swiglu_limit, swiglu_alpha};
                check_moe(w.moe, norm2.numel());
              }
              return w;
@@ -72,7 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cos"), py::arg("sin"), py::arg("logit_softcap"), py::arg("router") = py::none(),
            py::arg("experts_gate_up") = std::vector<PackedWeight>{},
            py::arg("experts_down") = std::vector<PackedWeight>{}, py::arg("top_k") = 0,
-           py::arg("norm_topk_prob") = false)
+           py::arg("norm_topk_prob") = false, py::arg("topk_then_softmax") = false, py::arg("swiglu_limit") = 0.0,
+           py::arg("swiglu_alpha") = 1.702, py::arg("sinks") = py::none())
       .def_readonly("norm1", &LayerWeights::norm1)
       .def_readonly("qkv", &LayerWeights::qkv)
       .def_readonly("o", &LayerWeights::o)
@@ -134,7 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   TOKENMILL_DEF(paged_attention, py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
                 py::arg("scale"), py::arg("sliding_window"), py::arg("seq_ids"), py::arg("prefill_tiles") = false,
-                py::arg("logit_softcap") = 0.0);
+                py::arg("logit_softcap") = 0.0, py::arg("sinks") = py::none());
   TOKENMILL_DEF(rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   TOKENMILL_DEF(rope_qkv_cache, py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"),
@@ -157,11 +165,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_mlp", torch::wrap_pybind_function([](const at::Tensor& x, const PackedWeight& router,
                                                    std::vector<PackedWeight> experts_gate_up,
                                                    std::vector<PackedWeight> experts_down, int64_t top_k,
-                                                   bool norm_topk_prob) {
-          const MoeWeights w{router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob};
+                                                   bool norm_topk_prob, bool topk_then_softmax,
+                                                   double swiglu_limit, double swiglu_alpha) {
+          const MoeWeights w{router, std::move(experts_gate_up), std::move(experts_down), top_k, norm_topk_prob,
+                             topk_then_softmax, swiglu_limit, swiglu_alpha};
           return moe_mlp(x, w, KvStreams{});
         }), py::arg("x"), py::arg("router"), py::arg("experts_gate_up"), py::arg("experts_down"), py::arg("top_k"),
-        py::arg("norm_topk_prob"));
+        py::arg("norm_topk_prob"), py::arg("topk_then_softmax") = false, py::arg("swiglu_limit") = 0.0,
+        py::arg("swiglu_alpha") = 1.702);
   m.def("packed_gemm_dtypes", torch::wrap_pybind_function(packed_gemm_dtypes));
   m.def("weight_formats", torch::wrap_pybind_function(weight_formats));
   TOKENMILL_DEF(layer_loop, py::arg("model"), py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),

@@ -19,13 +19,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <omp.h>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
                         double scale, int64_t sliding_window, at::Tensor seq_ids, bool prefill_tiles,
-                        double logit_softcap);
+                        double logit_softcap, const std::optional<at::Tensor>& sinks);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -138,8 +139,8 @@ at::Tensor run_layers(const ModelWeights& s, const std::vector<at::Tensor>& kv_c
       m = out_rows->numel();
     }
     at::Tensor out = paged_attention(q, kv_caches[i], tab.select(0, group(i)), lens, w.scale, w.sliding_window, seq,
-                                     s.prefill_tiles,
-                                     w.logit_softcap);
+                                     s.prefill_tiles, w.logit_softcap,
+                                     w.sinks.numel() ? std::optional<at::Tensor>(w.sinks) : std::nullopt);
     // The next layer's K/V rows, fed by the GEMM tiles below until the end of this layer.
     const bool pf = prefetch != Prefetch::kNone && i + 1 < layers && !(out_rows && i + 2 == layers);
     KvStreams kv;

@@ -30,6 +30,7 @@ struct LayerWeights {
   at::Tensor attn_out_norm, mlp_out_norm;
   at::Tensor cos, sin;          // this layer's own rotary tables (Gemma 3's sliding layers); empty: the model's
   double logit_softcap = 0.0;   // attention scores' soft-cap (Gemma 2); 0: none
+  at::Tensor sinks;             // attention sinks [num_heads] float32 (gpt-oss); empty: none
 };
 
 enum class MlpAct : int64_t { kSilu = 0, kGeluTanh = 1 };  // the MLP's act(gate) * up

@@ -1,4 +1,4 @@
-// The mixture-of-experts MLP (Qwen3-MoE, Mixtral) in one op: the router, the
+// The mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss) in one op: the router, the
 // top-k choice, and each chosen expert's SwiGLU MLP as a grouped GEMM over the
 // rows routed to it, in any weight format (formats.h: every GEMM goes through
 // packed_gemm / packed_gemm_silu, so no format has code here).
@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <tuple>
 #include <vector>
 
 #include <omp.h>
@@ -87,9 +88,18 @@ void combine(T* out, const T* y, const T* w, const int64_t* rows, const int64_t*
 }
 
 // silu(gate) * up of x's rows on a gate_up weight: from the GEMM's tiles where gate
-// and up are whole blocks of 16 outputs (the same bits), as the dense MLP (layer_loop.cpp).
-at::Tensor swiglu(const at::Tensor& x, const PackedWeight& gate_up, const KvStreams& kv) {
-  if (gate_up.n % 32 == 0) return packed_gemm_silu(x, gate_up, kv);
+// and up are whole blocks of 16 outputs (the same bits), as the dense MLP
+// (layer_loop.cpp); gpt-oss's clamped form on torch's own elementwise kernels, in
+// the reference's order (model/llama.py LlamaMLP: its bits).
+at::Tensor swiglu(const at::Tensor& x, const PackedWeight& gate_up, const MoeWeights& w, const KvStreams& kv) {
+  if (w.swiglu_limit > 0) {
+    const at::Tensor gu = packed_gemm(x, gate_up, false, kv);
+    const int64_t inter = gate_up.n / 2;
+    const at::Tensor gate = gu.narrow(1, 0, inter).clamp_max(w.swiglu_limit);
+    const at::Tensor up = gu.narrow(1, inter, inter).clamp(-w.swiglu_limit, w.swiglu_limit);
+    return (up + 1) * (gate * at::sigmoid(gate * w.swiglu_alpha));
+  }
+  if (gate_up.n % 32 == 0 && !gate_up.bias.numel()) return packed_gemm_silu(x, gate_up, kv);
   return silu_and_mul(packed_gemm(x, gate_up, false, kv));
 }
 
@@ -123,9 +133,15 @@ at::Tensor moe_mlp(const at::Tensor& x_in, const MoeWeights& w, const KvStreams&
 
   // The routing, on torch's own kernels (softmax, topk, sum: their bits, ties as torch.topk
   // breaks them) from the rounded logits; the weights in x's dtype.
-  const at::Tensor probs = at::softmax(packed_gemm(x, w.router, false, KvStreams{}).to(at::kFloat), -1);
-  auto [chosen, chosen_ids] = at::topk(probs, k, -1, true, true);
-  if (w.norm_topk_prob) chosen = chosen / chosen.sum(-1, true);
+  const at::Tensor logits = packed_gemm(x, w.router, false, KvStreams{});
+  at::Tensor chosen, chosen_ids;
+  if (w.topk_then_softmax) {  // gpt-oss: the top k logits, softmaxed in the dtype
+    std::tie(chosen, chosen_ids) = at::topk(logits, k, -1, true, true);
+    chosen = at::softmax(chosen, -1, chosen.scalar_type());
+  } else {
+    std::tie(chosen, chosen_ids) = at::topk(at::softmax(logits.to(at::kFloat), -1), k, -1, true, true);
+    if (w.norm_topk_prob) chosen = chosen / chosen.sum(-1, true);
+  }
   const at::Tensor weights = chosen.to(x.scalar_type()).contiguous();
   const at::Tensor id_tensor = chosen_ids.to(at::kLong).contiguous();
   const int64_t* ids = id_tensor.data_ptr<int64_t>();
@@ -152,7 +168,7 @@ at::Tensor moe_mlp(const at::Tensor& x_in, const MoeWeights& w, const KvStreams&
     const int64_t n = first[e + 1] - first[e];
     int64_t* r = rows.data() + first[e];
     const at::Tensor xe = n == T ? x : x.index_select(0, at::from_blob(r, {n}, at::kLong));  // (all: rows 0..T-1)
-    ys[e] = packed_gemm(swiglu(xe, w.gate_up[e], streams), w.down[e], false, streams).contiguous();
+    ys[e] = packed_gemm(swiglu(xe, w.gate_up[e], w, streams), w.down[e], false, streams).contiguous();
   };
   const int threads = omp_get_max_threads();
   if (threads > 1 && static_cast<int64_t>(hit.size()) >= 2 * threads) {

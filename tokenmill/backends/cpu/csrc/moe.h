@@ -10,14 +10,20 @@
 #include <cstdint>
 #include <vector>
 
-// A sparse MLP (Qwen3-MoE, Mixtral): the router [experts, hidden] and each
-// expert's gate_up ([gate; up] rows, no bias) and down, any formats (formats.h).
-// No experts: the layer's MLP is dense.
+// A sparse MLP (Qwen3-MoE, Mixtral, gpt-oss): the router [experts, hidden] and
+// each expert's gate_up ([gate; up] rows) and down, any formats (formats.h),
+// with their biases where the checkpoint has them (gpt-oss). No experts: the
+// layer's MLP is dense.
 struct MoeWeights {
   PackedWeight router;
   std::vector<PackedWeight> gate_up, down;
   int64_t top_k = 0;
   bool norm_topk_prob = false;  // the chosen experts' weights renormalised to sum to 1
+  // gpt-oss: the top k logits softmaxed in the dtype (not the top k of the softmax), and
+  // the clamped SwiGLU (up + 1) * g * sigmoid(alpha g), g = min(gate, limit), up in
+  // [-limit, limit]; swiglu_limit 0: silu(gate) * up.
+  bool topk_then_softmax = false;
+  double swiglu_limit = 0.0, swiglu_alpha = 1.702;
   bool has_experts() const { return !gate_up.empty(); }
 };
 

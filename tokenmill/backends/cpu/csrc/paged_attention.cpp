@@ -13,7 +13,11 @@
 //
 // Scores, softmax and the weighted sum are accumulated in float32. A
 // logit_softcap c > 0 (Gemma 2) maps each scaled score s to c * tanh(s / c)
-// before the softmax, in float32, as the torch reference does.
+// before the softmax, in float32, as the torch reference does. sinks
+// [num_heads] float32 (gpt-oss; empty: none): a logit per head in the
+// softmax's max and sum, with no value (its probability is dropped), as the
+// torch reference's (model/attention.py _softmax). With sinks the prefill
+// tiles and the AVX2 kernels stand aside (the decode kernels, the scalar one).
 //
 // Every query sums the same way whichever step or chunk it comes in (batch
 // invariance), except one opt-out: with prefill_tiles, in bfloat16 on
@@ -35,6 +39,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include <omp.h>
@@ -46,6 +51,19 @@
 // Gemma 2's logit soft-cap on n scaled scores in place: s = cap * tanh(s / cap),
 // in float32, before the softmax (HF's order); cap 0: none (fused_ops.cpp).
 void softcap_scores(float* s, int64_t n, float cap);
+
+// What the softmax adds to the scores: the soft-cap (0: none) and the sinks (null: none).
+struct ScoreMods {
+  float softcap;
+  const float* sinks;
+};
+
+// The softmax's sum (of exp(s - m), m the scores' max) with head's sink taken
+// in: exp(s - m) / (sum + exp(sink - m)) is the softmax over the scores and the
+// sink, the sink's own share dropped.
+static inline float with_sink(const ScoreMods& mods, int64_t head, float m, float sum) {
+  return mods.sinks ? sum + std::exp(mods.sinks[head] - m) : sum;
+}
 
 static inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -72,7 +90,7 @@ static inline void axpy(float alpha, const float* __restrict x, float* __restric
 template <typename scalar_t>
 static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out) {
+                              double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out) {
   const int64_t num_decodes = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -112,14 +130,14 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
         scores[head * n + (t - first)] =
             dot(&qf[head * head_dim], &row[(head / group) * head_dim], head_dim);
     }
-    softcap_scores(scores.data(), num_heads * n, softcap);
+    softcap_scores(scores.data(), num_heads * n, mods.softcap);
     for (int64_t head = 0; head < num_heads; ++head) {  // softmax, in float32
       float* sh = &scores[head * n];
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
       float sum = 0.f;
       for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - m); sum += sh[i]; }
-      const float inv = 1.f / sum;
+      const float inv = 1.f / with_sink(mods, head, m, sum);
       for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
     }
     for (int64_t t = first; t < seq_len; ++t) {  // acc[head] += p[head][t] * v[t]
@@ -146,7 +164,7 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
 template <typename scalar_t, int C>  // C = head_dim / 16
 static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out) {
+                                double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out) {
   constexpr int64_t head_dim = 16 * C;
   const int64_t num_decodes = q.size(0), num_heads = q.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -205,19 +223,20 @@ static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cac
           }
           _mm512_storeu_ps(s + t0, hsum16(acc));
         }
-        softcap_scores(s, n, softcap);
+        softcap_scores(s, n, mods.softcap);
         // Softmax (in float32): padding lanes get -inf, so exp gives 0.
         for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
         __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        const float mx = _mm512_reduce_max_ps(vmax);
+        const __m512 m = _mm512_set1_ps(mx);
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t i = 0; i < n_pad; i += 16) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
           _mm512_storeu_ps(s + i, e);
           vsum = _mm512_add_ps(vsum, e);
         }
-        const float inv = 1.f / _mm512_reduce_add_ps(vsum);
+        const float inv = 1.f / with_sink(mods, head, mx, _mm512_reduce_add_ps(vsum));
         // out = sum_t p_t v_t / sum, accumulators in registers.
         __m512 o[C];
         for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
@@ -472,7 +491,7 @@ static inline void group_values(int gc, const at::BFloat16* const* rows, int64_t
 template <int C>  // C = head_dim / 16, even
 static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out,
+                                    double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out,
                                     bool prefill_tiles) {
   using scalar_t = at::BFloat16;
   constexpr int64_t head_dim = 16 * C;
@@ -510,7 +529,7 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
     return seq[b] == seq[b - 1] && lens[b] == lens[b - 1] + 1;
   };
   auto in_chunk = [&](int64_t b) {
-    if (!prefill_tiles || !seq || sliding_window > 0) return false;
+    if (!prefill_tiles || !seq || sliding_window > 0 || mods.sinks) return false;
     return (b > 0 && follows(b)) || (b + 1 < num_decodes && follows(b + 1));
   };
   // rows[t - first] = K row of context token t, for t in [first, last): a division per block, not per token.
@@ -580,7 +599,7 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
         fill_rows(bt + seq[b] * max_blocks, 0, n, rows);
         for (int64_t t = n; t < n_rows; ++t) rows[t] = rows[n - 1];
         prefill_tile_bf16<C>(q_ptr, q_row, b, e - b, lens, rows.data(), kv_stride, num_heads, num_kv_heads,
-                             vscale, softcap, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
+                             vscale, mods.softcap, ilo, ihi, out_ptr, qt, tile_scores, tile_probs, vbuf);
         pf_table = nullptr;  // the next query prefetches for itself
         b = e - 1;
         continue;
@@ -627,18 +646,19 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
         }
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * n_pad;
-          softcap_scores(s, n, softcap);
+          softcap_scores(s, n, mods.softcap);
           for (int64_t i = n; i < n_pad; ++i) s[i] = -std::numeric_limits<float>::infinity();
           __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (int64_t i = 0; i < n_pad; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+          const float mx = _mm512_reduce_max_ps(vmax);
+          const __m512 m = _mm512_set1_ps(mx);
           __m512 vsum = _mm512_setzero_ps();
           for (int64_t i = 0; i < n_pad; i += 16) {
             const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
             _mm512_storeu_ps(s + i, e);
             vsum = _mm512_add_ps(vsum, e);
           }
-          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+          const __m512 inv = _mm512_set1_ps(1.f / with_sink(mods, kvh * group + g, mx, _mm512_reduce_add_ps(vsum)));
           uint16_t* pg = probs.data() + g * n_pad;
           for (int64_t i = 0; i < n_pad; i += 16)  // normalised, then rounded to bf16
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + i),
@@ -659,25 +679,25 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out,
+                              double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out,
                               [[maybe_unused]] bool prefill_tiles) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     switch (q.size(2)) {
-      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
-      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
-      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
-      case 256: paged_attention_avx512bf16<16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles); return true;
+      case 32: paged_attention_avx512bf16<2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out, prefill_tiles); return true;
+      case 64: paged_attention_avx512bf16<4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out, prefill_tiles); return true;
+      case 128: paged_attention_avx512bf16<8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out, prefill_tiles); return true;
+      case 256: paged_attention_avx512bf16<16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out, prefill_tiles); return true;
       default: break;
     }
   }
 #endif
   switch (q.size(2)) {
-    case 16: paged_attention_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
-    case 32: paged_attention_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
-    case 64: paged_attention_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
-    case 128: paged_attention_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
-    case 256: paged_attention_avx512<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
+    case 16: paged_attention_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 32: paged_attention_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 64: paged_attention_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 128: paged_attention_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 256: paged_attention_avx512<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
     default: return false;
   }
 }
@@ -949,8 +969,10 @@ static void paged_attention_avx2(const at::Tensor& q, const at::Tensor& kv_cache
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, int64_t sliding_window, float softcap, const at::Tensor& seq_ids, at::Tensor& out,
+                              double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out,
                               bool) {
+  if (mods.sinks) return false;  // (the scalar kernel takes sinks)
+  const float softcap = mods.softcap;
   switch (q.size(2)) {
     case 32: paged_attention_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
     case 64: paged_attention_avx2<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
@@ -962,17 +984,22 @@ static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache
 #else
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double, int64_t, float, const at::Tensor&, at::Tensor&, bool) {
+                              const at::Tensor&, double, int64_t, ScoreMods, const at::Tensor&, at::Tensor&, bool) {
   return false;
 }
 #endif
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t sliding_window,
-                        at::Tensor seq_ids, bool prefill_tiles, double logit_softcap) {
+                        at::Tensor seq_ids, bool prefill_tiles, double logit_softcap,
+                        const std::optional<at::Tensor>& sinks) {
   NoGil no_gil;
   TORCH_CHECK(logit_softcap >= 0, "paged_attention: logit_softcap > 0, or 0 for none");
-  const float softcap = static_cast<float>(logit_softcap);
+  const bool has_sinks = sinks.has_value() && sinks->numel();
+  TORCH_CHECK(!has_sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                             sinks->numel() == q.size(1)),
+              "paged_attention: sinks [num_heads] float32 contiguous, or none");
+  const ScoreMods mods{static_cast<float>(logit_softcap), has_sinks ? sinks->data_ptr<float>() : nullptr};
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
@@ -994,12 +1021,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_t
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out, prefill_tiles))
-      paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out);
+    if (!paged_attention_fast<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out, prefill_tiles))
+      paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out,
+    if (!paged_attention_fast<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out,
                                              prefill_tiles))
-      paged_attention_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out);
+      paged_attention_impl<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
