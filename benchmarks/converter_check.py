@@ -9,13 +9,16 @@ equal transformers' on the directory, logprobs within 1e-4. The cases: Phi-3 (a
 sliding window of 16), Phi-4-mini (3/4 of each head rotated, LongRoPE within its
 original context of 96, a tied head), Qwen3-MoE (8 experts, top 2, q/k norms;
 llama.cpp's graph renormalises the top k, so the model does too), Mixtral
-(4 experts, top 2; a `llama` file with Q/K rows permuted) and Gemma 3 (windows,
-a second RoPE base, q/k norms, its norms written as 1 + w).
+(4 experts, top 2; a `llama` file with Q/K rows permuted), Gemma 3 (windows,
+a second RoPE base, q/k norms, its norms written as 1 + w), Gemma 2 (windows
+on every other layer, the attention and final soft-caps) and gpt-oss (sinks,
+windows, YaRN, biased experts stacked into ffn_*_exps); plain Llama as the base case.
 
     flock /tmp/tokenmill-heavy.lock .venv/bin/python benchmarks/converter_check.py [--llama-cpp DEST] [CASE ...]
 
 The converter needs a known tokenizer: the default model's (SmolLM2's byte-level BPE,
-llama.cpp's "smollm"), so the tiny models have its vocabulary. Exit status 1 on a mismatch.
+llama.cpp's "smollm"), so the tiny models have its vocabulary; Gemma 2's reads only a
+SentencePiece model, which the case trains (384 pieces). Exit status 1 on a mismatch.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tokenmill.model.source import resolve_model_source
 
 # case -> (transformers config class, its fields beyond the common ones)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
     "phi3": ("Phi3Config", {"sliding_window": 16}),
     "phi4-mini": ("Phi3Config", {
         "tie_word_embeddings": True, "original_max_position_embeddings": 96,
@@ -55,27 +59,66 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # layers here), the query scale the head size's; norms stored as 1 + w.
     "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 32,
                                     "sliding_window": 16}),
+    # Gemma 2 (every other layer a window, both soft-caps): its converter reads only a
+    # SentencePiece tokenizer.model, so this case trains one (SPM_VOCAB pieces).
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16,
+                                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # gpt-oss: sinks, a window on every other layer, YaRN, biased experts (bf16 here: the
+    # converter writes them as they are; MXFP4 checkpoints it passes through as MXFP4).
+    "gpt-oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "intermediate_size": 32, "sliding_window": 8,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False,
+                                                     "original_max_position_embeddings": 128,
+                                                     "rope_theta": 150000.0}}),
 }
+SPM_CASES = {"gemma2"}
+SPM_VOCAB = 384
 
 
-def write_directory(case: str, directory: Path, tokenizer_gguf: str) -> Any:
-    save_gguf_tokenizer(tokenizer_gguf, directory)
-    tok = transformers.AutoTokenizer.from_pretrained(directory)
-    config_path = directory / "tokenizer_config.json"  # (Phi3MiniModel.set_vocab reads its class)
-    tok_config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**tok_config, "tokenizer_class": "GPT2Tokenizer"}, indent=2))
+def train_spm(directory: Path, converter_env: dict[str, str]) -> None:
+    """A SentencePiece tokenizer.model of SPM_VOCAB pieces (Gemma's special ids: pad 0,
+    eos 1, bos 2, unk 3; byte fallback), trained on generated text with the
+    converter's own sentencepiece (its deps' directory)."""
+    rng = np.random.default_rng(3)
+    words = ["the", "model", "token", "cache", "block", "window", "layer", "expert", "über", "数据", "42", "def"]
+    lines = [" ".join(rng.choice(words, size=12)) + f" {rng.integers(0, 10**6)}" for _ in range(4000)]
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(lines), encoding="utf-8")
+    code = ("import sentencepiece as spm; spm.SentencePieceTrainer.train("
+            f"input={str(corpus)!r}, model_prefix={str(directory / 'tokenizer')!r}, vocab_size={SPM_VOCAB}, "
+            "model_type='bpe', byte_fallback=True, character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, "
+            "unk_id=3, minloglevel=2)")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **converter_env})
+    corpus.unlink()
+    (directory / "tokenizer.vocab").unlink()
+
+
+def write_directory(case: str, directory: Path, tokenizer_gguf: str, converter_env: dict[str, str]) -> Any:
+    if case in SPM_CASES:
+        train_spm(directory, converter_env)
+        vocab, bos, eos = SPM_VOCAB, 2, 1
+    else:
+        save_gguf_tokenizer(tokenizer_gguf, directory)
+        tok = transformers.AutoTokenizer.from_pretrained(directory)
+        config_path = directory / "tokenizer_config.json"  # (Phi3MiniModel.set_vocab reads its class)
+        tok_config = json.loads(config_path.read_text())
+        config_path.write_text(json.dumps({**tok_config, "tokenizer_class": "GPT2Tokenizer"}, indent=2))
+        vocab, bos, eos = len(tok), tok.bos_token_id, tok.eos_token_id
     config_class, fields = CASES[case]
     config = getattr(transformers, config_class)(**{
-        "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "initializer_range": 0.1, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "initializer_range": 0.1, "bos_token_id": bos, "eos_token_id": eos,
         "pad_token_id": 0, **fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms spread, so a swapped or lost one shows
+    with torch.no_grad():  # norms spread, so a swapped or lost one shows; sinks and biases too
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.3)
+            if name.endswith(("sinks", "bias")):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 
@@ -119,7 +162,7 @@ def main() -> int:
         for case in args.cases or CASES:
             directory = Path(tmp) / case
             directory.mkdir()
-            model = write_directory(case, directory, resolve_model_source(None).path)
+            model = write_directory(case, directory, resolve_model_source(None).path, llama_cpp.converter_env())
             out = Path(tmp) / f"{case}.gguf"
             subprocess.run([sys.executable, str(llama_cpp.converter), str(directory), "--outfile", str(out),
                             "--outtype", "f32"], check=True, env={**os.environ, **llama_cpp.converter_env()},
