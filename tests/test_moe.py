@@ -22,10 +22,12 @@ import transformers
 from tests.hf_models import (
     COMMON,
     TEST_DEVICE,
+    VOCAB_SIZE,
     build_hf_model,
     finish_gguf,
     gguf_tensors,
     gguf_writer,
+    hf_greedy,
     save_hf_model,
 )
 from tests.test_quantization_kquants import _random_blocks
@@ -174,3 +176,52 @@ def test_tensor_parallel_and_lora_refuse_experts(tmp_path: Path) -> None:
         ShardLayout.of(spec, 0, 2)
     with pytest.raises(ValueError, match="LoRA adapters are not supported on MixtralForCausalLM"):
         LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16, enable_lora=True)
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> MXFP4 blocks [..., K / 32, 16] and E8M0 scales [..., K / 32], as OpenAI
+    ships gpt-oss's experts: each 32 values a shared power of two (the smallest that
+    fits their largest magnitude in E2M1's 6), each value its nearest E2M1 code."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-100) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones(()), exponent.int()).unsqueeze(-1)
+    magnitude = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    """OpenAI's checkpoint layout: each layer's experts as MXFP4 `*_blocks` / `*_scales`
+    ([E, out, in / 32, 16] and [E, out, in / 32]); tokenmill dequantizes them at load.
+    The oracle: transformers' own MXFP4 conversion put into the float model."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = build_hf_model("gpt-oss")
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                continue
+            blocks, scales = _mxfp4(param.transpose(1, 2))  # [E, in, out] -> [E, out, in] rows
+            param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            del tensors[name]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    model.config.save_pretrained(tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[(i * 7 + j * 3) % (VOCAB_SIZE - 3) + 3 for j in range(5 + 9 * i)] for i in range(4)]
+    llm = LLM(str(tmp_path), dtype="float32", device=TEST_DEVICE, skip_tokenizer_init=True, num_kv_blocks=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, logprobs = hf_greedy(model, prompt, 10)
+        assert out.outputs[0].token_ids == tokens
+        ours = [e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        np.testing.assert_allclose(ours, logprobs, atol=1e-4)
+    # Half a pair is refused, naming the missing half.
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="down_proj_scales is missing"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="float32"), resolve_model_source(str(tmp_path)))

@@ -16,7 +16,11 @@ hold them in three shapes:
   into a tensor per expert, each a slice of the stacked one read once;
 - gpt-oss's: the router `mlp.router` (renamed `mlp.gate`), and its experts
   stacked transposed, [E, in, out], with biases, gate and up interleaved
-  (`gate_up_proj` [E, H, 2I]: gate in the even columns, up in the odd).
+  (`gate_up_proj` [E, H, 2I]: gate in the even columns, up in the odd); or, as
+  OpenAI ships it, in MXFP4 (`gate_up_proj_blocks` [E, 2I, H / 32, 16] bytes of
+  two 4-bit E2M1 values, the low nibble first, and `gate_up_proj_scales`
+  [E, 2I, H / 32], an E8M0 exponent per 32 values), dequantized here to the
+  stacked float layout (exact: every value is a small float times a power of 2).
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ _STACKED = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight|\.bias)?$")
 _GPT_OSS_ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp\.)router\.(weight|bias)$")
 _GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
+_GPT_OSS_MXFP4 = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+# E2M1: the 16 values of a 4-bit MXFP4 code (sign, 2 exponent bits, 1 mantissa bit).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 [..., G, 16] bytes and [..., G] E8M0 exponents -> float32 [..., G * 32]:
+    value 2k of a block is byte k's low nibble, 2k + 1 its high one, each times 2^(scale - 127)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise WeightLoadError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
+                              "(blocks [..., G, 16], scales [..., G])")
+    table = torch.tensor(_E2M1, dtype=torch.float32)
+    codes = blocks.to(torch.uint8)
+    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1).flatten(-2)
+    return torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127).flatten(-2)
 
 
 def stacked_shape(name: str, spec: ModelSpec) -> tuple[int, ...] | None:
@@ -56,7 +75,12 @@ def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str,
     names renamed and stacked experts split into one tensor per expert."""
     out: dict[str, Callable[[], Any]] = {}
     kinds: dict[str, str] = {}
+    mxfp4: dict[str, dict[str, Callable[[], Any]]] = {}  # a gpt-oss projection -> its blocks' and scales' loaders
     for name, load in tensors.items():
+        packed = _GPT_OSS_MXFP4.match(name) if spec.moe_bias else None
+        if packed is not None:
+            mxfp4.setdefault(packed.group(1), {})[packed.group(2)] = load
+            continue
         mixtral = _MIXTRAL.match(name)
         stacked = _STACKED.match(name)
         if spec.moe_bias and (_GPT_OSS_ROUTER.match(name) or _GPT_OSS_EXPERTS.match(name)):
@@ -87,7 +111,19 @@ def expert_names(tensors: Mapping[str, Callable[[], Any]], storage: Mapping[str,
             out[name] = load
             if name in storage:
                 kinds[name] = storage[name]
+    for proj, halves in mxfp4.items():
+        if set(halves) != {"blocks", "scales"}:
+            raise WeightLoadError(f"{proj}_{'scales' if 'blocks' in halves else 'blocks'} is missing: an MXFP4 "
+                                  "tensor needs its blocks and its scales")
+        out.update(_gpt_oss_names(proj, _dequantized(halves["blocks"], halves["scales"]), spec))
     return out, kinds
+
+
+def _dequantized(blocks: Callable[[], Any], scales: Callable[[], Any]) -> Callable[[], torch.Tensor]:
+    """A loader of an MXFP4 projection [E, out, in] as gpt-oss's float layout [E, in, out]."""
+    def load() -> torch.Tensor:
+        return mxfp4_dequantize(torch.as_tensor(blocks()), torch.as_tensor(scales())).transpose(1, 2)
+    return load
 
 
 def _gpt_oss_names(name: str, load: Callable[[], Any], spec: ModelSpec) -> dict[str, Callable[[], Any]]:
