@@ -243,13 +243,6 @@ ARCHS = ["llama", "llama3_tied", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"
          "qwen3_moe", "mixtral", "gpt_oss"]
 
 
-def _plan_layer(spec: ModelSpec) -> bool:
-    """Whether the CPU plan serves this model's layer: every family's, gpt-oss's
-    too (its sinks in the attention kernel, its biased experts and clamped
-    SwiGLU in moe_mlp)."""
-    return spec.num_layers > 0
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny_pair(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -395,7 +388,8 @@ def test_cpu_plan_matches_the_reference(
     _, _, spec, path = tiny_pair
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
-    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == (_kernels_run(dtype) and _plan_layer(spec))
+    # (every family's layer: gpt-oss's sinks in the attention kernel, its experts in moe_mlp)
+    assert (unsupported(model, getattr(torch, dtype), CpuBackendOptions()) is None) == _kernels_run(dtype)
     picked = CpuPlan.build(model, getattr(torch, dtype), CpuBackendOptions())
     if not isinstance(picked, CpuPlan):
         pytest.skip("the CPU plan does not serve this model here (the reference does)")
@@ -429,7 +423,7 @@ def test_the_runners_plan_holds_the_only_copy_of_each_weight(
     released, _ = load_model(ModelConfig(model=str(path), dtype=dtype), source)
     params = sum(p.numel() for p in released.parameters())
     reference = CpuPlan.build(kept, getattr(torch, dtype), CpuBackendOptions())
-    if reference is None or not _plan_layer(spec):
+    if reference is None:
         pytest.skip("the CPU plan does not serve this model here")
     picked = pick_forward(released, getattr(torch, dtype), torch.device("cpu"), CpuBackendOptions())[0]
     assert isinstance(picked, CpuPlan)
@@ -459,7 +453,7 @@ def test_split_layer_stack_gives_the_same_bits(
     return exactly what the one-thread-team layer loop returns; steps with
     prefills keep the layer loop (see dispatch.split_bounds)."""
     _, _, spec, path = tiny_pair
-    if not _kernels_run(dtype) or not _plan_layer(spec):
+    if not _kernels_run(dtype):
         pytest.skip("the C++ kernels' layer loop does not apply")
     source = ModelSource(kind="hf", path=str(path), name=path.name)
     model, spec = load_model(ModelConfig(model=str(path), dtype=dtype), source)
@@ -560,8 +554,6 @@ def test_output_rows_give_the_same_bits_and_cache(
     model, spec = load_model(ModelConfig(model=str(tiny_path), dtype=dtype), source)
     forward: ModelForward = model
     if path != "reference":
-        if not _plan_layer(spec):
-            pytest.skip("the CPU plan does not serve this layer (gpt-oss's)")
         forward = _plan_or_skip(model, dtype)
     seqs = _seqs(spec.vocab_size)
     full, part = PagedRunner(model, spec, one_call=one_call, forward=forward), PagedRunner(
@@ -629,14 +621,12 @@ def test_runner_picks_the_cpu_plan_or_the_reference_once(
     kernels_run = _kernels_run(dtype)
     picked = runner()
     line = caplog.messages[-1]
-    if kernels_run and _plan_layer(spec):
+    if kernels_run:
         assert isinstance(picked.forward, CpuPlan)
         assert line == f"forward: CPU backend (C++ kernels, {dtype})"
     else:
         assert picked.forward is picked.model
         assert line.startswith("forward: reference torch model")
-        if kernels_run:
-            assert "attention sinks" in line
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     off = runner()
     assert off.forward is off.model
