@@ -58,11 +58,8 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def run(path: str, tp: int) -> tuple[list[Any], int]:
-    # (One block table for every layer at TP=1 too, as tensor parallelism keeps it
-    # (engine._kv_layout): the same schedule, preemptions included.)
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, check_integrity=True,
-              apply_process_settings=False, tensor_parallel_size=tp, disable_hybrid_kv_cache_manager=True,
-              **PRESSURE)
+              apply_process_settings=False, tensor_parallel_size=tp, **PRESSURE)
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
                   for n in MAX_TOKENS]

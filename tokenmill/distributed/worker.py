@@ -53,11 +53,12 @@ def serve_rank(group: RankGroup, local_rank: int) -> None:
     widths = vocab_widths(spec, group.size)
     forward, how = pick_forward(model, dtype, device, cpu_options)
     logger.info("rank %d: forward: %s", group.rank, how)
-    kind, num_blocks, block_size = group.receive()
-    assert kind == "cache", kind
+    kind, num_blocks, block_size, layer_slots = group.receive()
+    assert kind == "cache" and len(layer_slots) == model.spec.num_layers, kind
     local = model.spec
     shape = (2, num_blocks, block_size, local.num_kv_heads, local.head_dim)
-    kv_caches = [zeros(shape, dtype, device) for _ in range(local.num_layers)]
+    slots = [zeros(shape, dtype, device) for _ in range(max(layer_slots, default=-1) + 1)]
+    kv_caches = [slots[s] for s in layer_slots]  # (rank 0's layout: its layer groups)
     group.barrier()
     with torch.inference_mode():
         serve_commands(group, forward, kv_caches, widths, device)

@@ -190,7 +190,8 @@ class LLMEngine:
             # (model.spec: the shard's heads, for the KV cache; the vocabulary whole.)
             num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device, layout)
             if self.tp is not None:
-                self.tp.start(num_blocks, cache_config.block_size)
+                self.tp.start(num_blocks, cache_config.block_size,
+                              [layout.place(i)[1] for i in range(spec.num_layers)])
         # How pooling requests pool (model/pooler_config.py); none are served with
         # runner="generate", whose model directory is then not read for it.
         if spec.num_labels:
@@ -262,14 +263,14 @@ class LLMEngine:
         """The KV cache's layer groups (core/kv_layout.py): windowed layers give back
         the blocks their window has passed where the cache is paged and nothing
         else reads it whole: not with the disk tier (its files hold every layer of
-        a block), reservations or static batching (the study's baselines), tensor
-        parallelism (each rank's cache is built by its worker) or a draft model
-        (its layers read the first group's table), nor when
-        disable_hybrid_kv_cache_manager asks for one table."""
+        a block), reservations or static batching (the study's baselines) or a
+        draft model (its layers read the first group's table), nor when
+        disable_hybrid_kv_cache_manager asks for one table. Tensor-parallel
+        ranks allocate rank 0's layout (TensorParallel.start)."""
         windows = [spec.layer_window(i) for i in range(spec.num_layers)]
         cache, sched = self.cache_config, self.scheduler_config
         free = not (sched.disable_hybrid_kv_cache_manager or cache.kv_allocation != "paged"
-                    or cache.kv_offload_dir is not None or sched.policy == "static" or self.tp is not None
+                    or cache.kv_offload_dir is not None or sched.policy == "static"
                     or (self.speculative_config is not None
                         and self.speculative_config.method == "draft_model"))
         return make_kv_layout(windows, free)
