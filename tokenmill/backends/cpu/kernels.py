@@ -34,7 +34,7 @@ _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "p
                                       "layer_loop.cpp", "layer_stack.cpp", "lora_delta.cpp", "bindings.cpp")]
 _HEADERS = [_CSRC / name for name in ("cpu_vec.h", "no_gil.h", "kv_prefetch.h", "layer_stack.h",
                                       "act_quant.h", "formats.h", "block_gemm.h", "kq_formats.h", "cpu_features.h",
-                                      "distributed.h", "layer_loop.h", "moe.h")]
+                                      "distributed.h", "layer_loop.h", "moe.h", "team.h")]
 # No fused multiply-adds where the source does not ask for them: float32
 # results then round as torch's separate ops do. -fno-trapping-math (values
 # unchanged: no reassociation, no contraction) lets GCC vectorise loops with a

@@ -457,7 +457,10 @@ at::Tensor q8_embed(at::Tensor qweight, at::Tensor qscale, at::Tensor ids, bool 
   return out;
 }
 
-at::Tensor silu_and_mul(at::Tensor gate_up) {
+// act(gate) * up of each row of gate_up [..., 2 * inter] -> [..., inter], the
+// elementwise `impl(gate_up, out, rows, inter)` for the tensor's dtype.
+template <typename Impl>
+static at::Tensor gated(const at::Tensor& gate_up, Impl impl) {
   NoGil no_gil;
   check(gate_up, "gate_up");
   const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
@@ -465,10 +468,16 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   sizes.back() = inter;
   at::Tensor out = at::empty(sizes, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat)
-    silu_and_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+    impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
   else
-    silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+    impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
   return out;
+}
+
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  return gated(gate_up, [](const auto* g, auto* o, int64_t rows, int64_t inter) {
+    silu_and_mul_impl(g, o, rows, inter);
+  });
 }
 
 void softcap_scores(float* s, int64_t n, float cap) {
@@ -482,15 +491,7 @@ void softcap_scores(float* s, int64_t n, float cap) {
 void prepare_gelu_tanh() { gelu_tanh_bf16_table(); }
 
 at::Tensor gelu_tanh_and_mul(at::Tensor gate_up) {
-  NoGil no_gil;
-  check(gate_up, "gate_up");
-  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = inter;
-  at::Tensor out = at::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat)
-    gelu_tanh_and_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
-  else
-    gelu_tanh_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
-  return out;
+  return gated(gate_up, [](const auto* g, auto* o, int64_t rows, int64_t inter) {
+    gelu_tanh_and_mul_impl(g, o, rows, inter);
+  });
 }

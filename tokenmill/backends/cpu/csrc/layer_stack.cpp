@@ -32,10 +32,10 @@
 #include "layer_loop.h"
 #include "layer_stack.h"
 #include "no_gil.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <exception>
 #include <vector>
 
 #include <omp.h>
@@ -78,33 +78,18 @@ at::Tensor layer_stack(const ModelWeights& model, at::Tensor hidden, at::Tensor 
       }
     }
   }
-  std::vector<std::exception_ptr> errors(threads);
-  // Thread-local modes of the caller, for the other threads too.
-  const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
-
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num();
-    try {
-      omp_set_num_threads(1);  // the kernels' own regions run on this thread alone
-      c10::InferenceMode inference_mode(inference);
-      at::AutoGradMode grad_mode(grad);
-      const int64_t r0 = bounds[t], m = bounds[t + 1] - r0;
-      if (m > 0) {
-        const at::Tensor seq = per_query_row ? seq_ids : seq_ids.narrow(0, r0, m);
-        const at::Tensor tab = per_query_row ? tables.narrow(1, r0, m) : tables;
-        result.narrow(0, r0, m).copy_(run_layers(s, kv_caches, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
-                                                 slot_mapping.narrow(1, r0, m), seq_lens.narrow(0, r0, m),
-                                                 seq, tab, layer_groups, nullptr,
-                                                 prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
-                                                                                      : Prefetch::kNone,
-                                                 nullptr, lora.empty() || lora[t].adapters.empty() ? nullptr : &lora[t]));
-      }
-    } catch (...) {
-      errors[t] = std::current_exception();
+  on_each_thread(threads, [&](int t) {  // the kernels' own regions run on this thread alone
+    const int64_t r0 = bounds[t], m = bounds[t + 1] - r0;
+    if (m > 0) {
+      const at::Tensor seq = per_query_row ? seq_ids : seq_ids.narrow(0, r0, m);
+      const at::Tensor tab = per_query_row ? tables.narrow(1, r0, m) : tables;
+      result.narrow(0, r0, m).copy_(run_layers(s, kv_caches, hidden.narrow(0, r0, m), positions.narrow(0, r0, m),
+                                               slot_mapping.narrow(1, r0, m), seq_lens.narrow(0, r0, m),
+                                               seq, tab, layer_groups, nullptr,
+                                               prefetch_kv && m <= kPrefetchMaxRows ? Prefetch::kOwn
+                                                                                    : Prefetch::kNone,
+                                               nullptr, lora.empty() || lora[t].adapters.empty() ? nullptr : &lora[t]));
     }
-  }
-  for (const auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  });
   return result;
 }

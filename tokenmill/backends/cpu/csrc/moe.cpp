@@ -36,11 +36,11 @@
 #include "formats.h"
 #include "moe.h"
 #include "no_gil.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <tuple>
 #include <vector>
 
@@ -183,23 +183,10 @@ at::Tensor moe_mlp(const at::Tensor& x_in, const MoeWeights& w, const KvStreams&
       owner[e] = static_cast<int>(t);
       load[t] += first[e + 1] - first[e] + 16;  // (+16: an expert's weight reads, worth about 16 rows' sums)
     }
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
-    const bool inference = c10::InferenceMode::is_enabled(), grad = at::GradMode::is_enabled();
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num();
-      try {
-        omp_set_num_threads(1);  // each GEMM's own region on this thread alone
-        c10::InferenceMode inference_mode(inference);
-        at::AutoGradMode grad_mode(grad);
-        for (int64_t e : hit)
-          if (owner[e] == t) run_expert(e, KvStreams{});  // (the K/V prefetch follows a team's GEMMs only)
-      } catch (...) {
-        errors[t] = std::current_exception();
-      }
-    }
-    for (const auto& err : errors)
-      if (err) std::rethrow_exception(err);
+    on_each_thread(threads, [&](int t) {  // each GEMM's own region on this thread alone
+      for (int64_t e : hit)
+        if (owner[e] == t) run_expert(e, KvStreams{});  // (the K/V prefetch follows a team's GEMMs only)
+    });
   } else {
     for (int64_t e : hit) run_expert(e, kv);
   }
