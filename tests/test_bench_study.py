@@ -262,10 +262,18 @@ def test_predictions_are_put_at_each_run_s_speed() -> None:
 
 def test_the_speed_reference_times_the_same_batch_on_any_model(tmp_path: Path) -> None:
     from tests.hf_models import build_hf_model, save_hf_model
-    from tokenmill.bench.throughput import reference_engine, time_reference
+    from tokenmill.bench.throughput import (
+        REFERENCE_REPEATS,
+        reference_engine,
+        reference_speed,
+        time_reference,
+    )
 
     path = save_hf_model(build_hf_model("llama"), tmp_path / "llama")
     llm = reference_engine(path, "float32")
-    assert time_reference(llm) > 0
+    times = time_reference(llm)
+    assert len(times) == REFERENCE_REPEATS and min(times) > 0
     stats = llm.last_generate_stats
     assert stats.num_preemptions == 0 and stats.mean_batch_size > 8
+    # A run's speed: the median of the runs before and after it, one slow side moving it little.
+    assert reference_speed([1.0, 1.1, 1.0], [1.05, 3.0, 1.02]) == pytest.approx(1.035)

@@ -91,8 +91,11 @@ class ThroughputRow:
     # What a peer ran with that the columns do not say (environment variables,
     # scheduler limits, how peak RSS was measured); empty for tokenmill's rows.
     settings: dict[str, Any] = field(default_factory=dict)
-    # The speed reference's seconds around this run (time_reference), where timed.
+    # The speed reference's seconds around this run (reference_speed of the runs
+    # timed before and after it), where timed; and each side's median, apart.
     reference_s: float | None = None
+    reference_before_s: float | None = None
+    reference_after_s: float | None = None
 
 
 # A fixed reference timed right before and after a study run, and in the
@@ -102,7 +105,7 @@ class ThroughputRow:
 # the workload's steps have, on an engine of its own: the run's own engine
 # (static, reserved) would schedule it differently.
 REFERENCE_REQUESTS, REFERENCE_PROMPT_TOKENS, REFERENCE_OUTPUT_TOKENS = 16, 32, 32
-REFERENCE_REPEATS = 3
+REFERENCE_REPEATS = 5
 
 
 def reference_engine(model: str | None, dtype: str, quantization: str = "none") -> Any:
@@ -113,11 +116,18 @@ def reference_engine(model: str | None, dtype: str, quantization: str = "none") 
                skip_tokenizer_init=True)  # token ids in and out: any model times alike
 
 
-def time_reference(llm: Any) -> float:
-    """The median seconds of REFERENCE_REPEATS runs of the reference batch on
-    `llm` (reference_engine), after one untimed run."""
+def reference_speed(before: list[float], after: list[float]) -> float:
+    """The reference's seconds for a run or a fit: the median of every run timed
+    before and after it (one slow run on either side moves it little; the last
+    study's misses were single slow references)."""
     import statistics
 
+    return statistics.median(before + after)
+
+
+def time_reference(llm: Any) -> list[float]:
+    """The seconds of REFERENCE_REPEATS runs of the reference batch on `llm`
+    (reference_engine), after one untimed run."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=REFERENCE_OUTPUT_TOKENS, ignore_eos=True)
@@ -130,7 +140,7 @@ def time_reference(llm: Any) -> float:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times[1:]
 
 
 def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: int,
@@ -138,12 +148,12 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
             num_kv_blocks: int | None = None, reserve: str = "cap",
             reference: bool = False) -> ThroughputRow:
     """One timed run in this process (num_kv_blocks None: the engine's default pool;
-    `reference`: time_reference before and after it, the mean kept)."""
+    `reference`: time_reference before and after it, reference_speed kept)."""
     from tokenmill import LLM, SamplingParams
 
     workload: Workload = throughput_a(cap)
     ref = reference_engine(model, dtype) if reference else None
-    before = time_reference(ref) if ref is not None else 0.0
+    before = time_reference(ref) if ref is not None else []
     opts = engine_options(policy, cap, reserve)
     llm = LLM(model, dtype=dtype, quantization="none", device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks, **opts)
@@ -168,7 +178,11 @@ def run_one(model: str | None, policy: str, cap: int, dtype: str, max_num_seqs: 
     row.num_kv_blocks = num_kv_blocks
     row.kv_reserve_output_tokens = opts.get("kv_reserve_output_tokens")
     if ref is not None:
-        row.reference_s = (before + time_reference(ref)) / 2
+        import statistics
+
+        after = time_reference(ref)
+        row.reference_s = reference_speed(before, after)
+        row.reference_before_s, row.reference_after_s = statistics.median(before), statistics.median(after)
     if device != "cpu":
         import torch
 

@@ -216,7 +216,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
         shape, llm = _model_shape(args)
         if llm is None:
             raise ValueError("--base is for --from-roofline; calibrating loads the model itself")
-        from tokenmill.bench.throughput import reference_engine, time_reference
+        from tokenmill.bench.throughput import reference_engine, reference_speed, time_reference
 
         # The speed reference the study's runs time too (bench/throughput.py), around the
         # fit: where the machine's speed has moved since, the study scales by it.
@@ -235,7 +235,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
         more = run_scenarios(static, STATIC_SCENARIOS, args.rounds, uneven=True)
         shapes, seconds = shapes + more[0], seconds + more[1]
         provenance["dtype"] = args.dtype
-        provenance["reference_s"] = (before + time_reference(ref)) / 2
+        provenance["reference_s"] = reference_speed(before, time_reference(ref))
         samples = Path(args.output).with_suffix(".samples.json")
         samples.write_text(json.dumps({"model": asdict(shape), "provenance": provenance,
                                        "shapes": [asdict(s) for s in shapes],

@@ -238,10 +238,10 @@ class CpuPlan:
                 norm_weight(a.q_norm), norm_weight(a.k_norm))
             experts, gate_up, down = None, None, None
             if isinstance(mlp, SparseMoeBlock):  # (each expert packed as any projection)
-                first = _experts_of(mlp)[0]
+                expert0 = _experts_of(mlp)[0]  # (gpt-oss's SwiGLU clamp: every expert's)
                 experts = _Experts(packed(mlp.gate), [packed(e.gate_up_proj) for e in _experts_of(mlp)],
                                    [packed(e.down_proj) for e in _experts_of(mlp)], mlp.top_k, mlp.norm_topk_prob,
-                                   mlp.topk_then_softmax, first.limit or 0.0, first.alpha)
+                                   mlp.topk_then_softmax, expert0.limit or 0.0, expert0.alpha)
             else:
                 gate_up, down = packed(mlp.gate_up_proj), packed(mlp.down_proj)
             # Gemma's sandwich: post_attention_layernorm on the attention's output, and
