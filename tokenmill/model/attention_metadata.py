@@ -67,9 +67,13 @@ class AttentionMetadata:
     layer_groups: tuple[int, ...] | None = None
     _by_group: list[AttentionMetadata] = field(default_factory=list, init=False, repr=False, compare=False)
 
+    def group_of(self, layer: int) -> int:
+        """Layer `layer`'s KV group."""
+        return 0 if self.layer_groups is None else self.layer_groups[layer]
+
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` attends with: its group's tables and slots."""
-        if self.layer_groups is None or self.layer_groups[layer] == 0:
+        if self.group_of(layer) == 0:
             return self
         assert self.group_block_tables is not None and self.group_slot_mapping is not None
         if not self._by_group:
@@ -77,7 +81,7 @@ class AttentionMetadata:
                 replace(self, block_tables=tables, slot_mapping=slots, group_block_tables=None,
                         group_slot_mapping=None, layer_groups=None)
                 for tables, slots in zip(self.group_block_tables, self.group_slot_mapping, strict=True))
-        return self._by_group[self.layer_groups[layer]]
+        return self._by_group[self.group_of(layer)]
 
     def tables_by_group(self) -> torch.Tensor:
         """[G, num_reqs, max_num_blocks]: every group's block tables (G = 1: block_tables)."""

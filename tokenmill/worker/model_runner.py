@@ -170,9 +170,10 @@ class ModelRunner:
         # head_dim], and kv_caches[i] the one layer i writes (one tensor a layer: one group).
         self.layout = kv_layout or one_group(spec.num_layers)
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        slots = [] if self.encoder is not None else [zeros(shape, dtype, device)
-                                                     for _ in range(self.layout.slots)]
-        self.kv_caches = [slots[self.layout.place(i)[1]] for i in range(len(slots) and spec.num_layers)]
+        self.kv_slots = [] if self.encoder is not None else [zeros(shape, dtype, device)
+                                                             for _ in range(self.layout.slots)]
+        self.kv_caches = [] if self.encoder is not None else [
+            self.kv_slots[self.layout.place(i)[1]] for i in range(spec.num_layers)]
         self._layer_groups = (None if len(self.layout.groups) == 1 else
                               tuple(self.layout.place(i)[0] for i in range(spec.num_layers)))
         self.offloader = KVOffloader(self.kv_caches, kv_offload) if kv_offload is not None else None
@@ -194,8 +195,7 @@ class ModelRunner:
         self.pending_grammars[request_id] = RequestGrammar(compiled, reasoning_end_token_id)
 
     def kv_cache_bytes(self) -> int:
-        distinct = {t.data_ptr(): t for t in self.kv_caches}.values()
-        return sum(t.numel() * t.element_size() for t in distinct)
+        return sum(t.numel() * t.element_size() for t in self.kv_slots)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

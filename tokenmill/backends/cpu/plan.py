@@ -466,7 +466,6 @@ class CpuPlan:
             if lora_step is not None:  # (before RoPE and the cache write, as the reference adds it)
                 qkv = delta(qkv, x, i, "qkv_proj")
             layer_meta = meta.for_layer(i)  # (its KV group's slots and tables)
-            group = meta.layer_groups[i] if meta.layer_groups is not None else 0
             ops.rope_qkv_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, layer.cos,
                                layer.sin, kv_cache, layer_meta.slot_mapping, layer.q_norm, layer.k_norm, eps)
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
@@ -481,7 +480,7 @@ class CpuPlan:
             with record_function("tokenmill::attention") if profiling else nullcontext():
                 if call is not None:
                     out = self.attention.run(call, q, kv_cache, layer.scale, layer.sliding_window,
-                                             layer.logit_softcap, group, layer.sinks)
+                                             layer.logit_softcap, meta.group_of(i), layer.sinks)
                 else:
                     out = self.attention.attend(q, kv_cache, layer_meta, layer.scale, layer.sliding_window,
                                                 layer.logit_softcap, layer.sinks)
