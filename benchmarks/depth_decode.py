@@ -1,17 +1,19 @@
 """Decode at depth, as `llama-bench -d D -n 128 -p 0` measures it: a prompt of D
 random tokens (its prefill timed apart, as TTFT), then 128 tokens generated
 one stream, greedy, EOS ignored; tg = 127 / (the time from the first token to
-the last). The engine's defaults otherwise (bf16 KV, batch invariance on).
+the last). The engine's defaults otherwise (KV in the model's dtype unless
+--kv-cache-dtype says, batch invariance on).
 
-    .venv/bin/python benchmarks/depth_decode.py MODEL [DEPTH ...]   (default 4096 16384)
+    .venv/bin/python benchmarks/depth_decode.py MODEL [DEPTH ...] [--kv-cache-dtype q8_0]
+    (depths default 4096 16384; llama.cpp's peer: llama-bench -d D -n 128 -p 0 -ctk q8_0 -ctv q8_0)
 
-Prints a JSON line per depth: depth, ttft_s, tg_tok_s.
+Prints a JSON line per depth: depth, kv_cache_dtype, ttft_s, tg_tok_s.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import numpy as np
 
@@ -21,10 +23,14 @@ GENERATED = 128
 
 
 def main() -> None:
-    model = sys.argv[1]
-    depths = [int(d) for d in sys.argv[2:]] or [4096, 16384]
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("depths", nargs="*", type=int, default=[4096, 16384])
+    p.add_argument("--kv-cache-dtype", default="auto")
+    args = p.parse_args()
+    model, depths = args.model, args.depths
     llm = LLM(model, max_model_len=max(depths) + GENERATED + 16, skip_tokenizer_init=True,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
     rng = np.random.default_rng(54)
     for depth in depths:
         prompt = rng.integers(100, 49000, size=depth).tolist()
@@ -33,7 +39,7 @@ def main() -> None:
         m = out.metrics
         assert m is not None and m.first_token_time is not None and m.last_token_time is not None
         tg = (GENERATED - 1) / (m.last_token_time - m.first_token_time)
-        print(json.dumps({"model": model, "depth": depth, "ttft_s": round(m.first_token_time - m.arrival_time, 2),
+        print(json.dumps({"model": model, "depth": depth, "kv_cache_dtype": args.kv_cache_dtype, "ttft_s": round(m.first_token_time - m.arrival_time, 2),
                           "tg_tok_s": round(tg, 2)}), flush=True)
 
 

@@ -295,6 +295,26 @@ def test_encoding_round_trip_and_every_check() -> None:
     assert decode_block(flipped, fp, -5, 3, [1, 2, 3, 4], 30) is None  # corrupt
 
 
+def test_blocks_that_accepted_drafts_fill_are_written_too(tiny: dict[str, Any], tmp_path: Path) -> None:
+    """With n-gram speculation, a block completed by accepted drafts is registered
+    after the step; the next step's stores write it, so every full block of the
+    sequence (the last token's K/V is never computed) has its file, except one
+    that the final step's drafts completed (no step comes after it: at most one
+    here, 3 drafts + 1 token in blocks of 4). Without the next step's stores: 14 of 17."""
+    directory = tmp_path / "kv"
+    llm = _llm(tiny["path"], "float32", directory,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    prompt = [5, 6, 7, 8, 9] * 6
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    spec = llm.engine.stats().spec_decoding
+    assert spec is not None and spec.num_accepted_tokens > 0
+    full_blocks = (len(prompt) + len(out.outputs[0].token_ids) - 1) // BLOCK
+    assert full_blocks - 1 <= len(_block_files(directory)) <= full_blocks
+    _end_clean(llm)
+
+
 def test_bad_options_are_refused(tiny: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs prefix caching on"):
         _llm(tiny["path"], "float32", tmp_path, enable_prefix_caching=False)

@@ -28,6 +28,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # max_tokens at admission ("reserved", the systems before paging; CacheConfig).
 KV_ALLOCATIONS = ("paged", "reserved")
 
+# How the KV cache stores K and V (CacheConfig.cache_dtype, `--kv-cache-dtype`):
+# the model's dtype ("auto"), vLLM's fp8 names, or llama.cpp's q8_0 (model/kv_format.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+
 # Tokens per step: one default offline (LLM, `tokenmill generate`) and a smaller
 # one for `tokenmill serve` on the CPU (engine/arg_utils.py), as vLLM has one for
 # its LLM class and one for its server. A CPU step costs about the same per token
@@ -258,7 +262,10 @@ class CacheConfig:
     evicted from RAM (this engine's, a restarted one's, another's on the host
     naming it), at most
     `kv_offload_bytes` of files in it, least recently used removed first
-    (core/kv_disk.py)."""
+    (core/kv_disk.py).
+
+    `cache_dtype` (vLLM's; `--kv-cache-dtype`): how K and V are stored, one of
+    KV_CACHE_DTYPES; 8-bit formats hold 1.9-2x the tokens in the same memory."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -268,8 +275,11 @@ class CacheConfig:
     kv_reserve_output_tokens: int | None = None
     kv_offload_dir: str | None = None
     kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

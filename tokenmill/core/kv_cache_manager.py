@@ -156,14 +156,18 @@ class KVCacheManager:
         computed in this step, fill, where this request's block is the one the
         prefix cache holds for that content: the runner writes them to files
         once the step's forward has computed them (write-through, so that a
-        restart or another engine finds every block, those still in RAM too)."""
+        restart or another engine finds every block, those still in RAM too).
+        Blocks that the last step's accepted drafts filled (after what that
+        step offered) come too: their K/V is computed, their hash registered."""
         if self.disk is None:
             return []
         update_block_hashes(request, self.block_size)
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         blocks = self.req_to_blocks[request.request_id]
+        first = min(start, request.disk_offered_tokens)
+        request.disk_offered_tokens = start + num_tokens
         out = []
-        for i in range(start // bs, min((start + num_tokens) // bs, len(hashes), len(blocks))):
+        for i in range(first // bs, min((start + num_tokens) // bs, len(hashes), len(blocks))):
             if blocks[i].block_hash == hashes[i]:
                 out.append(KVBlockTransfer(blocks[i].block_id, hashes[i],
                                            hashes[i - 1] if i else ROOT_HASH,

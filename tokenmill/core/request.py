@@ -75,6 +75,9 @@ class Request:
     skip_disk_lookup: bool = field(default=False, init=False)
     disk_query_tokens: int = field(default=0, init=False)
     disk_hit_tokens: int = field(default=0, init=False)
+    # The tokens whose full blocks were offered to the disk tier (KVCacheManager.stores):
+    # blocks that accepted drafts filled come after it, offered at the next step.
+    disk_offered_tokens: int = field(default=0, init=False)
     # structured_outputs: False while the engine compiles the request's grammar
     # (off the step loop); the scheduler admits it only once this is True.
     grammar_ready: bool = field(default=True, init=False)

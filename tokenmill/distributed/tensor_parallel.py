@@ -100,11 +100,12 @@ class TensorParallel:
         share = default_kv_cache_bytes(self.device) // self.ranks_per_node
         return dataclasses.replace(cache_config, kv_cache_memory_bytes=share)
 
-    def start(self, num_blocks: int, block_size: int, layer_slots: list[int]) -> None:
+    def start(self, num_blocks: int, block_size: int, layer_slots: list[int], kv_cache_dtype: str) -> None:
         """The other ranks allocate their KV caches (`num_blocks` of their own
         heads: the scheduler's block ids are every rank's; layer i's K/V in
-        tensor `layer_slots[i]`, core/kv_layout.py); returns when all are ready."""
-        self.group.send(("cache", num_blocks, block_size, layer_slots))
+        tensor `layer_slots[i]`, core/kv_layout.py; stored as `kv_cache_dtype`);
+        returns when all are ready."""
+        self.group.send(("cache", num_blocks, block_size, layer_slots, kv_cache_dtype))
         self.group.barrier()
 
     def driver(self, local: ModelForward) -> ModelForward:

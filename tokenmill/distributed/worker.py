@@ -30,7 +30,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
 from tokenmill.model.parallel import ShardLayout, shard_model, vocab_widths
 from tokenmill.model.source import resolve_model_source
-from tokenmill.worker.model_runner import ModelForward, pick_forward, zeros
+from tokenmill.worker.model_runner import ModelForward, kv_cache_tensors, pick_forward
 
 logger = logging.getLogger("tokenmill")
 
@@ -53,11 +53,10 @@ def serve_rank(group: RankGroup, local_rank: int) -> None:
     widths = vocab_widths(spec, group.size)
     forward, how = pick_forward(model, dtype, device, cpu_options)
     logger.info("rank %d: forward: %s", group.rank, how)
-    kind, num_blocks, block_size, layer_slots = group.receive()
+    kind, num_blocks, block_size, layer_slots, kv_cache_dtype = group.receive()
     assert kind == "cache" and len(layer_slots) == model.spec.num_layers, kind
-    local = model.spec
-    shape = (2, num_blocks, block_size, local.num_kv_heads, local.head_dim)
-    slots = [zeros(shape, dtype, device) for _ in range(max(layer_slots, default=-1) + 1)]
+    slots = kv_cache_tensors(kv_cache_dtype, max(layer_slots, default=-1) + 1, num_blocks, block_size,
+                             model.spec, dtype, device)
     kv_caches = [slots[s] for s in layer_slots]  # (rank 0's layout: its layer groups)
     group.barrier()
     with torch.inference_mode():

@@ -18,6 +18,7 @@ from tokenmill.config import (
     DEFAULT_KV_OFFLOAD_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_ALLOCATIONS,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     RUNNERS,
     SCHEDULING_POLICIES,
@@ -54,6 +55,8 @@ class EngineArgs:
     # The prefix cache's second tier (config.CacheConfig): a directory, and its bound.
     kv_offload_dir: str | None = None
     kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
+    # vLLM's: how K and V are stored (config.KV_CACHE_DTYPES; model/kv_format.py).
+    kv_cache_dtype: str = "auto"
     scheduling_policy: str = "fcfs"
     # vLLM's: windowed layers keep every block (one block table for all layers).
     disable_hybrid_kv_cache_manager: bool = False
@@ -105,6 +108,7 @@ class EngineArgs:
                 kv_reserve_output_tokens=self.kv_reserve_output_tokens,
                 kv_offload_dir=self.kv_offload_dir,
                 kv_offload_bytes=self.kv_offload_bytes,
+                cache_dtype=self.kv_cache_dtype,
             ),
             SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -227,6 +231,11 @@ class EngineArgs:
             "--kv-offload-bytes", type=int, default=DEFAULT_KV_OFFLOAD_BYTES,
             help="the most bytes of block files in --kv-offload-dir (every engine's), least "
                  f"recently used removed first (default: {DEFAULT_KV_OFFLOAD_BYTES >> 30} GiB)")
+        parser.add_argument(
+            "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+            help="how K and V are stored: auto (the model's dtype), fp8 / fp8_e4m3 / fp8_e5m2 "
+                 "(one byte a value, unscaled, as vLLM's) or q8_0 (int8 with a float16 scale per 32 "
+                 "values, as llama.cpp's -ctk/-ctv q8_0): about twice the tokens in the same memory")
         parser.add_argument(
             "--disable-hybrid-kv-cache-manager", action="store_true",
             help="layers with a sliding window keep every block, as full-attention layers do "

@@ -573,7 +573,8 @@ class AsyncEngine:
             if scheduler_output is not None and scheduler_output.preempted_req_ids:
                 live.note_preemptions(scheduler_output.preempted_req_ids, now)
             if live.due(now):
-                live.publish(take_snapshot(self.engine.scheduler, scheduler_output, now), now)
+                live.publish(take_snapshot(self.engine.scheduler, scheduler_output, now,
+                                           self.engine.facts.cache.cache_dtype), now)
         except Exception:
             logger.exception("the live view's snapshot failed")
 

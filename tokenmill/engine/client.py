@@ -33,7 +33,7 @@ class CacheFacts:
     num_blocks: int  # found at load from the memory budget
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None  # as asked for (None: the default budget)
-    cache_dtype: str  # "bfloat16", "float32"
+    cache_dtype: str  # what the KV cache stores: "bfloat16", "float32", "q8_0", "fp8_e4m3", "fp8_e5m2"
 
 
 @dataclass(frozen=True)

@@ -162,10 +162,11 @@ class LiveView:
 
 
 def take_snapshot(
-    scheduler: Scheduler, scheduler_output: SchedulerOutput | None, now: float
+    scheduler: Scheduler, scheduler_output: SchedulerOutput | None, now: float, cache_dtype: str = ""
 ) -> dict[str, Any]:
     """The engine's state as plain data: the batch about to run (None: an idle
-    iteration), the waiting queue's head, the KV block pool. Engine thread only."""
+    iteration), the waiting queue's head, the KV block pool (and what it stores,
+    `cache_dtype`: EngineFacts.cache's). Engine thread only."""
     batch = []
     if scheduler_output is not None:
         for scheduled in scheduler_output.scheduled:
@@ -205,6 +206,7 @@ def take_snapshot(
         "kv": {
             "num_blocks": pool.num_blocks,
             "block_size": scheduler.block_size,
+            "cache_dtype": cache_dtype,
             "blocks": blocks,
         },
         "num_preemptions_total": scheduler.num_preemptions,

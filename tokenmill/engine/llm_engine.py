@@ -42,6 +42,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.parallel_sampling import fan_out
 from tokenmill.engine.structured import GrammarCompiler
 from tokenmill.model.bert import EncoderModel
+from tokenmill.model.kv_format import kv_cache_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
 from tokenmill.model.pooler_config import cross_encoder_pooler_config, read_pooler_config
@@ -191,7 +192,7 @@ class LLMEngine:
             num_blocks = num_kv_blocks(model.spec, self.dtype, cache_config, self.device, layout)
             if self.tp is not None:
                 self.tp.start(num_blocks, cache_config.block_size,
-                              [layout.place(i)[1] for i in range(spec.num_layers)])
+                              [layout.place(i)[1] for i in range(spec.num_layers)], cache_config.cache_dtype)
         # How pooling requests pool (model/pooler_config.py); none are served with
         # runner="generate", whose model directory is then not read for it.
         if spec.num_labels:
@@ -225,7 +226,7 @@ class LLMEngine:
             assert speculative_config.model is not None
             drafter = DraftModelProposer(
                 speculative_config.model, spec, num_blocks, cache_config.block_size, self.dtype,
-                self.device, self.cpu_options)
+                self.device, self.cpu_options, cache_config.cache_dtype)
         if self.lora_config is not None and spec.num_experts:
             raise ValueError(f"LoRA adapters are not supported on {spec.architecture} (a mixture of experts) "
                              "yet; drop --enable-lora")
@@ -236,6 +237,7 @@ class LLMEngine:
             kv_offload=disk,
             lora_config=self.lora_config,
             kv_layout=layout,
+            kv_cache_dtype=cache_config.cache_dtype,
         )
         num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.scheduler = make_scheduler(scheduler_config, cache_config, num_blocks, max_model_len,
@@ -329,7 +331,7 @@ class LLMEngine:
         forward = (f"{forward_kind} {self.device.type} cpp_kernels={options.cpp_kernels} "
                    f"batch_invariant={options.batch_invariant}")
         fp = fingerprint(self.source.path, spec, self.dtype, cache_config.block_size,
-                         self.model_config.quantization, forward)
+                         self.model_config.quantization, forward, cache_config.cache_dtype)
         try:
             return BlockFiles(cache_config.kv_offload_dir, fp, cache_config.kv_offload_bytes)
         except OSError as e:
@@ -359,6 +361,11 @@ class LLMEngine:
             matryoshka_dimensions=None, classifier_token_ids=(ids[0], ids[1]),
             score_template="qwen3_reranker" if overrides.get("is_original_qwen3_reranker") else None)
 
+    def _stored_kv_dtype(self, dtype: str) -> str:
+        """How the KV cache stores K/V: the model's dtype, or the 8-bit format asked."""
+        fmt = kv_cache_format(self.cache_config.cache_dtype)
+        return fmt.name if fmt.quantized else dtype
+
     def _facts(self, num_blocks: int) -> EngineFacts:
         """What a front end may know (engine/client.py), fixed from here on."""
         dtype = str(self.dtype).removeprefix("torch.")
@@ -374,7 +381,7 @@ class LLMEngine:
                 num_blocks=num_blocks,
                 enable_prefix_caching=self.cache_config.enable_prefix_caching,
                 kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
-                cache_dtype=dtype,
+                cache_dtype=self._stored_kv_dtype(dtype),
             ),
             tensor_parallel_ranks=self.tp.rank_locations() if self.tp is not None else (),
             runner=self.serves,

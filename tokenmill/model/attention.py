@@ -4,6 +4,9 @@ The KV cache of one layer is a single tensor
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0: K, 1: V)
 
+(in the model's dtype; an 8-bit cache, `--kv-cache-dtype`, stores each head's
+values in the entry model/kv_format.py describes, and is read in float32)
+
 and a request's context lives in the blocks its block table lists, in order:
 
     block_table = [7, 2, 5], block_size = 4, seq_len = 10
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.kv_format import gather, values, write_entries
 
 
 class AttentionBackend(Protocol):
@@ -66,11 +70,10 @@ class AttentionBackend(Protocol):
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store k, v: [num_tokens, num_kv_heads, head_dim] at their cache slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kv_heads, head_dim]
-    flat_cache[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat_cache[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    """Store k, v: [num_tokens, num_kv_heads, head_dim] at their cache slots (in the cache's format)."""
+    flat_cache = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, entry]
+    write_entries(flat_cache[0], slot_mapping, k)
+    write_entries(flat_cache[1], slot_mapping, v)
 
 
 class TorchAttentionBackend:
@@ -183,8 +186,9 @@ class TorchAttentionBackend:
         num_ctx_blocks = -(-meta.max_decode_seq_len // meta.block_size)
         block_tables = meta.block_tables[:num_decodes, :num_ctx_blocks]  # [B, nb]
         # [2, B, nb, block_size, kv_heads, head_dim] -> [2, B, kv_heads, L, head_dim]
-        kv = kv_cache[:, block_tables].flatten(2, 3).transpose(2, 3)
-        key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
+        kv = values(gather(kv_cache, block_tables), q.dtype).flatten(2, 3).transpose(2, 3)
+        key, value = kv[0], kv[1]
+        out_dtype, q = q.dtype, q.to(key.dtype)  # (an 8-bit cache: float32)
         ctx_len = key.shape[2]  # L = nb * block_size >= every decode's seq_len
 
         # GQA without repeating K/V: the `group` query heads that share a KV head
@@ -203,7 +207,7 @@ class TorchAttentionBackend:
         sink = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1)
         probs = _softmax(scores, sink).to(value.dtype)
         out = torch.matmul(probs, value)  # [B, kv_heads, group, head_dim]
-        return out.reshape(num_decodes, num_heads, head_dim)
+        return out.reshape(num_decodes, num_heads, head_dim).to(out_dtype)
 
     def _prefill(
         self,
@@ -219,8 +223,9 @@ class TorchAttentionBackend:
         q_len = q.shape[0]
         num_blocks = -(-seq_len // kv_cache.shape[2])
         # [2, nb, block_size, kv_heads, head_dim] -> [2, kv_heads, seq_len, head_dim]
-        kv = kv_cache[:, block_table[:num_blocks]].flatten(1, 2)[:, :seq_len].transpose(1, 2)
-        key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
+        kv = values(gather(kv_cache, block_table[:num_blocks]), q.dtype).flatten(1, 2)[:, :seq_len].transpose(1, 2)
+        key, value = kv[0], kv[1]
+        out_dtype, q = q.dtype, q.to(key.dtype)  # (an 8-bit cache: float32)
 
         # The queries are the last q_len tokens of the context: query i sits at
         # position seq_len - q_len + i and sees keys up to that position.
@@ -243,7 +248,7 @@ class TorchAttentionBackend:
             sink = None if sinks is None else sinks.float().view(key.shape[0], group, 1, 1)
             probs = _softmax(scores, sink).to(value.dtype)
             out_g = torch.matmul(probs, value[:, None])  # [kv_heads, group, q_len, hd]
-            return out_g.reshape(q.shape[1], q_len, -1).transpose(0, 1)
+            return out_g.reshape(q.shape[1], q_len, -1).transpose(0, 1).to(out_dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
             key[None],  # [1, kv_heads, seq_len, head_dim]
@@ -253,7 +258,7 @@ class TorchAttentionBackend:
             scale=scale,
             enable_gqa=True,
         )
-        return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
+        return out[0].transpose(0, 1).to(out_dtype)  # [q_len, num_heads, head_dim]
 
 
 

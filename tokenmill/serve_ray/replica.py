@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncGenerator
@@ -114,6 +115,8 @@ class EngineReplica:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
+            # The disk tier's counters (queries, hits, the transfers), None without --kv-offload-dir.
+            "kv_offload": None if stats.kv_offload is None else dataclasses.asdict(stats.kv_offload),
             "tensor_parallel_ranks": self.tensor_parallel_ranks(),
         }
 

@@ -32,7 +32,8 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 class DraftModelProposer:
     def __init__(self, model: str, target_spec: ModelSpec, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, cpu_options: CpuBackendOptions) -> None:
+                 dtype: torch.dtype, device: torch.device, cpu_options: CpuBackendOptions,
+                 kv_cache_dtype: str = "auto") -> None:
         name = str(dtype).removeprefix("torch.")
         config = ModelConfig(model=model, dtype=name, device=device.type)
         draft, spec = load_model(config, resolve_model_source(model))
@@ -43,7 +44,8 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model has a vocabulary of {spec.vocab_size} "
                              f"tokens, the target {target_spec.vocab_size}; the draft must share "
                              "the target's tokenizer")
-        self.runner = ModelRunner(draft, spec, num_blocks, block_size, dtype, device, cpu_options)
+        self.runner = ModelRunner(draft, spec, num_blocks, block_size, dtype, device, cpu_options,
+                                  kv_cache_dtype=kv_cache_dtype)
         # Per request: the tokens whose K/V the draft's pool holds, positions 0.. in order.
         self.written: dict[str, list[int]] = {}
 

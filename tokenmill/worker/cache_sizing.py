@@ -6,6 +6,7 @@ import torch
 
 from tokenmill.config import CacheConfig, ModelSpec
 from tokenmill.core.kv_layout import KVLayout
+from tokenmill.model.kv_format import kv_cache_format
 
 # vLLM's CPU backend defaults to 4 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); so do we,
 # unless free memory is scarcer.
@@ -36,19 +37,21 @@ def default_kv_cache_bytes(device: torch.device) -> int:
     return min(DEFAULT_CPU_KV_BYTES, int(available * CPU_FREE_MEMORY_SHARE))
 
 
-def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, layout: KVLayout | None = None) -> int:
+def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, layout: KVLayout | None = None,
+                    cache_dtype: str = "auto") -> int:
     """A block's bytes: block_size tokens of K/V in every layer, or in each slot of
-    `layout` (core/kv_layout.py: a block holds one layer group)."""
-    element_bytes = torch.empty((), dtype=dtype).element_size()
+    `layout` (core/kv_layout.py: a block holds one layer group), stored as
+    `cache_dtype` says (model/kv_format.py)."""
+    entry = kv_cache_format(cache_dtype).entry_bytes(spec.head_dim, dtype)
     layers = spec.num_layers if layout is None else layout.slots
-    return spec.kv_bytes_per_token // spec.num_layers * layers * element_bytes * block_size
+    return 2 * spec.num_kv_heads * entry * layers * block_size
 
 
 def num_kv_blocks(
     spec: ModelSpec, dtype: torch.dtype, cache_config: CacheConfig, device: torch.device,
     layout: KVLayout | None = None,
 ) -> int:
-    per_block = bytes_per_block(spec, dtype, cache_config.block_size, layout)
+    per_block = bytes_per_block(spec, dtype, cache_config.block_size, layout, cache_config.cache_dtype)
     if cache_config.num_blocks_override is not None:
         # Counted in blocks of every layer (memory): a layout's blocks hold a group each.
         slots = spec.num_layers if layout is None else layout.slots

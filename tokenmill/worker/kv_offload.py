@@ -23,6 +23,7 @@ import torch
 from tokenmill.config import ModelSpec
 from tokenmill.core.contracts import KVBlockTransfer, KVTransferStats
 from tokenmill.core.kv_disk import BlockFiles
+from tokenmill.model.kv_format import kv_cache_format
 
 # Bump when the payload's layout or anything the fingerprint reads changes.
 FORMAT_VERSION = 1
@@ -31,16 +32,17 @@ _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10
 
 
 def fingerprint(model_path: str, spec: ModelSpec, dtype: torch.dtype, block_size: int,
-                quantization: str | None, forward: str) -> str:
+                quantization: str | None, forward: str, kv_cache_dtype: str = "auto") -> str:
     """32 hex digits naming what a block's K/V depend on besides its tokens: the
     model (its config and a sample of its weights' bytes: two checkpoints of one
     architecture differ there; a model rewritten in place too), the cache's dtype
-    and shape (the KV format), the block size, the weights' quantization, the
+    and shape and `kv_cache_dtype` (the KV format), the block size, the weights' quantization, the
     forward that computes K/V (`forward`: its kind and the switches that change
     its arithmetic), and Python's tuple hash (the chain hashes are made with it)."""
     h = hashlib.sha256()
     h.update(json.dumps({
         "format": FORMAT_VERSION, "dtype": str(dtype), "block_size": block_size,
+        "kv_cache_dtype": kv_cache_format(kv_cache_dtype).name,
         "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "quantization": quantization, "forward": forward,
         "python": list(sys.version_info[:2]), "hash_bits": sys.hash_info.width,
@@ -78,12 +80,12 @@ class KVOffloader:
     """Copies blocks between the runner's KV cache and the block files."""
 
     def __init__(self, kv_caches: list[torch.Tensor], files: BlockFiles) -> None:
-        self.kv_caches = kv_caches
+        # As bytes: a payload is the blocks' bytes in any format (model/kv_format.py).
+        self.kv_caches = [cache.view(torch.uint8) for cache in kv_caches]
         self.files = files
-        _, _, block_size, kv_heads, head_dim = kv_caches[0].shape
-        self.block_shape = (len(kv_caches), 2, block_size, kv_heads, head_dim)
-        self.dtype = kv_caches[0].dtype
-        self.payload_bytes = kv_caches[0].element_size() * len(kv_caches) * 2 * block_size * kv_heads * head_dim
+        _, _, block_size, kv_heads, entry_bytes = self.kv_caches[0].shape
+        self.block_shape = (len(kv_caches), 2, block_size, kv_heads, entry_bytes)
+        self.payload_bytes = len(kv_caches) * 2 * block_size * kv_heads * entry_bytes
 
     def load(self, loads: Sequence[KVBlockTransfer], stats: KVTransferStats) -> list[int]:
         """Read `loads` into their blocks (before the forward); the ids of those
@@ -95,7 +97,7 @@ class KVOffloader:
             if payload is None:
                 stats.num_failed_loads += 1
                 continue
-            block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+            block = torch.frombuffer(payload, dtype=torch.uint8).view(self.block_shape)
             for layer, cache in enumerate(self.kv_caches):
                 cache[:, t.block_id].copy_(block[layer])
             loaded.append(t.block_id)
@@ -111,7 +113,7 @@ class KVOffloader:
         for t in stores:
             block = torch.stack([cache[:, t.block_id] for cache in self.kv_caches]).cpu()
             written = self.files.write(t.block_hash, t.parent_hash, t.token_ids,
-                                       block.view(torch.uint8).reshape(-1).numpy().data)
+                                       block.reshape(-1).numpy().data)
             stats.num_stored_blocks += written > 0
             stats.bytes_stored += written
         scan = self.files.after_writes()

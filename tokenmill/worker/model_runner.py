@@ -47,6 +47,7 @@ from tokenmill.core.kv_layout import KVLayout, one_group
 from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.bert import EncoderModel
+from tokenmill.model.kv_format import kv_cache_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.lora import LoRABatch
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
@@ -70,9 +71,21 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     attention kernel reads the cache in long streams, slower on 4 KiB pages,
     and a page first touched inside a step stalls that step; vLLM and
     llama.cpp fill their caches at start too (docs/perf-notes.md)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # (zeros are zeros in any 8-bit format)
+        return zeros(shape, torch.uint8, device).view(dtype)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return mapped_zeros(shape, dtype, populate=True)
+
+
+def kv_cache_tensors(kv_cache_dtype: str, count: int, num_blocks: int, block_size: int, spec: ModelSpec,
+                     dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """`count` zeroed KV cache tensors of `spec`'s heads (a rank's or the whole
+    model's), stored as `kv_cache_dtype` says (model/kv_format.py)."""
+    fmt = kv_cache_format(kv_cache_dtype)
+    fmt.check(spec.head_dim)
+    shape = fmt.shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [zeros(shape, fmt.storage_dtype(dtype), device) for _ in range(count)]
 
 
 class ModelForward(Protocol):
@@ -141,6 +154,7 @@ class ModelRunner:
         kv_offload: BlockFiles | None = None,
         lora_config: LoRAConfig | None = None,
         kv_layout: KVLayout | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`cpu_options`: the CPU backend's (EngineArgs.create_cpu_options, built
         once). `forward`: what runs the model (default: pick_forward's choice for
@@ -152,7 +166,8 @@ class ModelRunner:
         no KV cache, and its forward takes each request's token types. `kv_offload`:
         the disk tier's files (the scheduler's SchedulerOutput says which blocks move).
         `lora_config`: LoRA adapters may run (enable_lora); they live here, in `loras`.
-        `kv_layout`: the cache's layer groups (core/kv_layout.py; None: one group)."""
+        `kv_layout`: the cache's layer groups (core/kv_layout.py; None: one group).
+        `kv_cache_dtype`: how the cache stores K/V (model/kv_format.py)."""
         self.model = model
         self.encoder = model if isinstance(model, EncoderModel) else None
         self.drafter = drafter
@@ -167,11 +182,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         # A tensor per slot of the layout, [2 (K, V), num_blocks, block_size, num_kv_heads,
-        # head_dim], and kv_caches[i] the one layer i writes (one tensor a layer: one group).
+        # entry] (kv_format.py), and kv_caches[i] the one layer i writes (one tensor a layer: one group).
         self.layout = kv_layout or one_group(spec.num_layers)
-        shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_slots = [] if self.encoder is not None else [zeros(shape, dtype, device)
-                                                             for _ in range(self.layout.slots)]
+        self.kv_slots = [] if self.encoder is not None else kv_cache_tensors(
+            kv_cache_dtype, self.layout.slots, num_blocks, block_size, spec, dtype, device)
         self.kv_caches = [] if self.encoder is not None else [
             self.kv_slots[self.layout.place(i)[1]] for i in range(spec.num_layers)]
         self._layer_groups = (None if len(self.layout.groups) == 1 else

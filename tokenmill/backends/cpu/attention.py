@@ -14,8 +14,16 @@ import torch
 from tokenmill.backends.cpu import kernels
 from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
+from tokenmill.model.kv_format import format_of
 
 _ROW_PER_QUERY = torch.empty(0, dtype=torch.int64)  # the kernel's "query i uses row i"
+
+
+def kernel_reads(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel serves q on this cache: on the CPU, the cache in q's
+    dtype or an 8-bit format (model/kv_format.py), the kernels built."""
+    return (q.device.type == "cpu" and (q.dtype == kv_cache.dtype or format_of(kv_cache).quantized)
+            and kernels.load() is not None)
 
 
 class KernelCall(NamedTuple):
@@ -39,7 +47,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     meta: AttentionMetadata) -> KernelCall | None:
         """The kernel's arguments for this step where one call per layer serves
         the whole step, else None (the torch code serves)."""
-        if q.device.type != "cpu" or q.dtype != kv_cache.dtype or kernels.load() is None:
+        if not kernel_reads(q, kv_cache):
             return None
         if meta.token_seq_ids is not None and meta.token_seq_lens is not None:
             # Every token one query, prefill chunks included.
@@ -86,7 +94,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         # The decodes of a mixed step with per-request metadata: the kernel, the prefills torch's.
-        if q.device.type == "cpu" and q.dtype == kv_cache.dtype and kernels.load() is not None:
+        if kernel_reads(q, kv_cache):
             call = KernelCall(meta.block_tables[: q.shape[0]].unsqueeze(0), meta.decode_seq_lens, _ROW_PER_QUERY)
             return self.run(call, q, kv_cache, scale, sliding_window, logit_softcap, sinks=sinks)
         return super()._decode(q, kv_cache, meta, scale, sliding_window, logit_softcap, sinks)

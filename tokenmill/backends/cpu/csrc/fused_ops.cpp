@@ -15,6 +15,7 @@
 //                                             where q_norm / k_norm are given (Qwen3, Gemma 3;
 //                                             empty: none), rotate q and k inside qkv in place
 //                                             (rotate_half RoPE), then store k, v at their cache slots
+//                                             (in the cache's format: kv_format.h)
 //   silu_and_mul(gate_up)                  -> silu(gate) * up
 //   gelu_tanh_and_mul(gate_up)             -> gelu(gate, approximate="tanh") * up (GeGLU: Gemma)
 //   q8_embed(qweight, qscale, ids, f32)    -> the Q8_0 table's rows for ids, dequantized
@@ -27,6 +28,7 @@
 //                                             given rows, in place; parallel over rows
 #include <torch/extension.h>
 
+#include "kv_format.h"
 #include "no_gil.h"
 
 #include <algorithm>
@@ -115,10 +117,13 @@ void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_head
                          const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slots,
                          const at::Tensor& q_norm, const at::Tensor& k_norm, float eps) {
   const int64_t tokens = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
-  const int64_t kv_stride = kv_cache.numel() / 2;  // K -> V
-  const int64_t slot_size = num_kv_heads * head_dim;
+  // The cache in bytes, any stored format (kv_format.h): a slot holds every KV head.
+  const KvFormat fmt = kv_format_of(kv_cache);
+  const int64_t slot_size = num_kv_heads * head_dim;  // values
+  const int64_t slot_bytes = num_kv_heads * kv_entry_bytes(fmt, head_dim, sizeof(T));
+  const int64_t kv_bytes = kv_cache.numel() / 2 * kv_cache.element_size();  // K -> V
   T* base = qkv.data_ptr<T>();
-  T* cache = kv_cache.data_ptr<T>();
+  uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* cos_t = cos.data_ptr<float>();
@@ -149,8 +154,8 @@ void rope_qkv_cache_impl(at::Tensor& qkv, int64_t num_heads, int64_t num_kv_head
       }
     }
     const T* k = row + num_heads * head_dim;
-    std::memcpy(cache + slot[t] * slot_size, k, slot_size * sizeof(T));
-    std::memcpy(cache + kv_stride + slot[t] * slot_size, k + slot_size, slot_size * sizeof(T));
+    kv_encode(fmt, k, cache + slot[t] * slot_bytes, slot_size);
+    kv_encode(fmt, k + slot_size, cache + kv_bytes + slot[t] * slot_bytes, slot_size);
   }
 }
 
@@ -336,10 +341,13 @@ void rope_qkv_cache(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int
                     at::Tensor slot_mapping, at::Tensor q_norm, at::Tensor k_norm, double eps) {
   NoGil no_gil;
   check(qkv, "qkv");
-  check(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous(), "kv_cache must be contiguous, on the CPU");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim]");
-  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type(), "kv_cache dtype differs from qkv");
+  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type() || kv_format_of(kv_cache) != KvFormat::kPlain,
+              "kv_cache: qkv's dtype, or an 8-bit format (kv_format.h)");
+  TORCH_CHECK(kv_cache.dim() == 5, "kv_cache must be [2, blocks, block_size, kv_heads, entry]");
+  check_kv_entry(kv_cache, head_dim, "rope_qkv_cache");
   TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
               cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == head_dim / 2,

@@ -5,7 +5,8 @@
 //
 //   q            [num_queries, num_heads, head_dim]        (float32 or bfloat16; rows may be
 //                                                          strided, e.g. a view of qkv rows)
-//   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]
+//   kv_cache     [2, num_blocks, block_size, num_kv_heads, entry]  (q's dtype, entry = head_dim;
+//                                                          or q8_0 / fp8: kv_format.h)
 //   block_tables [num_reqs, max_num_blocks] int64
 //   seq_lens     [num_queries] int64   (query i sits at position seq_lens[i] - 1)
 //   seq_ids      [num_queries] int64   (query i's sequence: its block table row; empty: row i)
@@ -18,6 +19,9 @@
 // softmax's max and sum, with no value (its probability is dropped), as the
 // torch reference's (model/attention.py _softmax). With sinks the prefill
 // tiles and the AVX2 kernels stand aside (the decode kernels, the scalar one).
+// An 8-bit cache (q8_0, fp8) is read in its stored format by the generic
+// AVX-512 kernel (or the scalar one), each value d * q in float32 as
+// kv_format.h's kv_decode: the same numbers as the dequantized reference.
 //
 // Every query sums the same way whichever step or chunk it comes in (batch
 // invariance), except one opt-out: with prefill_tiles, in bfloat16 on
@@ -31,6 +35,7 @@
 // counts.
 #include <torch/extension.h>
 
+#include "kv_format.h"
 #include "kv_prefetch.h"
 #include "no_gil.h"
 
@@ -96,15 +101,17 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
   const int64_t num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  // Strides in elements (all inputs are contiguous).
-  const int64_t kv_stride = num_blocks * block_size * num_kv_heads * head_dim;  // K -> V
-  const int64_t block_stride = block_size * num_kv_heads * head_dim;
-  const int64_t row_stride = num_kv_heads * head_dim;  // one token: all KV heads
+  // The cache in bytes, any stored format (kv_format.h): a token's row holds every KV head.
+  const KvFormat fmt = kv_format_of(kv_cache);
+  const int64_t row_values = num_kv_heads * head_dim;
+  const int64_t row_bytes = num_kv_heads * kv_entry_bytes(fmt, head_dim, sizeof(scalar_t));
+  const int64_t block_bytes = block_size * row_bytes;
+  const int64_t kv_bytes = num_blocks * block_bytes;  // K -> V
 
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const int64_t q_row = q.stride(0);  // q may be a view of wider rows
-  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = k_base + kv_stride;
+  const uint8_t* k_base = static_cast<const uint8_t*>(kv_cache.data_ptr());
+  const uint8_t* v_base = k_base + kv_bytes;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* seq = seq_ids.numel() ? seq_ids.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -119,13 +126,15 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
     const int64_t n = seq_len - first;
     std::vector<float> qf(num_heads * head_dim), scores(num_heads * n), acc(num_heads * head_dim, 0.f);
-    std::vector<float> row(row_stride);
+    std::vector<float> row(row_values);
     to_float(q_ptr + b * q_row, qf.data(), num_heads * head_dim);
     for (float& x : qf) x *= fscale;
+    auto token = [&](const uint8_t* base, int64_t t) {
+      return base + bt[(seq ? seq[b] : b) * max_blocks + t / block_size] * block_bytes + (t % block_size) * row_bytes;
+    };
     // scores[head][t] = q_head . k_{kv head of head}[t]
     for (int64_t t = first; t < seq_len; ++t) {
-      const int64_t block = bt[(seq ? seq[b] : b) * max_blocks + t / block_size];
-      to_float(k_base + block * block_stride + (t % block_size) * row_stride, row.data(), row_stride);
+      kv_decode<scalar_t>(fmt, token(k_base, t), row.data(), row_values);
       for (int64_t head = 0; head < num_heads; ++head)
         scores[head * n + (t - first)] =
             dot(&qf[head * head_dim], &row[(head / group) * head_dim], head_dim);
@@ -141,8 +150,7 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
       for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
     }
     for (int64_t t = first; t < seq_len; ++t) {  // acc[head] += p[head][t] * v[t]
-      const int64_t block = bt[(seq ? seq[b] : b) * max_blocks + t / block_size];
-      to_float(v_base + block * block_stride + (t % block_size) * row_stride, row.data(), row_stride);
+      kv_decode<scalar_t>(fmt, token(v_base, t), row.data(), row_values);
       for (int64_t head = 0; head < num_heads; ++head)
         axpy(scores[head * n + (t - first)], &row[(head / group) * head_dim], &acc[head * head_dim],
              head_dim);
@@ -161,7 +169,14 @@ static void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
 #include "cpu_vec.h"
 
 
-template <typename scalar_t, int C>  // C = head_dim / 16
+// A plain cache's 16 values (the loader of a cache in the model's dtype; kv_format.h has the others).
+template <typename T>
+struct KvPlainLoad {
+  static constexpr KvFormat format = KvFormat::kPlain;
+  static inline __m512 load(const uint8_t* head, int c) { return load16(reinterpret_cast<const T*>(head) + 16 * c); }
+};
+
+template <typename scalar_t, typename KV, int C>  // C = head_dim / 16; KV: the cache's loader
 static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out) {
@@ -171,14 +186,15 @@ static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cac
   const int64_t num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t kv_stride = num_blocks * block_size * num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * num_kv_heads * head_dim;
-  const int64_t row_stride = num_kv_heads * head_dim;
+  // In bytes: a head's entry, a token's row (every KV head), a block, K -> V.
+  const int64_t entry_bytes = kv_entry_bytes(KV::format, head_dim, sizeof(scalar_t));
+  const int64_t row_bytes = num_kv_heads * entry_bytes;
+  const int64_t block_bytes = block_size * row_bytes;
+  const int64_t kv_bytes = num_blocks * block_bytes;
 
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const int64_t q_row = q.stride(0);  // q may be a view of wider rows
-  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = k_base + kv_stride;
+  const uint8_t* k_base = static_cast<const uint8_t*>(kv_cache.data_ptr());
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* seq = seq_ids.numel() ? seq_ids.data_ptr<int64_t>() : nullptr;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -187,24 +203,33 @@ static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cac
 
   // One task per request: its K/V (all KV heads) stays in this core's cache
   // while the KV heads are processed one after another. No software prefetch
-  // (docs/perf-notes.md: what was tried).
+  // (docs/perf-notes.md: what was tried). Fewer requests than threads (one
+  // stream): a task per KV head of each request instead, so every core works;
+  // a head's sums are the same either way (the same bits).
+  const int64_t kv_per_task = num_decodes < omp_get_max_threads() ? 1 : num_kv_heads;
+  const int64_t tasks_per_query = num_kv_heads / kv_per_task;
 #pragma omp parallel
   {
     std::vector<float> scores;
-    std::vector<const scalar_t*> rows;  // start of the K row (all KV heads) of each context token
+    std::vector<const uint8_t*> rows;  // start of the K row (all KV heads) of each context token
+    int64_t rows_of = -1;  // the query rows holds
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < num_decodes; ++b) {
+    for (int64_t task = 0; task < num_decodes * tasks_per_query; ++task) {
+      const int64_t b = task / tasks_per_query, kvh0 = task % tasks_per_query * kv_per_task;
       const int64_t seq_len = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t n = seq_len - first;
       const int64_t n_pad = (n + 15) & ~int64_t(15);
       scores.resize(n_pad);
-      rows.resize(n);
-      for (int64_t t = first; t < seq_len; ++t)
-        rows[t - first] = k_base + bt[(seq ? seq[b] : b) * max_blocks + t / block_size] * block_stride +
-                          (t % block_size) * row_stride;
-      for (int64_t head = 0; head < num_heads; ++head) {
-        const int64_t kv_off = (head / group) * head_dim;
+      if (rows_of != b) {
+        rows.resize(n);
+        for (int64_t t = first; t < seq_len; ++t)
+          rows[t - first] = k_base + bt[(seq ? seq[b] : b) * max_blocks + t / block_size] * block_bytes +
+                            (t % block_size) * row_bytes;
+        rows_of = b;
+      }
+      for (int64_t head = kvh0 * group; head < (kvh0 + kv_per_task) * group; ++head) {
+        const int64_t kv_off = (head / group) * entry_bytes;
         const scalar_t* qh = q_ptr + b * q_row + head * head_dim;
         __m512 qv[C];
         for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(load16(qh + 16 * c), vscale);
@@ -216,8 +241,8 @@ static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cac
           for (int64_t j = 0; j < 16; ++j) {
             __m512 a = _mm512_setzero_ps();
             if (j < cnt) {
-              const scalar_t* kr = rows[t0 + j] + kv_off;
-              for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kr + 16 * c), a);
+              const uint8_t* kr = rows[t0 + j] + kv_off;
+              for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(qv[c], KV::load(kr, c), a);
             }
             acc[j] = a;
           }
@@ -241,9 +266,9 @@ static void paged_attention_avx512(const at::Tensor& q, const at::Tensor& kv_cac
         __m512 o[C];
         for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* vr = rows[t] + kv_stride + kv_off;
+          const uint8_t* vr = rows[t] + kv_bytes + kv_off;
           const __m512 p = _mm512_set1_ps(s[t]);
-          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c), o[c]);
+          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, KV::load(vr, c), o[c]);
         }
         alignas(64) float res[head_dim];
         for (int c = 0; c < C; ++c) _mm512_store_ps(res + 16 * c, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
@@ -676,11 +701,33 @@ static void paged_attention_avx512bf16(const at::Tensor& q, const at::Tensor& kv
 }
 #endif
 
+// The generic AVX-512 kernel for head_dim, with the cache's loader KV.
+template <typename scalar_t, typename KV>
+static bool avx512_any(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, double scale, int64_t sliding_window, ScoreMods mods,
+                       const at::Tensor& seq_ids, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 16: paged_attention_avx512<scalar_t, KV, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 32: paged_attention_avx512<scalar_t, KV, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 64: paged_attention_avx512<scalar_t, KV, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 128: paged_attention_avx512<scalar_t, KV, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    case 256: paged_attention_avx512<scalar_t, KV, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
+    default: return false;
+  }
+}
+
 template <typename scalar_t>
 static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out,
                               [[maybe_unused]] bool prefill_tiles) {
+  // An 8-bit cache: the generic kernel, reading the stored format (no dequantized copy).
+  switch (kv_format_of(kv_cache)) {
+    case KvFormat::kQ8_0: return avx512_any<scalar_t, KvQ8Load>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out);
+    case KvFormat::kFp8E4M3: return avx512_any<scalar_t, KvE4M3Load>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out);
+    case KvFormat::kFp8E5M2: return avx512_any<scalar_t, KvE5M2Load>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out);
+    case KvFormat::kPlain: break;
+  }
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     switch (q.size(2)) {
@@ -692,14 +739,7 @@ static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache
     }
   }
 #endif
-  switch (q.size(2)) {
-    case 16: paged_attention_avx512<scalar_t, 1>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
-    case 32: paged_attention_avx512<scalar_t, 2>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
-    case 64: paged_attention_avx512<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
-    case 128: paged_attention_avx512<scalar_t, 8>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
-    case 256: paged_attention_avx512<scalar_t, 16>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out); return true;
-    default: return false;
-  }
+  return avx512_any<scalar_t, KvPlainLoad<scalar_t>>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, mods, seq_ids, out);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // ---------------------------------------------------------------------------
@@ -971,7 +1011,8 @@ static bool paged_attention_fast(const at::Tensor& q, const at::Tensor& kv_cache
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               double scale, int64_t sliding_window, ScoreMods mods, const at::Tensor& seq_ids, at::Tensor& out,
                               bool) {
-  if (mods.sinks) return false;  // (the scalar kernel takes sinks)
+  // (the scalar kernel takes sinks and 8-bit caches)
+  if (mods.sinks || kv_format_of(kv_cache) != KvFormat::kPlain) return false;
   const float softcap = mods.softcap;
   switch (q.size(2)) {
     case 32: paged_attention_avx2<scalar_t, 4>(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, seq_ids, out); return true;
@@ -1001,8 +1042,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_t
               "paged_attention: sinks [num_heads] float32 contiguous, or none");
   const ScoreMods mods{static_cast<float>(logit_softcap), has_sinks ? sinks->data_ptr<float>() : nullptr};
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention runs on the CPU");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || kv_format_of(kv_cache) != KvFormat::kPlain,
+              "kv_cache: q's dtype, or an 8-bit format (kv_format.h)");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, entry]");
+  check_kv_entry(kv_cache, q.size(2), "paged_attention");
   // q may be a view of the fused qkv rows: each row's heads contiguous is enough.
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   kv_cache = kv_cache.contiguous();
