@@ -27,6 +27,9 @@ import torch
 from tokenmill.config import KV_CACHE_DTYPES
 
 Q8_VALUES, Q8_BYTES = 32, 34
+# The float8 storages: held and moved as uint8 (indexing, copies and fills on
+# float8 tensors are not supported everywhere).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,8 @@ def format_of(kv_cache: torch.Tensor) -> KVCacheFormat:
 
 
 def bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """An 8-bit cache as uint8 (indexing and copies on float8 tensors are not
-    supported everywhere); any other cache as it is."""
-    return kv_cache.view(torch.uint8) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_cache
+    """An fp8 cache as uint8 (FP8_DTYPES); any other cache as it is."""
+    return kv_cache.view(torch.uint8) if kv_cache.dtype in FP8_DTYPES else kv_cache
 
 
 def gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

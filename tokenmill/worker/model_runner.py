@@ -47,7 +47,7 @@ from tokenmill.core.kv_layout import KVLayout, one_group
 from tokenmill.model.attention import TorchAttentionBackend
 from tokenmill.model.attention_metadata import AttentionMetadata
 from tokenmill.model.bert import EncoderModel
-from tokenmill.model.kv_format import kv_cache_format
+from tokenmill.model.kv_format import FP8_DTYPES, kv_cache_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.lora import LoRABatch
 from tokenmill.worker.drafter import Drafter, speculative_row_states, verify_drafts
@@ -71,7 +71,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     attention kernel reads the cache in long streams, slower on 4 KiB pages,
     and a page first touched inside a step stalls that step; vLLM and
     llama.cpp fill their caches at start too (docs/perf-notes.md)."""
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # (zeros are zeros in any 8-bit format)
+    if dtype in FP8_DTYPES:  # (zeros are zeros in any 8-bit format)
         return zeros(shape, torch.uint8, device).view(dtype)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)

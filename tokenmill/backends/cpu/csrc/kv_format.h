@@ -50,7 +50,7 @@ inline void check_kv_entry(const at::Tensor& kv_cache, int64_t head_dim, const c
   const KvFormat f = kv_format_of(kv_cache);
   TORCH_CHECK(f != KvFormat::kQ8_0 || head_dim % kQ8Values == 0, who,
               ": a q8_0 KV cache needs head_dim a multiple of 32, got ", head_dim);
-  const int64_t want = f == KvFormat::kPlain ? head_dim : kv_entry_bytes(f, head_dim, 1);
+  const int64_t want = kv_entry_bytes(f, head_dim, 1);  // (in the tensor's elements)
   TORCH_CHECK(kv_cache.size(4) == want, who, ": a KV cache entry of ", want, " for head_dim ", head_dim,
               ", got ", kv_cache.size(4));
 }
